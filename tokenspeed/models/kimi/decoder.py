@@ -1,0 +1,76 @@
+"""One decoder layer: attention (KDA or MLA) then FFN (dense MLP or MoE), on either residual stream.
+
+Block AttnRes (K3, section 2.3 of k3-architecture.md):
+  1. x_a = mix_attn(blocks + [P]) (P itself when there are no blocks); 2. at a block boundary snapshot P, P = empty
+  3. a = Attn(input_norm(x_a)); 4. P += a; 5. x_m = mix_mlp(blocks + [P]); 6. f = FFN(post_norm(x_m)); 7. P += f
+Plain pre-norm residual (Kimi Linear): h += Attn(input_norm(h)); h += FFN(post_norm(h)).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from tokenspeed.distributed import ParallelContext
+from tokenspeed.models.batch import CacheBuffers, ForwardBatch
+from tokenspeed.models.config import KimiConfig
+from tokenspeed.models.kimi.attn_res import ResidualStream, depth_query, mix_and_norm
+from tokenspeed.models.kimi.kda import KDAAttention
+from tokenspeed.models.kimi.mla import MLAAttention
+from tokenspeed.models.kimi.mlp import GatedMLP
+from tokenspeed.models.kimi.moe import SparseMoE
+from tokenspeed.models.layers import Linear, RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    """Layer `layer_id` of the stack; submodule names are the checkpoint names."""
+
+    def __init__(
+        self,
+        config: KimiConfig,
+        layer_id: int,
+        cache_index: int,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        device=None,
+    ) -> None:
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_id = layer_id
+        self.eps = eps
+        self.block_size = config.attn_res_block_size
+        attn_cls = MLAAttention if config.is_mla_layer(layer_id) else KDAAttention
+        self.self_attn = attn_cls(config, cache_index, parallel, dtype, device)
+        if config.is_moe_layer(layer_id):
+            self.block_sparse_moe = SparseMoE(config, parallel, dtype, device)
+        else:
+            self.mlp = GatedMLP(config, config.intermediate_size, parallel, dtype, device)
+        self.input_layernorm = RMSNorm(d, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(d, eps, dtype, device)
+        if self.block_size is not None:
+            self.self_attention_res_norm = RMSNorm(d, eps, dtype, device)
+            self.self_attention_res_proj = Linear(d, 1, dtype, device)
+            self.mlp_res_norm = RMSNorm(d, eps, dtype, device)
+            self.mlp_res_proj = Linear(d, 1, dtype, device)
+
+    def ffn(self, x: Tensor) -> Tensor:
+        return self.mlp(x) if hasattr(self, "mlp") else self.block_sparse_moe(x)
+
+    def forward_attn_res(self, stream: ResidualStream, batch: ForwardBatch, cache: CacheBuffers) -> None:
+        """Advance the Block AttnRes stream through this layer (mutates `stream`)."""
+        assert self.block_size is not None
+        if stream.num_blocks == 0:
+            x = self.input_layernorm(stream.partial)
+        else:
+            query = depth_query(self.self_attention_res_norm, self.self_attention_res_proj)
+            x = mix_and_norm(stream, query, self.eps, self.input_layernorm)
+        if self.layer_id % self.block_size == 0:
+            stream.snapshot()
+        stream.add(self.self_attn(x, batch, cache))
+        query = depth_query(self.mlp_res_norm, self.mlp_res_proj)
+        stream.add(self.ffn(mix_and_norm(stream, query, self.eps, self.post_attention_layernorm)))
+
+    def forward_plain(self, hidden: Tensor, batch: ForwardBatch, cache: CacheBuffers) -> Tensor:
+        """Pre-norm residual: returns the new hidden [T, hidden]."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, cache)
+        return hidden + self.ffn(self.post_attention_layernorm(hidden))

@@ -1,0 +1,89 @@
+"""KDA (Kimi Delta Attention) layer: projections, short conv, gated delta rule, gated output norm.
+
+Math: k3-architecture.md section 2.4. Heads are split over tensor-parallel ranks (f_a and the low-rank gate's
+down projection are replicated; o_proj is row-parallel and all-reduced).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from tokenspeed import ops
+from tokenspeed.distributed import ParallelContext
+from tokenspeed.models.batch import CacheBuffers, ForwardBatch
+from tokenspeed.models.config import KimiConfig
+from tokenspeed.models.layers import Linear, weight
+
+
+def _a_log_to_heads(num_heads: int):
+    """A_log is stored as [H], [128] zero-padded, or [1, 1, H, 1]: all become [H]."""
+
+    def transform(t: Tensor) -> Tensor:
+        flat = t.reshape(-1)
+        if flat.numel() < num_heads:
+            raise ValueError(f"A_log has {flat.numel()} values, need {num_heads} (one per KDA head)")
+        return flat[:num_heads]
+
+    return transform
+
+
+class KDAAttention(nn.Module):
+    """One KDA layer. `cache_index` is this layer's ordinal among the model's KDA layers."""
+
+    def __init__(
+        self, config: KimiConfig, cache_index: int, parallel: ParallelContext, dtype: torch.dtype, device=None
+    ) -> None:
+        super().__init__()
+        d, hd = config.hidden_size, config.kda_head_dim
+        self.cache_index = cache_index
+        self.parallel = parallel
+        self.num_heads = parallel.shard(config.kda_num_heads, "KDA heads")
+        self.head_dim = hd
+        self.lower_bound = config.gate_lower_bound
+        self.eps = config.rms_norm_eps
+        local = self.num_heads * hd
+        self.qkv_proj = Linear(d, 3 * local, dtype, device, shard="out",
+                               sources=("q_proj.weight", "k_proj.weight", "v_proj.weight"))
+        self.conv_weight = weight(
+            (3 * local, config.short_conv_kernel_size), torch.float32, device, shard_dim=0,
+            sources=("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"),
+            transform=lambda t: t.reshape(t.shape[0], -1), untransform=lambda t: t.unsqueeze(1),
+        )
+        self.f_a_proj = Linear(d, hd, dtype, device)
+        self.f_b_proj = Linear(hd, local, dtype, device, shard="out")
+        self.b_proj = Linear(d, self.num_heads, dtype, device, shard="out")
+        if config.use_full_rank_gate:
+            self.g_proj = Linear(d, local, dtype, device, shard="out")
+        else:
+            self.g_a_proj = Linear(d, hd, dtype, device)
+            self.g_b_proj = Linear(hd, local, dtype, device, shard="out")
+        self.A_log = weight((self.num_heads,), torch.float32, device, shard_dim=0,
+                            transform=_a_log_to_heads(config.kda_num_heads))
+        self.dt_bias = weight((self.num_heads, hd), torch.float32, device, shard_dim=0,
+                              transform=lambda t: t.reshape(config.kda_num_heads, hd),
+                              untransform=lambda t: t.reshape(-1))
+        self.o_norm = nn.Module()
+        self.o_norm.weight = weight((hd,), torch.float32, device)
+        self.o_proj = Linear(local, d, dtype, device, shard="in")
+
+    def output_gate(self, x: Tensor) -> Tensor:
+        return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: Tensor, batch: ForwardBatch, cache: CacheBuffers) -> Tensor:
+        """x: [T, hidden] normed input -> [T, hidden]. Advances the KDA state of batch.kda_slots in place."""
+        t, h, hd = x.shape[0], self.num_heads, self.head_dim
+        conv_state = cache.kda_conv[self.cache_index]
+        mixed = ops.causal_conv1d(self.qkv_proj(x), self.conv_weight, conv_state, batch.kda_slots,
+                                  batch.cu_seqlens, activation="silu")
+        q, k, v = mixed.view(t, 3, h, hd).unbind(1)
+        g = ops.kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, hd), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        o = ops.kda_scan(
+            ops.l2_normalize(q), ops.l2_normalize(k), v, g, beta, scale=1.0 / math.sqrt(hd),
+            state=cache.kda_recurrent[self.cache_index], state_indices=batch.kda_slots, cu_seqlens=batch.cu_seqlens,
+        )
+        o = ops.gated_rms_norm(o, self.output_gate(x).view(t, h, hd), self.o_norm.weight, self.eps)
+        return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))

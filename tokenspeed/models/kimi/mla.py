@@ -1,0 +1,132 @@
+"""Gated NoPE MLA layer (K3), plain MLA (Kimi Linear), and MLA with RoPE/YaRN (drafts).
+
+Math: k3-architecture.md section 2.5. New latent rows [c_kv ; k_pe] are written to the paged cache first, then
+each sequence attends over its whole cached context. Sequences with few new tokens (decode, verify) use the
+absorbed form (MQA over the latent cache); longer ones (prefill chunks) expand keys/values per head with
+kv_b_proj. Both are the same function; tests check they agree. Inside attention the reference keeps fp32 (the
+absorbed query, the expanded keys/values, the softmax) and rounds once at the output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from tokenspeed import ops
+from tokenspeed.distributed import ParallelContext
+from tokenspeed.models.batch import CacheBuffers, ForwardBatch
+from tokenspeed.models.config import KimiConfig
+from tokenspeed.models.layers import Linear, RMSNorm
+
+# A sequence with at most this many new tokens attends in the absorbed (latent) form.
+ABSORBED_MAX_QUERY_LEN = 8
+
+
+class MLAAttention(nn.Module):
+    """One MLA layer. `cache_index` is this layer's ordinal among the model's MLA layers."""
+
+    def __init__(
+        self, config: KimiConfig, cache_index: int, parallel: ParallelContext, dtype: torch.dtype, device=None
+    ) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.cache_index = cache_index
+        self.parallel = parallel
+        self.num_heads = h = parallel.shard(config.num_attention_heads, "MLA heads")
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        qk = self.nope + self.rope
+        self.scale = 1.0 / math.sqrt(qk)
+        self.use_rope = not config.mla_use_nope
+        self.rope_theta = config.rope_theta
+        self.rope_scaling = config.rope_scaling_dict
+        if self.use_rope and self.rope_scaling and self.rope_scaling.get("mscale_all_dim"):
+            m = ops.yarn_mscale(float(self.rope_scaling["factor"]),
+                                               float(self.rope_scaling["mscale_all_dim"]))
+            self.scale *= m * m
+        if config.q_lora_rank is not None:
+            self.q_a_proj = Linear(d, config.q_lora_rank, dtype, device)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.mla_norm_eps, dtype, device)
+            self.q_b_proj = Linear(config.q_lora_rank, h * qk, dtype, device, shard="out")
+        else:
+            self.q_proj = Linear(d, h * qk, dtype, device, shard="out")
+        self.kv_a_proj_with_mqa = Linear(d, config.kv_lora_rank + self.rope, dtype, device)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.mla_norm_eps, dtype, device)
+        self.kv_b_proj = Linear(config.kv_lora_rank, h * (self.nope + self.v_dim), dtype, device, shard="out")
+        if config.mla_use_output_gate:
+            self.g_proj = Linear(d, h * self.v_dim, dtype, device, shard="out")
+        self.o_proj = Linear(h * self.v_dim, d, dtype, device, shard="in")
+
+    def _query(self, x: Tensor) -> Tensor:
+        if hasattr(self, "q_b_proj"):
+            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return self.q_proj(x)
+
+    def _kv_b(self) -> tuple[Tensor, Tensor]:
+        """kv_b_proj split per head in fp32: W_UK [H, nope, r] and W_UV [H, v, r]."""
+        w = self.kv_b_proj.weight.float().view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def forward(self, x: Tensor, batch: ForwardBatch, cache: CacheBuffers) -> Tensor:
+        """x: [T, hidden] normed input -> [T, hidden]. Writes the new tokens' latent rows into the cache."""
+        t, h = x.shape[0], self.num_heads
+        q = self._query(x).view(t, h, self.nope + self.rope)
+        kv_a = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])
+        k_pe = kv_a[:, self.kv_lora_rank :]
+        if self.use_rope:
+            cos, sin = ops.rope_cos_sin(batch.positions, self.rope, self.rope_theta, self.rope_scaling)
+            q = torch.cat([q[..., : self.nope], ops.apply_rope(q[..., self.nope :], cos, sin)], dim=-1)
+            k_pe = ops.apply_rope(k_pe.unsqueeze(1), cos, sin).squeeze(1)
+        latent_cache = cache.mla_latent[self.cache_index]
+        ops.mla_store_latent(torch.cat([c_kv, k_pe], dim=-1), latent_cache, batch.slot_mapping, cache.mla_kv_scale)
+        o = self._attend(q, batch, latent_cache, cache.mla_kv_scale)  # [T, H, v]
+        o = o.reshape(t, h * self.v_dim)
+        if hasattr(self, "g_proj"):
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.parallel.all_reduce(self.o_proj(o))
+
+    def _attend(self, q: Tensor, batch: ForwardBatch, latent_cache: Tensor, kv_scale: float) -> Tensor:
+        """Attention of every sequence, each routed to the absorbed or the expanded form by its query length."""
+        qlens = batch.query_lens_host
+        short = [n for n, ql in enumerate(qlens) if 0 < ql <= ABSORBED_MAX_QUERY_LEN]
+        long = [n for n, ql in enumerate(qlens) if ql > ABSORBED_MAX_QUERY_LEN]
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
+        for subset, fn in ((short, self._attend_absorbed), (long, self._attend_expanded)):
+            if subset:
+                tokens = torch.cat([torch.arange(batch.cu_seqlens_host[n], batch.cu_seqlens_host[n + 1])
+                                    for n in subset]).to(q.device)
+                out[tokens] = fn(q[tokens], subset, batch, latent_cache, kv_scale)
+        return out
+
+    def _attend_absorbed(self, q, subset, batch, latent_cache, kv_scale) -> Tensor:
+        w_uk, w_uv = self._kv_b()
+        q = q.float()
+        q_abs = torch.cat([torch.einsum("thn,hnr->thr", q[..., : self.nope], w_uk), q[..., self.nope :]], dim=-1)
+        cu = _cumsum([batch.query_lens_host[n] for n in subset])
+        o_latent = ops.mla_attention_paged(
+            q_abs, latent_cache, batch.page_table[subset], cu, [batch.kv_lens_host[n] for n in subset],
+            self.scale, self.kv_lora_rank, kv_scale,
+        )
+        return torch.einsum("thr,hvr->thv", o_latent, w_uv).to(self.kv_b_proj.weight.dtype)
+
+    def _attend_expanded(self, q, subset, batch, latent_cache, kv_scale) -> Tensor:
+        kv_lens = [batch.kv_lens_host[n] for n in subset]
+        latent = ops.mla_gather_latent(latent_cache, batch.page_table[subset], kv_lens, torch.float32, kv_scale)
+        kv = nn.functional.linear(latent[:, : self.kv_lora_rank], self.kv_b_proj.weight.float())
+        kv = kv.view(-1, self.num_heads, self.nope + self.v_dim)
+        k_pe = latent[:, None, self.kv_lora_rank :].expand(-1, self.num_heads, -1)
+        k = torch.cat([kv[..., : self.nope], k_pe], dim=-1)
+        return ops.mla_attention_expanded(
+            q.float(), k, kv[..., self.nope :], _cumsum([batch.query_lens_host[n] for n in subset]),
+            _cumsum(kv_lens), self.scale,
+        ).to(q.dtype)
+
+
+def _cumsum(lengths: list[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out

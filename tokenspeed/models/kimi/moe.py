@@ -1,0 +1,87 @@
+"""Sparse MoE block: sigmoid/noaux router, routed experts, shared experts.
+
+Two shapes, one class, switched by config:
+- LatentMoE (K3): routed experts run in a latent of width `routed_expert_hidden_size`:
+  y = up(RMSNorm(sum_j w_j E_j(down(x)))) + shared(x).
+- Hidden-space MoE (Kimi Linear): y = routed_scaling * sum_j w_j E_j(x) + shared(x) (the scaling is folded into
+  the router weights, as the reference does).
+Experts are split over tensor-parallel ranks along their intermediate dim; partial sums are all-reduced.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from tokenspeed import ops
+from tokenspeed.distributed import ParallelContext
+from tokenspeed.models.config import KimiConfig
+from tokenspeed.models.kimi.mlp import GatedMLP, activation_of
+from tokenspeed.models.layers import Linear, RMSNorm, weight
+
+
+class Router(nn.Module):
+    """Router logits in fp32 from a model-dtype weight, plus the fp32 selection bias."""
+
+    def __init__(self, config: KimiConfig, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        assert config.num_experts is not None
+        self.weight = weight((config.num_experts, config.hidden_size), dtype, device)
+        if config.topk_method == "noaux_tc":
+            self.e_score_correction_bias = weight((config.num_experts,), torch.float32, device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(x.float(), self.weight.float())
+
+
+class SparseMoE(nn.Module):
+    """The FFN of a MoE layer (checkpoint prefix `block_sparse_moe.`)."""
+
+    def __init__(self, config: KimiConfig, parallel: ParallelContext, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        assert config.num_experts is not None
+        self.parallel = parallel
+        self.config = config
+        self.act = activation_of(config)
+        self.gate = Router(config, dtype, device)
+        self.latent = config.routed_expert_hidden_size
+        expert_in = self.latent or config.hidden_size
+        if self.latent is not None:
+            self.routed_expert_down_proj = Linear(config.hidden_size, self.latent, dtype, device)
+            self.routed_expert_up_proj = Linear(self.latent, config.hidden_size, dtype, device)
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(self.latent, config.rms_norm_eps, dtype, device)
+        e, inter = config.num_experts, parallel.shard(config.moe_intermediate_size, "MoE intermediate size")
+        experts = [f"experts.{i}" for i in range(e)]
+        self.w1 = weight((e, inter, expert_in), dtype, device, sources=[f"{n}.w1.weight" for n in experts],
+                         stack=True, shard_dim=0)
+        self.w3 = weight((e, inter, expert_in), dtype, device, sources=[f"{n}.w3.weight" for n in experts],
+                         stack=True, shard_dim=0)
+        self.w2 = weight((e, expert_in, inter), dtype, device, sources=[f"{n}.w2.weight" for n in experts],
+                         stack=True, shard_dim=1)
+        if config.num_shared_experts > 0:
+            self.shared_experts = GatedMLP(config, config.num_shared_experts * config.moe_intermediate_size,
+                                           parallel, dtype, device, reduce_output=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [T, hidden] (post-attention normed) -> [T, hidden]."""
+        c = self.config
+        weights, ids = ops.moe_route(
+            self.gate(x), getattr(self.gate, "e_score_correction_bias", None), c.num_experts_per_token,
+            scoring=c.moe_router_activation_func, renormalize=c.moe_renormalize,
+            routed_scaling_factor=c.routed_scaling_factor,
+        )
+        if self.latent is None:
+            y = ops.moe_experts(x, self.w1, self.w3, self.w2, weights, ids, self.act)
+        else:
+            z = ops.moe_experts(self.routed_expert_down_proj(x), self.w1, self.w3, self.w2, weights, ids, self.act)
+            z = self.parallel.all_reduce(z)
+            if hasattr(self, "routed_expert_norm"):
+                z = self.routed_expert_norm(z)
+            y = self.routed_expert_up_proj(z)
+            if hasattr(self, "shared_experts"):
+                return y + self.parallel.all_reduce(self.shared_experts(x))
+            return y
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(x)
+        return self.parallel.all_reduce(y)

@@ -1,0 +1,93 @@
+"""Multi-head latent attention: the expanded form and the absorbed form over a paged latent cache.
+
+The cache holds, per token, one latent row [c_kv (kv_lora_rank) ; k_pe (rope dim)] shared by all heads.
+Pages are `page_size` rows; a sequence's row i lives at page_table[n, i // page_size] * page_size + i % page_size.
+Attention is causal and bottom-right aligned: new query j of a sequence with q_len new tokens and kv_len total
+tokens (cached + new) sits at position kv_len - q_len + j and sees keys 0..that position.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _causal_softmax_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """q: [Q, H, Dk], k: [S, H|1, Dk], v: [S, H|1, Dv] -> [Q, H, Dv] fp32; query j at position S - Q + j."""
+    scores = torch.einsum("qhd,shd->hqs", q.float(), k.float().expand(-1, q.shape[1], -1)) * scale
+    q_pos = torch.arange(q.shape[0], device=q.device) + (k.shape[0] - q.shape[0])
+    mask = torch.arange(k.shape[0], device=q.device)[None, :] > q_pos[:, None]
+    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+    return torch.einsum("hqs,shd->qhd", probs, v.float().expand(-1, q.shape[1], -1))
+
+
+def mla_attention_expanded(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: list[int], cu_seqlens_k: list[int], scale: float
+) -> Tensor:
+    """Causal attention with per-head keys and values, over a flat batch of sequences.
+
+    q: [T, H, Dqk]; k: [S, H, Dqk]; v: [S, H, Dv]; cu_seqlens_*: N+1 offsets (host ints), every sequence has
+    k_len >= q_len. Returns [T, H, Dv] in q.dtype. Softmax in fp32.
+    """
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    for n in range(len(cu_seqlens_q) - 1):
+        qs, qe, ks, ke = cu_seqlens_q[n], cu_seqlens_q[n + 1], cu_seqlens_k[n], cu_seqlens_k[n + 1]
+        if qe > qs:
+            out[qs:qe] = _causal_softmax_attention(q[qs:qe], k[ks:ke], v[ks:ke], scale).to(q.dtype)
+    return out
+
+
+def mla_cache_rows(page_table_row: Tensor, kv_len: int, page_size: int) -> Tensor:
+    """Flat cache row index [kv_len] int64 of tokens 0..kv_len-1 of one sequence."""
+    pos = torch.arange(kv_len, device=page_table_row.device)
+    return page_table_row[pos // page_size].long() * page_size + pos % page_size
+
+
+def mla_store_latent(latent: Tensor, cache: Tensor, slot_mapping: Tensor, kv_scale: float = 1.0) -> None:
+    """Write latent rows [T, Dl] into `cache` [num_pages, page_size, Dl] at flat rows `slot_mapping` [T].
+
+    Mutates `cache`. For an fp8 cache the rows are stored as latent / kv_scale.
+    """
+    flat = cache.view(-1, cache.shape[-1])
+    rows = latent.float() / kv_scale if kv_scale != 1.0 else latent
+    flat[slot_mapping] = rows.to(cache.dtype)
+
+
+def mla_gather_latent(
+    cache: Tensor, page_table: Tensor, kv_lens: list[int], out_dtype: torch.dtype, kv_scale: float = 1.0
+) -> Tensor:
+    """The cached rows of each sequence back to back: [sum(kv_lens), Dl] in out_dtype (dequantised)."""
+    flat = cache.view(-1, cache.shape[-1])
+    page_size = cache.shape[1]
+    rows = [flat[mla_cache_rows(page_table[n], kv_len, page_size)] for n, kv_len in enumerate(kv_lens)]
+    latent = torch.cat(rows) if rows else flat[:0]
+    return (latent.float() * kv_scale).to(out_dtype)
+
+
+def mla_attention_paged(
+    q: Tensor,
+    cache: Tensor,
+    page_table: Tensor,
+    cu_seqlens_q: list[int],
+    kv_lens: list[int],
+    scale: float,
+    v_dim: int,
+    kv_scale: float = 1.0,
+) -> Tensor:
+    """Absorbed MLA: MQA of absorbed queries over the paged latent cache.
+
+    q: [T, H, Dl] absorbed queries [W_UK^T q_nope ; q_pe]; cache: [num_pages, page_size, Dl] (bf16/fp32/fp8);
+    page_table: [N, max_pages]; cu_seqlens_q: N+1 host offsets; kv_lens: N host ints (cached + new, the new
+    rows already stored). Keys are the full latent rows; values their first `v_dim` columns.
+    Returns the latent output [T, H, v_dim] in q.dtype. Does not modify the cache.
+    """
+    out = q.new_empty(q.shape[0], q.shape[1], v_dim)
+    flat = cache.view(-1, cache.shape[-1])
+    for n in range(len(kv_lens)):
+        qs, qe = cu_seqlens_q[n], cu_seqlens_q[n + 1]
+        if qe == qs:
+            continue
+        rows = flat[mla_cache_rows(page_table[n], kv_lens[n], cache.shape[1])].float() * kv_scale
+        kv = rows.unsqueeze(1)  # [S, 1, Dl]: one latent head shared by all query heads
+        out[qs:qe] = _causal_softmax_attention(q[qs:qe], kv, kv[..., :v_dim], scale).to(q.dtype)
+    return out

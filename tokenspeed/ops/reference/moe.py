@@ -1,0 +1,67 @@
+"""Mixture-of-experts routing and routed experts (reference: a clear loop over experts)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tokenspeed.ops.reference.activation import Activation, gated_activation
+
+
+def moe_route(
+    router_logits: Tensor,
+    correction_bias: Tensor | None,
+    top_k: int,
+    *,
+    scoring: str = "sigmoid",
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Select `top_k` experts per token ("noaux_tc": the bias steers selection only).
+
+    router_logits: [T, E] (upcast to fp32); correction_bias: [E] fp32 or None.
+    scores = sigmoid(logits) (or softmax); selection = top-k of scores + bias, ties to the lower expert id;
+    weights = the selected raw scores, renormalised to sum 1 if `renormalize`, times the scaling factor.
+    Returns (weights [T, k] fp32, expert ids [T, k] int64), ids in descending order of selection score.
+    """
+    logits = router_logits.float()
+    if scoring == "sigmoid":
+        scores = torch.sigmoid(logits)
+    elif scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    else:
+        raise ValueError(f"unknown router scoring {scoring!r}; supported: 'sigmoid', 'softmax'")
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    # A stable descending sort keeps the lower expert id first among equal scores.
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def moe_experts(
+    x: Tensor,
+    w1: Tensor,
+    w3: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    act: Activation,
+) -> Tensor:
+    """Routed experts: out_t = sum_j w_tj * cast(W2_e act(W1_e x_t, W3_e x_t)), e = topk_ids[t, j].
+
+    x: [T, D]; w1, w3: [E, I, D] (gate, up); w2: [E, D, I]; topk_weights: [T, k] fp32; topk_ids: [T, k].
+    Each expert output is rounded to x.dtype, the weighted combine is fp32, the result is x.dtype [T, D].
+    Expert ids outside [0, E) contribute nothing (used by expert parallelism for non-local experts).
+    """
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        if not 0 <= e < w1.shape[0]:
+            continue
+        token_idx, slot_idx = torch.nonzero(topk_ids == e, as_tuple=True)
+        xe = x[token_idx]
+        h = gated_activation(xe @ w1[e].t(), xe @ w3[e].t(), act) @ w2[e].t()
+        weight = topk_weights[token_idx, slot_idx].unsqueeze(-1)
+        out.index_add_(0, token_idx, weight * h.to(x.dtype).float())
+    return out.to(x.dtype)
