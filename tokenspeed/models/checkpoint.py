@@ -20,8 +20,11 @@ def checkpoint_tensors(model: nn.Module, prefix: str) -> dict[str, Tensor]:
     """Every parameter split back into its checkpoint tensors {hf_name: tensor} (world size 1 only)."""
     out: dict[str, Tensor] = {}
     for src in param_sources(model, prefix):
-        p = src.param.detach()
-        pieces = p.unbind(0) if p.hf_stack else (p.chunk(len(src.hf_names), dim=0) if len(src.hf_names) > 1 else (p,))
+        p, data = src.param, src.param.detach()
+        if p.hf_stack:
+            pieces = data.unbind(0)
+        else:
+            pieces = data.chunk(len(src.hf_names), dim=0) if len(src.hf_names) > 1 else (data,)
         for name, piece in zip(src.hf_names, pieces, strict=True):
             if p.hf_untransform is not None:
                 piece = p.hf_untransform(piece)

@@ -1,7 +1,8 @@
 """Small building blocks shared by the model modules: parameters that know their checkpoint source and shard.
 
 A parameter created by `weight()` carries loader metadata as attributes:
-  hf_sources: checkpoint names relative to the owning module (default: its own name), concatenated on dim 0
+  hf_sources: checkpoint names relative to the owning module (default: its own name), concatenated on dim 0;
+              hf_scope_up > 0 makes them relative to that many modules above (a Linear names its siblings)
   hf_stack:   stack the sources on a new dim 0 instead (routed experts)
   hf_transform: applied to each source tensor before sharding (e.g. A_log's three stored shapes)
   hf_untransform: its inverse, giving the stored layout back (used when writing a checkpoint)
@@ -29,10 +30,12 @@ def weight(
     stack: bool = False,
     transform: Callable[[Tensor], Tensor] | None = None,
     untransform: Callable[[Tensor], Tensor] | None = None,
+    sources_scope_up: int = 0,
 ) -> nn.Parameter:
     """An uninitialised, frozen parameter with loader metadata (see module docstring)."""
     p = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
     p.hf_sources = tuple(sources) if sources else None  # type: ignore[attr-defined]
+    p.hf_scope_up = sources_scope_up  # type: ignore[attr-defined]
     p.hf_stack = stack  # type: ignore[attr-defined]
     p.hf_transform = transform  # type: ignore[attr-defined]
     p.hf_untransform = untransform  # type: ignore[attr-defined]
@@ -58,7 +61,8 @@ class Linear(nn.Module):
     ) -> None:
         super().__init__()
         shard_dim = {None: None, "out": 0, "in": 1}[shard]
-        self.weight = weight((out_features, in_features), dtype, device, sources=sources, shard_dim=shard_dim)
+        self.weight = weight((out_features, in_features), dtype, device, sources=sources, shard_dim=shard_dim,
+                             sources_scope_up=1)
 
     def forward(self, x: Tensor) -> Tensor:
         return nn.functional.linear(x, self.weight)

@@ -47,6 +47,8 @@ def param_sources(model: nn.Module, prefix: str) -> Iterator[ParamSource]:
     """Every parameter (shared ones once) with its full checkpoint names."""
     for name, param in model.named_parameters():
         owner = name.rpartition(".")[0]
+        for _ in range(getattr(param, "hf_scope_up", 0)):
+            owner = owner.rpartition(".")[0]
         rel = getattr(param, "hf_sources", None)
         names = tuple(f"{prefix}{owner}.{s}" if owner else f"{prefix}{s}" for s in rel) if rel else (prefix + name,)
         yield ParamSource(name, param, names)
