@@ -10,7 +10,8 @@ Scenarios:
 * mla_gather_latent returns each sequence's rows in token order; mla_store_latent writes only its slots;
   mla_attention_paged leaves the cache untouched.
 * fp8 e4m3 cache with a per-tensor kv_scale: stored rows dequantise within fp8 rounding, and attention
-  stays within 5e-2 of the fp32-cache result; a bf16 cache stays within bf16 rounding.
+  stays within 5e-2 (relative, in norm; 1e-1 elementwise) of the fp32-cache result; a bf16 cache stays
+  within bf16 rounding.
 """
 
 from __future__ import annotations
@@ -267,8 +268,11 @@ def test_fp8_cache_attention_close_to_fp32(page_size: int) -> None:
     kv_scale = amax / FP8_MAX
     got = absorbed(p, BATCH, page_size, dtype=FP8, kv_scale=kv_scale)
     assert torch.isfinite(got).all()
-    assert rel_err(got, ref) < 5e-2
-    assert rel_err(got, ref) > 0  # the fp8 path really quantised something
+    # e4m3 rounds each latent by up to 6%: over random seeds the output error is ~3% in norm and the largest
+    # single element reaches ~5% of max|ref|, so the tight bound is on the norm and the elementwise one looser.
+    assert ((got - ref).norm() / ref.norm()).item() < 5e-2
+    assert rel_err(got, ref) < 1e-1
+    assert rel_err(got, ref) > 1e-3  # the fp8 path really quantised something
 
 
 def test_bf16_cache_attention_close_to_fp32() -> None:
