@@ -1,7 +1,8 @@
 """Whole tiny models (tiny-k3, tiny-kimi-linear) through the engine-style forward.
 
 Scenarios: prefill(n) then one-token decodes == prefill(n+m); any random split into chunks == one prefill;
-a batch of sequences of different lengths (scattered pages and slots) == each sequence solo; fp32 and bf16.
+a batch of sequences of different lengths (scattered pages and slots) == each sequence solo; a 4-token verify
+window == 4 decodes; fp32 and bf16. The "+yarn" variant uses rotary MLA with YaRN, so positions must be right.
 """
 
 from __future__ import annotations
@@ -12,9 +13,23 @@ import pytest
 import torch
 
 from tests.conftest import assert_logits_close
-from tokenspeed.models import CacheBuffers, ForwardBatch, forward_logits, load_model
+from tokenspeed.models import CacheBuffers, ForwardBatch, KimiForCausalLM, forward_logits, parse_hf_config
+from tokenspeed.models import preset_hf_config
+from tokenspeed.models.weights import init_dummy_weights
 
-PRESETS = ["tiny-k3", "tiny-kimi-linear"]
+# "+yarn": tiny-kimi-linear with rotary MLA and YaRN scaling (the shape of an EAGLE3 MLA draft's attention).
+PRESETS = ["tiny-k3", "tiny-kimi-linear", "tiny-kimi-linear+yarn"]
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def build(name: str, dtype: torch.dtype) -> KimiForCausalLM:
+    raw = preset_hf_config(name.split("+")[0])
+    if name.endswith("+yarn"):
+        raw.update(mla_use_nope=False, rope_theta=500.0, rope_scaling=YARN)
+    model = KimiForCausalLM(parse_hf_config(raw), dtype=dtype).eval()
+    init_dummy_weights(model, seed=3)
+    return model
 PAGE = 4
 
 
@@ -59,7 +74,7 @@ def _tokens(n: int, seed: int) -> list[int]:
                 ids=lambda x: f"{x[0]}-{str(x[1]).split('.')[-1]}")
 def model(request):
     preset, dtype = request.param
-    return load_model(preset, dtype=dtype, load_format="dummy", seed=3)
+    return build(preset, dtype)
 
 
 def test_prefill_then_decode_equals_longer_prefill(model) -> None:
@@ -112,3 +127,4 @@ def test_verify_window_equals_decode_steps(model) -> None:
     window = a.step({1: ids[20:24]})[1]
     steps = torch.cat([b.step({1: [t]})[1] for t in ids[20:24]])
     assert_logits_close(window, steps, model.dtype)
+
