@@ -54,7 +54,7 @@ def _mix(cands: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor, 
     """softmax over depth of RMSNorm_gamma(v_i) . w, then the weighted sum of the raw v_i (section 2.3)."""
     logits = torch.stack([_rms(v, norm_w, eps) @ proj_w[0] for v in cands])  # [n, T]
     alpha = torch.softmax(logits, dim=0)
-    return sum(a[:, None] * v for a, v in zip(alpha, cands))
+    return sum(a[:, None] * v for a, v in zip(alpha, cands, strict=False))
 
 
 def _one_sequence(model, ids: list[int]):

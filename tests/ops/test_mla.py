@@ -50,13 +50,13 @@ def make_problem(batch: list[tuple[int, int]], seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     T = sum(q for q, _ in batch)
     S = sum(k for _, k in batch)
-    return dict(
-        q_nope=torch.randn(T, H, NOPE, generator=gen),
-        q_pe=torch.randn(T, H, ROPE, generator=gen),
-        kv_b=torch.randn(H * (NOPE + VD), R, generator=gen) * R**-0.5,
-        c_kv=torch.randn(S, R, generator=gen),
-        k_pe=torch.randn(S, ROPE, generator=gen),
-    )
+    return {
+        "q_nope": torch.randn(T, H, NOPE, generator=gen),
+        "q_pe": torch.randn(T, H, ROPE, generator=gen),
+        "kv_b": torch.randn(H * (NOPE + VD), R, generator=gen) * R**-0.5,
+        "c_kv": torch.randn(S, R, generator=gen),
+        "k_pe": torch.randn(S, ROPE, generator=gen),
+    }
 
 
 def split_kv_b(kv_b: Tensor) -> tuple[Tensor, Tensor]:

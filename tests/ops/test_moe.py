@@ -38,7 +38,7 @@ def check_ids_valid(ids: Tensor, num_experts: int) -> None:
 def test_route_bias_steers_selection_not_weights() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -2.0, 0.0, 1.5, -0.5]])
     scores = torch.sigmoid(logits)
-    w0, ids0 = moe_route(logits, None, 2)
+    _, ids0 = moe_route(logits, None, 2)
     assert ids0.tolist() == [[0, 6]]
     bias = torch.zeros(E)
     bias[4] = 1.0  # sigmoid(-2) + 1 = 1.12 beats everything

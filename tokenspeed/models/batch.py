@@ -134,6 +134,6 @@ class CacheBuffers:
     def reset_slots(self, slots: Sequence[int]) -> None:
         """Zero the KDA state of `slots` (a sequence starting from token 0). Mutates the buffers."""
         idx = torch.tensor(list(slots), dtype=torch.int64, device=self.kda_conv[0].device) if self.kda_conv else None
-        for conv, rec in zip(self.kda_conv, self.kda_recurrent):
+        for conv, rec in zip(self.kda_conv, self.kda_recurrent, strict=False):
             conv[idx] = 0
             rec[idx] = 0

@@ -9,11 +9,7 @@ Layer lists in the HF config are 1-based; everything here is 0-based.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tokenspeed.errors import ConfigError
