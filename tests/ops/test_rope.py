@@ -118,6 +118,15 @@ def test_yarn_keeps_high_frequencies_and_interpolates_low_ones() -> None:
     ang_y = torch.atan2(*reversed(rope_cos_sin(p1, DIM, THETA, YARN)))[0].double()
     ang_d = torch.atan2(*reversed(rope_cos_sin(p1, DIM, THETA)))[0].double()
     assert ((ang_y <= ang_d + 1e-6) & (ang_y >= ang_d / factor - 1e-6)).all()
+    # The YaRN split by wavelength: pairs that turn more than beta_fast times within the original window keep
+    # their frequency, pairs that turn fewer than beta_slow times are interpolated, the rest lie strictly between.
+    rotations = YARN["original_max_position_embeddings"] * ang_d / (2 * math.pi)
+    fast, slow = rotations > YARN["beta_fast"], rotations < YARN["beta_slow"]
+    mid = ~fast & ~slow
+    assert fast.sum() >= 3 and slow.sum() >= 2 and mid.sum() >= 3  # DIM = 32 has all three kinds
+    assert torch.allclose(ang_y[fast], ang_d[fast], rtol=1e-6, atol=0)
+    assert torch.allclose(ang_y[slow], ang_d[slow] / factor, rtol=1e-6, atol=0)
+    assert ((ang_y[mid] < ang_d[mid] * (1 - 1e-4)) & (ang_y[mid] > ang_d[mid] / factor * (1 + 1e-4))).all()
 
 
 @pytest.mark.parametrize("mscale,mscale_all_dim", [(1.0, 0.0), (0.707, 0.707), (1.0, 0.5)])

@@ -1,0 +1,83 @@
+"""Sizing the cache pools from a byte budget (CPU) or the free device memory (GPU), and logging the plan."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenspeed.cache import CachePlan
+from tokenspeed.config import CacheConfig, SchedulerConfig
+from tokenspeed.errors import ConfigError
+from tokenspeed.models import KimiConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """The model dtype: "auto" is float32 on the CPU and bfloat16 on a GPU."""
+    if name == "auto":
+        return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
+    return _DTYPES[name]
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    return _DTYPES[name]
+
+
+def page_bytes(config: KimiConfig, page_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of one MLA page across all MLA layers."""
+    return page_size * len(config.mla_layers) * config.mla_latent_dim * torch.finfo(kv_dtype).bits // 8
+
+
+def slot_bytes(config: KimiConfig, dtype: torch.dtype) -> int:
+    """Bytes of one KDA state slot across all KDA layers (conv state in the model dtype, recurrent fp32)."""
+    h, d = config.kda_num_heads, config.kda_head_dim
+    conv = 3 * h * d * (config.short_conv_kernel_size - 1) * torch.finfo(dtype).bits // 8
+    return len(config.kda_layers) * (conv + h * d * d * 4)
+
+
+def _budget_bytes(cache: CacheConfig, device: str) -> int:
+    if str(device).startswith("cuda"):
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        return int(total * cache.gpu_memory_utilization) - used
+    return int(cache.cache_memory_gb * 2**30)
+
+
+def plan_cache(
+    config: KimiConfig,
+    cache: CacheConfig,
+    sched: SchedulerConfig,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    device: str,
+) -> CachePlan:
+    """Live slots for max_num_seqs, checkpoint slots (default 2 per sequence), the rest of the budget in pages."""
+    needs_state = bool(config.kda_layers)
+    checkpoints = cache.num_checkpoint_slots if cache.num_checkpoint_slots is not None else 2 * sched.max_num_seqs
+    num_slots = (sched.max_num_seqs + checkpoints) if needs_state else 0
+    per_page = page_bytes(config, cache.page_size, kv_dtype)
+    per_slot = slot_bytes(config, dtype) if needs_state else 0
+    budget = _budget_bytes(cache, device)
+    num_pages = (budget - num_slots * per_slot) // max(per_page, 1)
+    min_pages = -(-sched.chunked_prefill_size // cache.page_size) + 1
+    if num_pages < min_pages:
+        raise ConfigError(
+            f"the cache budget ({budget / 2**30:.3f} GiB) leaves {max(num_pages, 0)} pages after {num_slots} KDA "
+            f"state slots of {per_slot / 2**20:.1f} MiB; raise cache_memory_gb / gpu_memory_utilization or lower "
+            "max_num_seqs / num_checkpoint_slots"
+        )
+    plan = CachePlan(int(num_pages), cache.page_size, num_slots, cache.enable_prefix_caching, needs_state)
+    logger.info(
+        "cache plan: %d pages x %d tokens = %d tokens (%.1f KiB/token), %d sequences, %d checkpoints (%.1f MiB/slot)",
+        plan.num_pages, plan.page_size, plan.num_pages * plan.page_size, per_page / plan.page_size / 1024,
+        sched.max_num_seqs, checkpoints if needs_state else 0, per_slot / 2**20,
+    )
+    return plan

@@ -1,0 +1,144 @@
+"""The scheduler: no prefill/decode phases, only a token budget per step.
+
+NOTE (design): every running request has `num_computed_tokens` chasing `num_tokens` (prompt + output). A step
+gives each running request, in order, min(uncomputed, chunked_prefill_size, remaining budget) tokens, then admits
+waiting requests FCFS while the budget, `max_num_seqs` and the cache allow. A chunk is shortened to end exactly
+at the last page boundary of the known tokens, where a KDA checkpoint is taken, so a later turn (or a resume
+after preemption) can start there. When pages run out, the most recently admitted running request is preempted
+(its pages released, its tokens kept) and goes back to the front of the queue; no admission happens in a step
+that preempted. The scheduler sees token counts and opaque page/slot ids only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from tokenspeed.cache import CacheManager
+from tokenspeed.config import SchedulerConfig
+from tokenspeed.core.request import Request, RequestState
+from tokenspeed.scheduler.batch import ZERO_SLOT, ScheduledBatch, ScheduledRequest
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, checkpoint_chunk_ends: bool = False) -> None:
+        self.config = config
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.checkpoint_chunk_ends = checkpoint_chunk_ends
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a request wherever it is; releases its cache. Returns it, or None if unknown / done."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    if req.state is RequestState.RUNNING:
+                        self.cache.release(request_id)
+                    req.transition(RequestState.ABORTED)
+                    req.finish_reason = "abort"
+                    return req
+        return None
+
+    # ----- building a step -----
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(batch, budget)
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
+        return batch
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens to feed `req` this step, ending at the last page boundary of its known tokens if it passes it."""
+        start = req.num_computed_tokens
+        n = min(req.num_uncomputed_tokens, self.config.chunked_prefill_size, budget)
+        boundary = req.num_tokens // self.page_size * self.page_size
+        if start < boundary < start + n:
+            n = boundary - start
+        return n
+
+    def _checkpoint(self, batch: ScheduledBatch, req: Request, slot: int, end: int) -> None:
+        """Ask the cache for a checkpoint when the step ends on a page boundary worth resuming from."""
+        if end % self.page_size:
+            return
+        prompt_boundary = req.num_prompt_tokens // self.page_size * self.page_size
+        last_boundary = req.num_tokens // self.page_size * self.page_size
+        if end == prompt_boundary or (self.checkpoint_chunk_ends and end < prompt_boundary):
+            ckpt = self.cache.plan_checkpoint(req.request_id, req.all_token_ids, end, rolling=False)
+        elif end == last_boundary and end > prompt_boundary:
+            ckpt = self.cache.plan_checkpoint(req.request_id, req.all_token_ids, end, rolling=True)
+        else:
+            return
+        if ckpt is not None:
+            batch.state_copies_after.append((slot, ckpt))
+
+    def _add(self, batch: ScheduledBatch, req: Request, n: int) -> None:
+        rid, start = req.request_id, req.num_computed_tokens
+        slot = self.cache.slot(rid)
+        batch.requests.append(ScheduledRequest(
+            request=req, num_computed_tokens=start, num_new_tokens=n, page_table=list(self.cache.page_table(rid)),
+            slot=slot, sample=start + n == req.num_tokens,
+        ))
+        self._checkpoint(batch, req, slot, start + n)
+        if req.stats.first_scheduled_time is None:
+            req.stats.first_scheduled_time = time.monotonic()
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk(req, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.cache.grow(req.request_id, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is req:
+                    return budget
+            self._add(batch, req, n)
+            budget -= n
+            i += 1
+        return budget
+
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(req)
+        self.cache.release(req.request_id)
+        req.transition(RequestState.PREEMPTED)
+        req.num_computed_tokens = 0
+        req.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+        batch.preempted.append(req.request_id)
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            use_prefix = req.params.prompt_logprobs is None  # prompt logprobs need every position computed
+            admission = self.cache.admit(req.request_id, req.all_token_ids if use_prefix else req.all_token_ids[:1])
+            if admission is None:
+                return
+            req.num_computed_tokens = admission.num_cached_tokens
+            n = self._chunk(req, budget)
+            if not self.cache.grow(req.request_id, req.num_computed_tokens + n):
+                self.cache.release(req.request_id)
+                req.num_computed_tokens = 0
+                return
+            if req.state is RequestState.WAITING:
+                req.num_cached_tokens = admission.num_cached_tokens
+            src = admission.restore_from if admission.restore_from is not None else ZERO_SLOT
+            batch.state_copies_before.append((src, admission.slot))
+            self.waiting.popleft()
+            req.transition(RequestState.RUNNING)
+            self.running.append(req)
+            self._add(batch, req, n)
+            budget -= n
