@@ -74,3 +74,27 @@ def write_checkpoint(args: argparse.Namespace) -> int:
     path = write_tiny_checkpoint(args.out_dir, args.preset, DTYPES[args.dtype], args.seed, args.num_shards)
     print(f"wrote {args.preset} checkpoint to {path}")
     return 0
+
+
+def plan(args: argparse.Namespace) -> int:
+    """Print the per-GPU memory and capacity plan (config arithmetic only: no model is built)."""
+    from tokenspeed.plan import ParallelLayout, PlanOptions, WeightPrecision, render_json, render_table
+    from tokenspeed.plan import plan as make_plan
+
+    config, _ = resolve_config(args.model)
+    layout = ParallelLayout.resolve(
+        args.attn_tp, args.attn_dp, args.moe_tp, args.moe_ep, tp_subgroup=args.tp_subgroup,
+        subgroup_shards=tuple(s.strip() for s in args.tp_subgroup_shards.split(",") if s.strip()),
+        latent_shard=args.latent_shard,
+    )
+    options = PlanOptions(
+        layout=layout, precision=WeightPrecision.parse(args.weights_dtype), gpu_memory_gb=args.gpu_memory_gb,
+        activation_gb=args.activation_gb, kv_cache_dtype=args.kv_cache_dtype, kda_state_dtype=args.kda_state_dtype,
+        kda_copies=args.kda_copies, draft=None if args.draft == "none" else args.draft,
+        spec_positions=args.spec_positions, max_num_seqs=args.max_num_seqs, context=args.context,
+        page_size=args.page_size, verify_mode=args.verify_mode, local_tokens=args.local_tokens,
+        reserve_verify_workspace=not args.verify_in_activation,
+    )
+    result = make_plan(config, options, model=args.model)
+    print(render_json(result) if args.format == "json" else render_table(result))
+    return 0

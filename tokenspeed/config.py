@@ -43,6 +43,7 @@ class CacheConfig:
     enable_prefix_caching: bool = opt(True, "reuse cached pages and KDA checkpoints across requests")
     num_checkpoint_slots: int | None = opt(None, "KDA state checkpoints kept (default: 2 per max_num_seqs)")
     checkpoint_chunk_ends: bool = opt(False, "also checkpoint at prefill chunk ends that are page boundaries")
+    num_pages: int | None = opt(None, "fix the number of MLA pages instead of sizing from the budget (testing)")
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

@@ -13,6 +13,7 @@ from tokenspeed.executor.sampler import (
     apply_penalties,
     make_generator,
     prompt_logprobs,
+    prompt_logprobs_chunk,
     sample,
     sample_filtered,
 )
@@ -176,7 +177,11 @@ def test_frequency_and_presence_penalty_formula() -> None:
 
 def test_penalties_only_touch_their_rows() -> None:
     logits = torch.randn(3, 8)
-    rows = [row(SamplingParams(), output=[1, 2]), row(SamplingParams(repetition_penalty=1.5), output=[1]), row(SamplingParams())]
+    rows = [
+        row(SamplingParams(), output=[1, 2]),
+        row(SamplingParams(repetition_penalty=1.5), output=[1]),
+        row(SamplingParams()),
+    ]
     got = apply_penalties(logits, rows)
     assert torch.equal(got[0], logits[0]) and torch.equal(got[2], logits[2])
     assert not torch.equal(got[1], logits[1])
@@ -244,6 +249,17 @@ def test_prompt_logprobs_actual_token_outside_top_n_and_edges() -> None:
     assert prompt_logprobs(logits[:1], [4], top_n=3) == [None]
     with pytest.raises(ValueError, match="prompt tokens"):
         prompt_logprobs(logits, [0, 1, 2], top_n=1)
+
+
+def test_prompt_logprobs_chunks_concatenate_to_whole() -> None:
+    prompt = [3, 8, 1, 1, 6, 0, 9]
+    logits = torch.randn(len(prompt), 12)
+    whole = prompt_logprobs(logits, prompt, top_n=3)
+    chunks: list = [None]
+    for start, stop in [(0, 3), (3, 4), (4, 7)]:
+        chunks += prompt_logprobs_chunk(logits[start:stop], prompt, start, top_n=3)
+    assert chunks == whole
+    assert prompt_logprobs_chunk(logits[6:], prompt, 6, top_n=3) == []  # the last row predicts past the prompt
 
 
 def test_input_errors() -> None:

@@ -130,27 +130,28 @@ def test_hf_special_tokens(tmp_path: Path) -> None:
 
 
 def test_hf_eos_bos_from_config_files(tmp_path: Path) -> None:
+    n = build_byte_bpe().get_vocab_size(with_added_tokens=True)  # first id past tokenizer.json
     files = {
         "tokenizer_config.json": {
             "bos_token": "[BOS]",
             "eos_token": {"content": "[EOS]", "special": True},
             "added_tokens_decoder": {
                 "2": {"content": "<|im_end|>", "special": True},
-                "400": {"content": "<|end_of_msg|>", "special": True},  # not in tokenizer.json: appended
-                "401": {"content": "<|plain|>", "special": False},
+                str(n): {"content": "<|end_of_msg|>", "special": True},  # not in tokenizer.json: appended
+                str(n + 1): {"content": "<|plain|>", "special": False},
             },
         },
-        "generation_config.json": {"eos_token_id": 400},
-        "config.json": {"eos_token_id": [400, 2], "text_config": {"eos_token_id": 2}, "vocab_size": 512},
+        "generation_config.json": {"eos_token_id": n},
+        "config.json": {"eos_token_id": [n, 2], "text_config": {"eos_token_id": 2}, "vocab_size": 512},
     }
     tok = load_tokenizer(write_model_dir(tmp_path, files), vocab_size=512, eos_token_ids=(2,))
-    assert tok.eos_token_ids == (2, 400, 1)  # argument, generation config, config, tokenizer eos_token
+    assert tok.eos_token_ids == (2, n, 1)  # argument, generation config, config, tokenizer eos_token
     assert tok.bos_token_id == 0
     assert tok.vocab_size == 512
-    assert tok.encode("<|end_of_msg|>") == [400]
-    assert tok.encode("a<|plain|>") [-1] == 401
-    assert tok.decode([400, 401]) == "<|plain|>"  # special skipped, plain added token kept
-    assert {0, 1, 2, 400} <= tok.all_special_ids and 401 not in tok.all_special_ids
+    assert tok.encode("<|end_of_msg|>") == [n]
+    assert tok.encode("a<|plain|>")[-1] == n + 1
+    assert tok.decode([n, n + 1]) == "<|plain|>"  # special skipped, plain added token kept
+    assert {0, 1, 2, n} <= tok.all_special_ids and n + 1 not in tok.all_special_ids
     assert tok.decode([*tok.encode("ok"), 511]) == "ok"  # model-only id past the tokenizer decodes to nothing
 
 
@@ -168,7 +169,7 @@ def test_hf_special_tokens_map_and_int_ids(tmp_path: Path) -> None:
     ("files", "match"),
     [
         ({"tokenizer_config.json": {"added_tokens_decoder": {"1": {"content": "<|im_end|>"}}}}, "id 2"),
-        ({"tokenizer_config.json": {"added_tokens_decoder": {"450": {"content": "<|x|>"}}}}, "next free id"),
+        ({"tokenizer_config.json": {"added_tokens_decoder": {"999": {"content": "<|x|>"}}}}, "next free id"),
         ({"generation_config.json": {"eos_token_id": "2"}}, "eos_token_id"),
         ({"config.json": "{not json"}, "config.json"),
     ],

@@ -67,10 +67,13 @@ def plan_cache(
     per_slot = slot_bytes(config, dtype) if needs_state else 0
     budget = _budget_bytes(cache, device)
     num_pages = (budget - num_slots * per_slot) // max(per_page, 1)
-    min_pages = -(-sched.chunked_prefill_size // cache.page_size) + 1
+    if cache.num_pages is not None:
+        num_pages = cache.num_pages
+    min_pages = -(-min(sched.chunked_prefill_size, sched.max_num_batched_tokens) // cache.page_size) + 1
     if num_pages < min_pages:
         raise ConfigError(
-            f"the cache budget ({budget / 2**30:.3f} GiB) leaves {max(num_pages, 0)} pages after {num_slots} KDA "
+            f"the cache budget ({budget / 2**30:.3f} GiB) leaves {max(num_pages, 0)} pages (fewer than one "
+            f"prefill chunk needs: {min_pages}) after {num_slots} KDA "
             f"state slots of {per_slot / 2**20:.1f} MiB; raise cache_memory_gb / gpu_memory_utilization or lower "
             "max_num_seqs / num_checkpoint_slots"
         )

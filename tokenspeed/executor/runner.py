@@ -69,7 +69,7 @@ class ModelRunner:
             [r.slot for r in reqs], self.buffers.page_size, self.device,
         )
         rows, row_of = self._logits_rows(reqs, forward.cu_seqlens_host)
-        logits = self.model(forward, self.buffers, torch.tensor(rows, device=self.device))
+        logits = self.model(forward, self.buffers, torch.tensor(rows, dtype=torch.long, device=self.device))
         self.copy_states(batch.state_copies_after)
         sampled = self._sample(reqs, logits, row_of)
         prompt_lp = self._prompt_logprobs(reqs, logits, row_of)

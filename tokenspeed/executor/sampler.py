@@ -178,21 +178,36 @@ def prompt_logprobs(logits: Tensor, prompt_ids: Sequence[int], top_n: int) -> li
     """
     if logits.dim() != 2 or logits.shape[0] != len(prompt_ids):
         raise ValueError(f"logits must be [T, V] with T = {len(prompt_ids)} prompt tokens, got {tuple(logits.shape)}")
+    if not prompt_ids:
+        return []
+    return [None, *prompt_logprobs_chunk(logits, prompt_ids, 0, top_n)]
+
+
+def prompt_logprobs_chunk(logits: Tensor, prompt_ids: Sequence[int], start: int, top_n: int) -> list[dict[int, float]]:
+    """Prompt logprobs of one prefill chunk: `logits` [C, V] are the rows of prompt positions start .. start + C - 1.
+
+    Row j predicts prompt_ids[start + j + 1], so this returns the entries (format of `prompt_logprobs`) of prompt
+    positions start + 1 .. min(start + C, len(prompt_ids) - 1); a row that predicts past the prompt is ignored.
+    Concatenating the chunks of a whole prompt after a leading None gives `prompt_logprobs`.
+    """
     if top_n < 0:
         raise ValueError(f"top_n must be >= 0, got {top_n}")
-    result: list[dict[int, float] | None] = [None]
-    if len(prompt_ids) < 2:
-        return result[: len(prompt_ids)]
-    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
-    targets = torch.tensor(list(prompt_ids[1:]), dtype=torch.long, device=logits.device)
+    if logits.dim() != 2 or start < 0:
+        raise ValueError(f"logits must be [C, V] and start >= 0, got {tuple(logits.shape)} and {start}")
+    count = max(0, min(logits.shape[0], len(prompt_ids) - 1 - start))
+    if count == 0:
+        return []
+    logprobs = torch.log_softmax(logits[:count].float(), dim=-1)
+    next_ids = [int(t) for t in prompt_ids[start + 1 : start + 1 + count]]
+    targets = torch.tensor(next_ids, dtype=torch.long, device=logits.device)
     actual = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
-    tops = _top_n(logprobs, top_n)
-    for tok, lp, top in zip(prompt_ids[1:], actual, tops, strict=True):
-        entry = {int(tok): lp}
+    entries = []
+    for tok, lp, top in zip(next_ids, actual, _top_n(logprobs, top_n), strict=True):
+        entry = {tok: lp}
         for tid, tlp in top:
             entry.setdefault(tid, tlp)
-        result.append(entry)
-    return result
+        entries.append(entry)
+    return entries
 
 
 def _has_penalty(p: SamplingParams) -> bool:

@@ -9,7 +9,7 @@ seed's model, "DEP decode"):
   and one at 3584. A model without a latent reduces attention and MoE at the hidden width.
 - DEP (attention data parallel + expert parallel): each token is dispatched to the ranks owning its top-k
   experts and their outputs combined back, in the expert input width (the latent for LatentMoE). Upper bound
-  (every copy remote, no deduplication): B x k x width x (dispatch + combine bytes). With uniform routing and
+  (every copy remote, no deduplication; 0 on one GPU): B x k x width x (dispatch + combine bytes). With uniform routing and
   one copy per destination rank, the expected number of remote ranks a token reaches is
   (N-1) x (1 - C(E - E/N, k) / C(E, k)).
 """
@@ -83,10 +83,12 @@ def layer_comm(config: KimiConfig, local_tokens: int, gpus: int, dispatch_dtype:
     width, k = latent or d, config.num_experts_per_token
     remote = expected_remote_ranks(config.num_experts, k, gpus)
     disp, comb_b = ACTIVATION_BYTES[dispatch_dtype], ACTIVATION_BYTES[combine_dtype]
+    copies = k if gpus > 1 else 0  # one GPU: nothing leaves it
     return LayerComm(
         local_tokens=local_tokens, gpus=gpus, tep_widths=widths, tep_bytes=tep, dep_width=width, top_k=k,
         expected_remote_ranks=remote,
-        dep_dispatch_bound=local_tokens * k * width * disp, dep_combine_bound=local_tokens * k * width * comb_b,
+        dep_dispatch_bound=local_tokens * copies * width * disp,
+        dep_combine_bound=local_tokens * copies * width * comb_b,
         dep_dispatch_expected=local_tokens * remote * width * disp,
         dep_combine_expected=local_tokens * remote * width * comb_b,
     )

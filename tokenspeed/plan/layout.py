@@ -65,7 +65,7 @@ class ParallelLayout:
         moe_tp: int | None = None,
         moe_ep: int | None = None,
         **kwargs,
-    ) -> "ParallelLayout":
+    ) -> ParallelLayout:
         """Fill unset sizes: MoE follows attention (moe_tp = attn_tp, moe_ep = attn_dp) unless one MoE size is
         given, in which case the other makes the world sizes match; attn_dp follows the MoE world."""
         atp = attn_tp or 1

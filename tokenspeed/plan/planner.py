@@ -104,27 +104,46 @@ class CachePools:
 def plan_cache_pools(
     config: KimiConfig,
     budget_bytes: int,
-    *,
-    context: int,
     page_size: int = 128,
+    *,
+    state_slots: int | None = None,
+    context: int | None = None,
+    kda_copies: int = 2,
     attn_tp: int = 1,
     kv_cache_dtype: str = "bf16",
     kda_conv_dtype: str = "bf16",
     kda_state_dtype: str = "fp32",
-    kda_copies: int = 2,
     draft: Eagle3Draft | None = None,
 ) -> CachePools:
-    """Split `budget_bytes` into whole requests of `context` tokens (pages + kda_copies state slots each);
-    bytes left after the last whole request become extra pages. A negative budget gives empty pools."""
+    """Split a byte budget of one GPU into MLA pages and KDA state slots.
+
+    - `state_slots` given (the engine: max_num_seqs live slots + checkpoint slots): those slots first, the rest
+      of the budget in pages.
+    - otherwise `context` tokens per request: as many whole requests as fit (ceil(context / page_size) pages and
+      `kda_copies` slots each), the bytes left after the last one in extra pages.
+    `requests` is how many `context`-token requests the pools hold (0 without a context). A model without KDA
+    layers gets no slots. A negative budget gives empty pools.
+    """
+    if state_slots is None and context is None:
+        raise ConfigError("plan_cache_pools needs state_slots (engine sizing) or context (requests that fit)")
     token = mla_bytes_per_token(config, kv_cache_dtype, draft).total
     slot = kda_state_bytes(config, attn_tp, kda_conv_dtype, kda_state_dtype).per_request
     page = page_size * token
-    per_request = -(-context // page_size) * page + kda_copies * slot
+    copies = kda_copies if slot else 0
     budget = max(int(budget_bytes), 0)
-    requests = budget // per_request if per_request else 0
-    slots = requests * kda_copies
-    pages = (budget - slots * slot) // page if page else 0
-    return CachePools(page_size, pages, slots, requests, context, page, slot)
+    pages_per_request = -(-context // page_size) if context else 0
+    if state_slots is None:
+        per_request = pages_per_request * page + copies * slot
+        slots = (budget // per_request if per_request else 0) * copies
+    else:
+        slots = state_slots if slot else 0
+    pages = max(budget - slots * slot, 0) // page if page else 0
+    requests = 0
+    if context:
+        requests = pages // pages_per_request
+        if copies:
+            requests = min(requests, slots // copies)
+    return CachePools(page_size, pages, slots, requests, context or 0, page, slot)
 
 
 @dataclass(frozen=True)
@@ -166,7 +185,7 @@ def plan(config: KimiConfig, options: PlanOptions | None = None, model: str = ""
     reserved = verify.bytes(o.verify_mode) if verify and o.reserve_verify_workspace else 0
     gpu, act = round(o.gpu_memory_gb * GB), round(o.activation_gb * GB)
     budget = gpu - weights.total - act - reserved
-    pools = plan_cache_pools(config, budget, context=o.context, page_size=o.page_size, attn_tp=lay.attn_tp,
+    pools = plan_cache_pools(config, budget, o.page_size, context=o.context, attn_tp=lay.attn_tp,
                              kv_cache_dtype=o.kv_cache_dtype, kda_conv_dtype=o.kda_conv_dtype,
                              kda_state_dtype=o.kda_state_dtype, kda_copies=o.kda_copies, draft=draft)
     comm = None

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from tokenspeed.plan.planner import MemoryPlan
-from tokenspeed.plan.precision import GB, KiB, MB, GiB
+from tokenspeed.plan.precision import GB, MB, GiB, KiB
 
 LABELS = {
     "routed_experts": "routed experts",
@@ -43,9 +43,9 @@ def render_table(p: MemoryPlan) -> str:
         "",
         f"cache per token ({o.kv_cache_dtype}, replicated per attention-TP rank): target {t.target:,} B"
         + (f" + draft {t.draft:,} B" if t.draft else "") + f" = {t.total:,} B ({t.total / KiB:.2f} KiB)",
-        f"KDA state per request ({s.heads} heads/GPU, conv {o.kda_conv_dtype}, recurrent {o.kda_state_dtype}): "
+        (f"KDA state per request ({s.heads} heads/GPU, conv {o.kda_conv_dtype}, recurrent {o.kda_state_dtype}): "
         f"conv {s.conv_per_layer:,} B + recurrent {s.recurrent_per_layer:,} B = {s.per_layer:,} B "
-        f"({s.per_layer / KiB:.1f} KiB) per layer; {s.layers} layers = {s.per_request / MB:.1f} MB per copy",
+        f"({s.per_layer / KiB:.1f} KiB) per layer; {s.layers} layers = {s.per_request / MB:.1f} MB per copy"),
     ]
     if p.verify:
         v = p.verify
@@ -69,11 +69,11 @@ def render_table(p: MemoryPlan) -> str:
     lines += [
         f"  {'left for KV and KDA cache':42s}{p.cache_budget / GB:10.3f}",
         "",
-        f"request of {r.context:,} tokens: {r.total / GB:.3f} GB = MLA {r.mla_bytes / GB:.3f} GB + "
+        (f"request of {r.context:,} tokens: {r.total / GB:.3f} GB = MLA {r.mla_bytes / GB:.3f} GB + "
         f"{o.kda_copies} KDA copies {r.kda_bytes / GB:.3f} GB (paged by {pools.page_size}: "
-        f"{(-(-r.context // pools.page_size) * pools.bytes_per_page + r.kda_bytes) / GB:.3f} GB)",
-        f"requests that fit: {p.requests_fit}  (pools: {pools.num_pages:,} pages = {pools.tokens:,} tokens, "
-        f"{pools.num_state_slots:,} KDA state slots)",
+        f"{(-(-r.context // pools.page_size) * pools.bytes_per_page + r.kda_bytes) / GB:.3f} GB)"),
+        (f"requests that fit: {p.requests_fit}  (pools: {pools.num_pages:,} pages = {pools.tokens:,} tokens, "
+        f"{pools.num_state_slots:,} KDA state slots)"),
     ]
     if p.comm:
         c = p.comm

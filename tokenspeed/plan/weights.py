@@ -42,7 +42,7 @@ class WeightPrecision:
                 raise ConfigError(f"weight format {value!r} for {key} is not supported; use one of {QUANTIZED_FORMATS}")
 
     @classmethod
-    def parse(cls, spec: str) -> "WeightPrecision":
+    def parse(cls, spec: str) -> WeightPrecision:
         """'nvfp4' (a preset), 'bf16,routed_experts=mxfp4', 'nvfp4,shared_experts=fp8', ... (presets: PRESETS)."""
         result = cls()
         for part in (p.strip() for p in spec.split(",") if p.strip()):
