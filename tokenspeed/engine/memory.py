@@ -10,6 +10,7 @@ from tokenspeed.cache import CachePlan
 from tokenspeed.config import CacheConfig, SchedulerConfig
 from tokenspeed.errors import ConfigError
 from tokenspeed.models import KimiConfig
+from tokenspeed.plan.planner import plan_cache_pools
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +32,9 @@ def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
-def page_bytes(config: KimiConfig, page_size: int, kv_dtype: torch.dtype) -> int:
-    """Bytes of one MLA page across all MLA layers."""
-    return page_size * len(config.mla_layers) * config.mla_latent_dim * torch.finfo(kv_dtype).bits // 8
-
-
-def slot_bytes(config: KimiConfig, dtype: torch.dtype) -> int:
-    """Bytes of one KDA state slot across all KDA layers (conv state in the model dtype, recurrent fp32)."""
-    h, d = config.kda_num_heads, config.kda_head_dim
-    conv = 3 * h * d * (config.short_conv_kernel_size - 1) * torch.finfo(dtype).bits // 8
-    return len(config.kda_layers) * (conv + h * d * d * 4)
+def _plan_name(dtype: torch.dtype) -> str:
+    """The planner's dtype name of a torch dtype (fp8 e4m3, bf16, fp32; fp16 counts as bf16: same bytes)."""
+    return {torch.float8_e4m3fn: "fp8", torch.float32: "fp32"}.get(dtype, "bf16")
 
 
 def _budget_bytes(cache: CacheConfig, device: str) -> int:
@@ -59,14 +53,20 @@ def plan_cache(
     kv_dtype: torch.dtype,
     device: str,
 ) -> CachePlan:
-    """Live slots for max_num_seqs, checkpoint slots (default 2 per sequence), the rest of the budget in pages."""
+    """Live slots for max_num_seqs, checkpoint slots (default 2 per sequence), the rest of the budget in pages.
+
+    The split is the planner's (`tokenspeed.plan.plan_cache_pools`), so `tokenspeed plan` and the engine agree.
+    """
     needs_state = bool(config.kda_layers)
     checkpoints = cache.num_checkpoint_slots if cache.num_checkpoint_slots is not None else 2 * sched.max_num_seqs
     num_slots = (sched.max_num_seqs + checkpoints) if needs_state else 0
-    per_page = page_bytes(config, cache.page_size, kv_dtype)
-    per_slot = slot_bytes(config, dtype) if needs_state else 0
     budget = _budget_bytes(cache, device)
-    num_pages = (budget - num_slots * per_slot) // max(per_page, 1)
+    pools = plan_cache_pools(
+        config, budget, cache.page_size, state_slots=num_slots, kv_cache_dtype=_plan_name(kv_dtype),
+        kda_conv_dtype=_plan_name(dtype), kda_state_dtype="fp32",
+    )
+    per_page, per_slot = pools.bytes_per_page, pools.bytes_per_state_slot
+    num_pages = pools.num_pages
     if cache.num_pages is not None:
         num_pages = cache.num_pages
     min_pages = -(-min(sched.chunked_prefill_size, sched.max_num_batched_tokens) // cache.page_size) + 1

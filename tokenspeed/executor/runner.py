@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from tokenspeed.cache import CachePlan
-from tokenspeed.executor.sampler import SamplerInput, make_generator, sample
+from tokenspeed.executor.sampler import SamplerInput, make_generator, prompt_logprobs_chunk, sample
 from tokenspeed.models import CacheBuffers, ForwardBatch, KimiForCausalLM
 from tokenspeed.scheduler.batch import ZERO_SLOT, ScheduledBatch, ScheduledRequest
 
@@ -116,22 +116,10 @@ class ModelRunner:
         result = {}
         for r in reqs:
             req = r.request
-            top_n = req.params.prompt_logprobs
-            if top_n is None or r.num_computed_tokens >= req.num_prompt_tokens:
+            if req.params.prompt_logprobs is None or r.num_computed_tokens >= req.num_prompt_tokens:
                 continue
-            start = r.num_computed_tokens
-            count = min(r.num_new_tokens, req.num_prompt_tokens - 1 - start)  # rows predicting prompt tokens
-            entries = []
-            if count > 0:
-                lp = torch.log_softmax(logits[row_of[req.request_id][:count]].float(), dim=-1)
-                targets = torch.tensor(req.prompt_token_ids[start + 1 : start + 1 + count], device=lp.device)
-                actual = lp.gather(1, targets[:, None]).squeeze(1).tolist()
-                tops = torch.topk(lp, top_n, dim=-1) if top_n > 0 else None
-                for j, (tok, value) in enumerate(zip(targets.tolist(), actual)):
-                    entry = {tok: value}
-                    if tops is not None:
-                        for tid, tlp in zip(tops.indices[j].tolist(), tops.values[j].tolist()):
-                            entry.setdefault(tid, tlp)
-                    entries.append(entry)
-            result[req.request_id] = entries
+            rows = logits[row_of[req.request_id]]
+            result[req.request_id] = prompt_logprobs_chunk(
+                rows, req.prompt_token_ids, r.num_computed_tokens, req.params.prompt_logprobs
+            )
         return result

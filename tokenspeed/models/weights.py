@@ -134,12 +134,22 @@ def _report(model_dir: Path, missing: list[str], unexpected: list[str], misshape
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Deterministic random weights scaled so activations stay O(1) at any geometry (mutates the parameters).
 
-    Linear weights ~ N(0, 1/fan_in); norm gains ~ 1 + N(0, 0.1^2); KDA A_log / dt_bias in their trained ranges.
+    Linear weights ~ N(0, 1/fan_in), residual-output projections further / sqrt(2 * layers), so the random network
+    behaves like a trained one (each sublayer nudges the stream) rather than a chaotic one; norm gains
+    ~ 1 + N(0, 0.1^2); KDA A_log / dt_bias in their trained ranges.
     """
     gen = torch.Generator().manual_seed(seed)
+    num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(_dummy_value(name, tuple(p.shape), gen).to(p.dtype))
+            value = _dummy_value(name, tuple(p.shape), gen)
+            if name.rsplit(".", 2)[-2] in _RESIDUAL_OUTPUTS or name.endswith(".w2"):
+                value = value / math.sqrt(2 * num_layers)  # sublayer outputs small against the stream
+            p.copy_(value.to(p.dtype))
+
+
+# Projections whose output is added to the residual stream (scaled by 1/sqrt(2 * layers), as GPT-2 initialises).
+_RESIDUAL_OUTPUTS = {"o_proj", "down_proj", "routed_expert_up_proj"}
 
 
 def _dummy_value(name: str, shape: tuple[int, ...], gen: torch.Generator) -> Tensor:

@@ -74,7 +74,7 @@ QUANTIZED_FORMATS = ("nvfp4", "mxfp4", "fp8", "bf16")  # what a user may pick fo
 
 # Element sizes of cached values and activations.
 DTYPE_BYTES: dict[str, int] = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
-KV_CACHE_DTYPES = ("fp8", "bf16")
+KV_CACHE_DTYPES = ("fp8", "bf16", "fp32")  # fp32: the CPU engine's float32 models
 KDA_STATE_DTYPES = ("fp32", "bf16")
 
 
