@@ -280,3 +280,19 @@ def test_bf16_cache_attention_close_to_fp32() -> None:
     ref = absorbed(p, BATCH, 5)
     got = absorbed(p, BATCH, 5, dtype=torch.bfloat16)
     assert rel_err(got, ref) < 2e-2
+
+
+def test_batched_decode_equals_each_sequence_alone() -> None:
+    """The all-decode fast path (one einsum over padded contexts) == the per-sequence path."""
+    from tokenspeed.ops.reference.mla import mla_attention_paged
+
+    torch.manual_seed(3)
+    page, dl, h = 4, 24, 3
+    cache = torch.randn(40, page, dl)
+    kv_lens = [1, 9, 4, 13, 7]
+    table = torch.randperm(40)[: 5 * 4].view(5, 4).int()
+    q = torch.randn(5, h, dl)
+    batched = mla_attention_paged(q, cache, table, [0, 1, 2, 3, 4, 5], kv_lens, 0.3, 16)
+    for n in range(5):
+        solo = mla_attention_paged(q[n : n + 1], cache, table[n : n + 1], [0, 1], kv_lens[n : n + 1], 0.3, 16)
+        torch.testing.assert_close(batched[n : n + 1], solo, rtol=1e-6, atol=1e-6)

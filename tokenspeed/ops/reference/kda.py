@@ -143,16 +143,18 @@ def kda_recurrent(
     gf, bf = g.float(), beta.float()
     states = _initial_state(initial_state, N, H, K, V, q.device)
     o = torch.zeros(T, H, V, dtype=torch.float32, device=q.device)
-    bounds = cu_seqlens.tolist()
-    for n in range(N):
-        S = states[n]  # [H, K, V]
-        for t in range(bounds[n], bounds[n + 1]):
-            S = gf[t].exp()[:, :, None] * S  # S' = diag(exp(g_t)) S
-            pred = torch.einsum("hkv,hk->hv", S, kf[t])  # S'^T k_t
-            nu = bf[t][:, None] * (vf[t] - pred)
-            S = S + kf[t][:, :, None] * nu[:, None, :]
-            o[t] = torch.einsum("hkv,hk->hv", S, qf[t])
-        states[n] = S
+    starts = cu_seqlens[:-1].to(q.device)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(q.device)
+    # All sequences advance in lockstep: step j updates the j-th token of every sequence that has one.
+    for j in range(int(lengths.max()) if N else 0):
+        seqs = torch.nonzero(lengths > j).squeeze(1)  # [n] sequences with a token at step j
+        t = starts[seqs] + j  # [n] their flat token index
+        S = gf[t].exp()[..., None] * states[seqs]  # S' = diag(exp(g_t)) S, [n, H, K, V]
+        pred = torch.einsum("nhkv,nhk->nhv", S, kf[t])  # S'^T k_t
+        nu = bf[t][..., None] * (vf[t] - pred)
+        S = S + kf[t][..., None] * nu[:, :, None, :]
+        o[t] = torch.einsum("nhkv,nhk->nhv", S, qf[t])
+        states[seqs] = S
     return o.to(v.dtype), states
 
 

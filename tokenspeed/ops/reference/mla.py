@@ -81,6 +81,8 @@ def mla_attention_paged(
     rows already stored). Keys are the full latent rows; values their first `v_dim` columns.
     Returns the latent output [T, H, v_dim] in q.dtype. Does not modify the cache.
     """
+    if len(kv_lens) and cu_seqlens_q[-1] == len(kv_lens) and all(ql == 1 for ql in _diff(cu_seqlens_q)):
+        return _paged_decode(q, cache, page_table, kv_lens, scale, v_dim, kv_scale)
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
     flat = cache.view(-1, cache.shape[-1])
     for n in range(len(kv_lens)):
@@ -91,3 +93,23 @@ def mla_attention_paged(
         kv = rows.unsqueeze(1)  # [S, 1, Dl]: one latent head shared by all query heads
         out[qs:qe] = _causal_softmax_attention(q[qs:qe], kv, kv[..., :v_dim], scale).to(q.dtype)
     return out
+
+
+def _diff(offsets: list[int]) -> list[int]:
+    return [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def _paged_decode(
+    q: Tensor, cache: Tensor, page_table: Tensor, kv_lens: list[int], scale: float, v_dim: int, kv_scale: float
+) -> Tensor:
+    """`mla_attention_paged` when every sequence has exactly one new token: all sequences at once, padded to the
+    longest context and masked (the same math as the per-sequence loop)."""
+    page_size = cache.shape[1]
+    lens = torch.tensor(kv_lens, device=q.device)
+    pos = torch.arange(max(kv_lens), device=q.device)
+    rows = page_table[:, pos // page_size].long() * page_size + pos % page_size  # [N, L]
+    kv = cache.view(-1, cache.shape[-1])[rows].float() * kv_scale  # [N, L, Dl]
+    scores = torch.einsum("nhd,nld->nhl", q.float(), kv) * scale
+    scores = scores.masked_fill((pos[None, :] >= lens[:, None])[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("nhl,nld->nhd", probs, kv[..., :v_dim]).to(q.dtype)
