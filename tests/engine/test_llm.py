@@ -104,15 +104,16 @@ def test_pressure_200_requests_small_cache() -> None:
     expected = _tokens(_llm("tiny-k3", max_num_seqs=64), prompts, params)
     llm = _llm("tiny-k3", max_num_seqs=24, num_checkpoint_slots=6, num_pages=24, chunked_prefill_size=32)
     engine = llm.engine  # 24 pages of 8 tokens for up to 24 sequences of up to 48 tokens
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    done = {}
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    done, preemptions = {}, 0
     while engine.has_work:
-        for out in engine.step():
+        for out in llm.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
+                preemptions += out.metrics.num_preemptions
         engine.cache.check_integrity()
     assert [done[i] for i in ids] == expected
-    assert sum(s.num_preempted for s in engine.step_stats) > 0
+    assert preemptions > 0 and not engine.requests
     pages = engine.cache.pages
     assert not engine.cache.requests and not engine.cache.slots.live
     assert all(c == 0 for c in pages.refcount) and pages.num_available_pages == pages.num_pages
@@ -123,3 +124,42 @@ def test_fp8_cache_end_to_end() -> None:
     assert str(llm.engine.runner.buffers.mla_latent[0].dtype) == "torch.float8_e4m3fn"
     outs = llm.generate(_prompts(4, 3), GREEDY)
     assert all(len(o.outputs[0].token_ids) == 8 and o.finished for o in outs)
+
+
+def test_text_prompts_stop_strings_and_n() -> None:
+    llm = _llm("tiny-k3")
+    base = llm.generate("def main():", GREEDY.clone(max_tokens=12))[0]
+    text = base.outputs[0].text
+    assert base.prompt == "def main():" and base.usage.prompt_tokens == len("def main():")
+    if len(text) >= 4:  # stop on a string that the greedy output contains: cut exactly before it
+        stop = text[2:4]
+        out = llm.generate("def main():", GREEDY.clone(max_tokens=12, stop=[stop]))[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == text[: text.index(stop)]
+    many = llm.generate([[5, 6, 7]], SamplingParams(n=3, max_tokens=4, seed=1, temperature=1.0))[0]
+    assert [c.index for c in many.outputs] == [0, 1, 2] and many.usage.completion_tokens == 12
+
+
+def test_prompt_logprobs_match_forward_logits() -> None:
+    import torch
+
+    from tokenspeed.models import forward_logits
+
+    llm = _llm("tiny-k3", chunked_prefill_size=16, max_num_batched_tokens=16)
+    ids = _prompts(1, 9, 40, 40)[0]
+    out = llm.generate([ids], GREEDY.clone(max_tokens=1, prompt_logprobs=0))[0]
+    ref = torch.log_softmax(forward_logits(llm.engine.model, ids), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for t in range(1, len(ids)):
+        assert abs(out.prompt_logprobs[t][ids[t]] - ref[t - 1, ids[t]].item()) < 1e-4
+
+
+def test_bad_requests_raise_and_engine_keeps_serving() -> None:
+    from tokenspeed.core.sampling_params import RequestError
+
+    llm = _llm("tiny-k3", max_model_len=64)
+    for prompt, params in (([], GREEDY), ([1] * 64, GREEDY), ([10**6], GREEDY)):
+        with pytest.raises(RequestError):
+            llm.generate([prompt], params)
+    with pytest.raises(RequestError):
+        SamplingParams(temperature=-1)
+    assert len(llm.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids) == 8

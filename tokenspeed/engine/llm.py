@@ -8,12 +8,14 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 from tokenspeed.config import EngineConfig
 from tokenspeed.core.sampling_params import SamplingParams
 from tokenspeed.engine.core import EngineCore
+from tokenspeed.engine.output_processor import OutputProcessor
 from tokenspeed.engine.outputs import RequestOutput
 
 Prompt = str | list[int]
@@ -24,10 +26,27 @@ class LLM:
 
     def __init__(self, model: str = "tiny-k3", **options: Any) -> None:
         self.engine = EngineCore(EngineConfig.create(model=model, **options))
+        self.processor = OutputProcessor(self.engine.tokenizer)
+        self._ids = itertools.count()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, index: int = 0) -> str:
+        """Tokenize (if text), validate and queue one request; raises RequestError for bad input."""
+        text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        rid = f"req-{next(self._ids)}"
+        self.engine.add_request(rid, ids, params)
+        self.processor.add(rid, ids, params, text, index)
+        return rid
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; request outputs (streaming deltas included)."""
+        outputs, to_abort = self.processor.process(self.engine.step())
+        for rid in to_abort:
+            self.engine.abort(rid)
+        return outputs
 
     def generate(
         self,
@@ -45,14 +64,14 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         groups: list[list[str]] = []
         for prompt, p in zip(prompts, params_list):
-            ids = []
-            for i in range(p.n):
-                seeded = p if p.seed is None or p.n == 1 else p.clone(seed=p.seed + i)
-                ids.append(self.engine.add_request(prompt, seeded.clone(n=1), index=i))
-            groups.append(ids)
+            one = p.clone(n=1)
+            groups.append([
+                self.add_request(prompt, one if p.seed is None else one.clone(seed=p.seed + i), index=i)
+                for i in range(p.n)
+            ])
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_work:
-            for out in self.engine.step():
+            for out in self.step():
                 if out.finished:
                     finished[out.request_id] = out
         return [self._merge([finished[i] for i in ids]) for ids in groups]
