@@ -22,7 +22,6 @@ from tokenspeed.errors import CheckpointError, ConfigError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 NOT_YET = {
-    "serve": "the OpenAI-compatible server",
     "bench": "the agentic benchmark client",
 }
 
@@ -93,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-shards", type=int, default=1)
     _add_plan_parser(sub)
+    from tokenspeed.server.serve import add_serve_parser
+
+    add_serve_parser(sub)
     for name, what in NOT_YET.items():
         sub.add_parser(name, help=f"{what} (not available yet)", add_help=False).add_argument(
             "rest", nargs=argparse.REMAINDER)
@@ -101,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=(args.log_level or "warning").upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command in NOT_YET:
         print(f"tokenspeed {args.command}: {NOT_YET[args.command]} is not available in this version yet.",
               file=sys.stderr)

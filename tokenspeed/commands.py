@@ -98,3 +98,9 @@ def plan(args: argparse.Namespace) -> int:
     result = make_plan(config, options, model=args.model)
     print(render_json(result) if args.format == "json" else render_table(result))
     return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    from tokenspeed.server.serve import serve as run
+
+    return run(args)

@@ -68,21 +68,70 @@ class SchedulerConfig:
                 raise ConfigError(f"{f.name} must be >= 1")
 
 
+NOT_YET = "not supported yet"  # help marker of a recognised flag whose non-default value is refused
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    attn_tp_size: int = opt(1, f"attention tensor-parallel size ({NOT_YET}: 1 only)")
+    moe_tp_size: int = opt(1, f"routed-expert tensor-parallel size ({NOT_YET}: 1 only)")
+    moe_ep_size: int = opt(1, f"routed-expert expert-parallel size ({NOT_YET}: 1 only)")
+    attn_dp_size: int = opt(1, f"attention data-parallel size ({NOT_YET}: 1 only)")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) != 1:
+                raise ConfigError(f"--{f.name.replace('_', '-')} {getattr(self, f.name)}: multi-GPU parallelism is "
+                                  f"{NOT_YET} in `serve`; use 1")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    speculative_algorithm: str | None = opt(None, f"EAGLE3 ({NOT_YET})")
+    speculative_draft_model_path: str | None = opt(None, f"draft model directory ({NOT_YET})")
+    speculative_num_steps: int = opt(3, f"draft tokens proposed per step ({NOT_YET})")
+    speculative_force_accept_length: int | None = opt(None, f"accept exactly L tokens per step ({NOT_YET})")
+
+    def __post_init__(self) -> None:
+        if self.speculative_algorithm is not None or self.speculative_draft_model_path is not None or (
+            self.speculative_force_accept_length is not None
+        ):
+            raise ConfigError(f"speculative decoding is {NOT_YET}; remove the --speculative-* flags")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     @classmethod
     def create(cls, **kwargs: Any) -> "EngineConfig":
         """Build from flat keyword arguments (model=..., page_size=..., max_num_seqs=...)."""
-        groups: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
-        owners = {f.name: g for g, c in (("model", ModelConfig), ("cache", CacheConfig),
-                                         ("scheduler", SchedulerConfig)) for f in fields(c)}
+        groups: dict[str, dict[str, Any]] = {name: {} for name in ENGINE_GROUPS}
+        owners = {f.name: g for g, c in ENGINE_GROUPS.items() for f in fields(c)}
         for key, value in kwargs.items():
             if key not in owners:
                 raise ConfigError(f"unknown engine option {key!r}; known: {', '.join(sorted(owners))}")
             groups[owners[key]][key] = value
-        return cls(ModelConfig(**groups["model"]), CacheConfig(**groups["cache"]),
-                   SchedulerConfig(**groups["scheduler"]))
+        return cls(**{g: ENGINE_GROUPS[g](**values) for g, values in groups.items()})
+
+
+ENGINE_GROUPS: dict[str, type] = {
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+    "spec": SpecConfig,
+}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(8000, "port to listen on")
+    served_model_name: str | None = opt(None, "model name clients use (default: the model argument)")
+    api_key: str | None = opt(None, "require `Authorization: Bearer KEY` on /v1 endpoints")
+    enable_metrics: bool = opt(True, "serve Prometheus metrics at /metrics")
+    max_waiting_requests: int = opt(1024, "requests waiting in the engine beyond which new ones get HTTP 503")
+    log_level: str = opt("info", "debug | info | warning | error")
+    timeout_graceful_shutdown: float = opt(30.0, "seconds in-flight requests get to finish after SIGTERM")

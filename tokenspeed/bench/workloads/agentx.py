@@ -112,6 +112,8 @@ class _Builder:
         return len(self.convs) - 1
 
     def spawns(self, rng: np.random.Generator, spawn: bool, sidecar: bool) -> tuple[Spawn, ...]:
+        if not (spawn or sidecar):
+            return ()
         p, out = self.p, []
         if sidecar:
             out.append(Spawn(self._child(self.sidecar(rng)), at_end=False, blocking=False))

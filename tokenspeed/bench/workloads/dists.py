@@ -33,8 +33,13 @@ class LogNormal:
     def sigma(self) -> float:
         return math.sqrt(2.0 * math.log(self.mean / self.median)) if self.mean > self.median else 0.0
 
-    def sample(self, rng: np.random.Generator, size: int | None = None) -> np.ndarray:
+    def sample(self, rng: np.random.Generator, size: int | None = None) -> np.ndarray | float:
+        """`size` samples (an array), or one float when size is None."""
         x = rng.lognormal(self.mu, self.sigma, size)
+        if size is None:
+            x = float(x)
+            x = x if self.lo is None else max(self.lo, x)
+            return x if self.hi is None else min(self.hi, x)
         if self.lo is not None or self.hi is not None:
             x = np.clip(x, self.lo, self.hi)
         return x
@@ -64,6 +69,8 @@ class Mixture:
 
 def scaled(tokens: float | np.ndarray, scale: float, lo: int = 1) -> np.ndarray | int:
     """Token counts times the --scale factor, rounded, at least `lo`."""
+    if isinstance(tokens, (int, float)):
+        return max(lo, int(round(tokens * scale)))
     x = np.maximum(np.rint(np.asarray(tokens, dtype=float) * scale), lo).astype(np.int64)
     return int(x) if x.ndim == 0 else x
 

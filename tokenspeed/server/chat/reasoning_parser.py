@@ -55,8 +55,8 @@ class ReasoningParser:
     def __init__(self, in_reasoning: bool = True) -> None:
         self.in_reasoning = in_reasoning
         self._state = _START if (in_reasoning or self.sniff_open) else _CONTENT
-        self._text = ""  # the reasoning region (output after a skipped leading opener)
-        self._emitted = 0  # chars of `_text` already returned as reasoning
+        self._tail = ""  # reasoning-region text not yet returned (a possible marker start, or all of it at first)
+        self._sent: list[str] = []  # reasoning returned so far, kept while deviation (b) may still apply
         self._observed = False  # a think opener appeared in the output
         self._finished = False
 
@@ -68,16 +68,16 @@ class ReasoningParser:
             raise RuntimeError("push() after finish()")
         if self._state == _CONTENT:
             return "", delta
-        self._text += delta
+        self._tail += delta
         if self._state == _START:
-            if len(self._text) < len(self.think_open) and self.think_open.startswith(self._text):
+            if len(self._tail) < len(self.think_open) and self.think_open.startswith(self._tail):
                 return "", ""  # could still be the opener
-            if self._text.startswith(self.think_open):
-                self._text = self._text[len(self.think_open):]
+            if self._tail.startswith(self.think_open):
+                self._tail = self._tail[len(self.think_open):]
                 self._observed = True
             elif not self.in_reasoning:  # sniffing found no opener: plain content
                 self._state = _CONTENT
-                text, self._text = self._text, ""
+                text, self._tail = self._tail, ""
                 return "", text
             self._state = _REASONING
         return self._scan(final=False)
@@ -90,7 +90,7 @@ class ReasoningParser:
         if self._state == _CONTENT:
             return "", ""
         if self._state == _START and not self.in_reasoning:
-            return "", self._text  # a partial opener that never completed is content
+            return "", self._tail  # a partial opener that never completed is content
         self._state = _REASONING
         return self._scan(final=True)
 
@@ -104,18 +104,24 @@ class ReasoningParser:
         return found if self._observed else found + list(self.answer_closers)
 
     def _scan(self, final: bool) -> tuple[str, str]:
-        text, markers = self._text, self._markers()
-        hit = mk.find_first(text, markers, self._emitted)
+        # Sent text never holds a complete marker or a marker start (those stay in the tail), so only the tail
+        # needs searching.
+        tail, markers = self._tail, self._markers()
+        hit = mk.find_first(tail, markers)
         if hit is None:
-            end = len(text) if final else len(text) - mk.partial_suffix(text[self._emitted:], markers)
-            delta, self._emitted = text[self._emitted:end], end
+            end = len(tail) if final else len(tail) - mk.partial_suffix(tail, markers)
+            delta, self._tail = tail[:end], tail[end:]
+            if delta and self.answer_closers and not self._observed:
+                self._sent.append(delta)
             return delta, ""
         pos, marker = hit
-        self._state, self._text = _CONTENT, ""
+        self._state, self._tail = _CONTENT, ""
         if marker in self.answer_closers:  # (b): the whole region was the answer
-            return "", text
+            sent, self._sent = "".join(self._sent), []
+            return "", sent + tail
+        self._sent = []
         consumed = dict(self.ends)[marker]
-        return text[self._emitted:pos], text[pos + consumed:]
+        return tail[:pos], tail[pos + consumed:]
 
     # -- whole text ------------------------------------------------------------------------------------------
 

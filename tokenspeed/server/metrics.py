@@ -1,0 +1,75 @@
+"""Prometheus metrics of the server: request counters, token counters, latency histograms, engine gauges."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tokenspeed.engine.outputs import StepStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0, 160.0)
+
+
+class Metrics:
+    """One registry per server. Names use the `tokenspeed:` prefix and vLLM's meanings."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.requests = Counter("tokenspeed:request_success", "finished requests", labels + ["finished_reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("tokenspeed:prompt_tokens", "prompt tokens of finished requests", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("tokenspeed:generation_tokens", "generated tokens", labels, registry=r)
+        self.cache_queries = Counter("tokenspeed:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                     labels, registry=r)
+        self.cache_hits = Counter("tokenspeed:prefix_cache_hits", "prompt tokens served from the prefix cache",
+                                  labels, registry=r)
+        self.ttft = Histogram("tokenspeed:time_to_first_token_seconds", "time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("tokenspeed:time_per_output_token_seconds", "mean time per output token after the "
+                              "first, per request", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tokenspeed:inter_token_latency_seconds", "time between consecutive output tokens",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tokenspeed:e2e_request_latency_seconds", "arrival to finish", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("tokenspeed:num_requests_running", "requests running in the engine", labels,
+                             registry=r)
+        self.waiting = Gauge("tokenspeed:num_requests_waiting", "requests waiting in the engine", labels,
+                             registry=r)
+        self.cache_usage = Gauge("tokenspeed:kv_cache_usage_perc", "fraction of MLA cache pages in use", labels,
+                                 registry=r)
+        self._seen_hits = self._seen_queries = 0
+
+    def finished(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float | None, e2e: float) -> None:
+        m = self.model_name
+        self.requests.labels(m, reason).inc()
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.e2e.labels(m).observe(e2e)
+        if ttft is not None and output_tokens > 1:
+            self.tpot.labels(m).observe((e2e - ttft) / (output_tokens - 1))
+
+    def token(self, itl: float | None, first: float | None) -> None:
+        self.generation_tokens.labels(self.model_name).inc()
+        if first is not None:
+            self.ttft.labels(self.model_name).observe(first)
+        if itl is not None:
+            self.itl.labels(self.model_name).observe(itl)
+
+    def engine(self, stats: StepStats | None, num_unfinished: int) -> None:
+        """Refresh the gauges from the engine's last step (called when /metrics is scraped)."""
+        m = self.model_name
+        if stats is None:
+            self.running.labels(m).set(0)
+            self.waiting.labels(m).set(num_unfinished)
+            return
+        self.running.labels(m).set(stats.num_running if num_unfinished else 0)
+        self.waiting.labels(m).set(stats.num_waiting if num_unfinished else 0)
+        self.cache_usage.labels(m).set(stats.cache_usage if num_unfinished else 0.0)
+        self.cache_hits.labels(m).inc(stats.num_cache_hit_tokens - self._seen_hits)
+        self.cache_queries.labels(m).inc(stats.num_cache_query_tokens - self._seen_queries)
+        self._seen_hits, self._seen_queries = stats.num_cache_hit_tokens, stats.num_cache_query_tokens
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
