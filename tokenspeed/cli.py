@@ -21,9 +21,7 @@ import torch
 from tokenspeed.errors import CheckpointError, ConfigError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-NOT_YET = {
-    "bench": "the agentic benchmark client",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -95,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenspeed.server.serve import add_serve_parser
 
     add_serve_parser(sub)
+    from tokenspeed.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     for name, what in NOT_YET.items():
         sub.add_parser(name, help=f"{what} (not available yet)", add_help=False).add_argument(
             "rest", nargs=argparse.REMAINDER)
@@ -104,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=(args.log_level or "warning").upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "bench":
+        from tokenspeed.bench.cli import run_bench
+
+        return run_bench(args)
     if args.command in NOT_YET:
         print(f"tokenspeed {args.command}: {NOT_YET[args.command]} is not available in this version yet.",
               file=sys.stderr)

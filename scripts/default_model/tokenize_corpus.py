@@ -71,6 +71,7 @@ def chat_samples(files: list[tuple[str, str]], seed: int = 0) -> list[list[dict]
         except (SyntaxError, ValueError):
             continue
         module = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        lines = text.splitlines()
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("__"):
                 continue
@@ -78,10 +79,9 @@ def chat_samples(files: list[tuple[str, str]], seed: int = 0) -> list[list[dict]
             if not doc:
                 continue
             para = _first_paragraph(doc)
-            source = ast.get_source_segment(text, node, padded=True)
+            source = textwrap.dedent("\n".join(lines[node.lineno - 1:node.end_lineno])).strip("\n")
             if not (20 <= len(para) <= 400) or not source or len(source) > 1600:
                 continue
-            source = textwrap.dedent(source).strip("\n")
             name = node.name
             if rng.random() < 0.7:
                 user = rng.choice(WRITE_PROMPTS).format(sig=_signature(node), doc=para)

@@ -47,7 +47,7 @@ def splits(text: str, n_random: int = 30, seed: int = 0):
     for _ in range(n_random):
         if len(text) > 1:
             cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
-            yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
 def stream(parser, pieces) -> tuple[str, str]:

@@ -106,13 +106,17 @@ class EngineCore:
             return []
         result = self.runner.execute(batch)
         outputs = self._update(batch, result)
-        self.last_step = StepStats(
-            num_tokens=result.num_tokens, num_seqs=len(batch.requests), num_running=self.num_running,
-            num_waiting=self.num_waiting, cache_usage=self.cache.usage, duration=time.monotonic() - start,
-            num_preempted=len(batch.preempted), num_cache_hit_tokens=self.cache.num_hit_tokens,
-            num_cache_query_tokens=self.cache.num_query_tokens,
-        )
+        self.last_step = self.stats(result.num_tokens, len(batch.requests), time.monotonic() - start,
+                                    len(batch.preempted))
         return outputs
+
+    def stats(self, num_tokens: int = 0, num_seqs: int = 0, duration: float = 0.0, preempted: int = 0) -> StepStats:
+        """The engine's counters now (with the figures of a step when given)."""
+        return StepStats(
+            num_tokens=num_tokens, num_seqs=num_seqs, num_running=self.num_running, num_waiting=self.num_waiting,
+            cache_usage=self.cache.usage, duration=duration, num_preempted=preempted,
+            num_cache_hit_tokens=self.cache.num_hit_tokens, num_cache_query_tokens=self.cache.num_query_tokens,
+        )
 
     def _update(self, batch: ScheduledBatch, result: StepOutput) -> list[EngineOutput]:
         outputs = []

@@ -64,12 +64,15 @@ def engine_main(config: EngineConfig, to_engine: str, from_engine: str, log_leve
 def _loop(engine: Any, pull: zmq.Socket, push: zmq.Socket) -> None:
     while True:
         timeout = 0 if engine.has_work else IDLE_POLL_MS
+        handled = False
         while pull.poll(timeout):
             msg = unpack(pull.recv())
             if msg["type"] == "shutdown":
                 return
             _handle(engine, msg, push)
-            timeout = 0
+            timeout, handled = 0, True
+        if handled and not engine.has_work:  # e.g. the last request was aborted: report the idle state
+            push.send(pack({"type": "outputs", "outputs": [], "stats": dataclasses.asdict(engine.stats())}))
         if engine.has_work:
             outputs = engine.step()
             stats = dataclasses.asdict(engine.last_step) if engine.last_step else None

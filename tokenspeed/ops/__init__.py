@@ -1,15 +1,21 @@
 """Every op the models call, behind one public function each.
 
-Models import `tokenspeed.ops` only, never a concrete kernel. Today each function runs its plain torch reference
-(`tokenspeed.ops.reference.*`, the ground truth and the CPU path); GPU kernels register behind the same names.
+Models import `tokenspeed.ops` only, never a concrete kernel. Each function runs its plain torch reference
+(`tokenspeed.ops.reference.*`, the ground truth and the CPU path) or, for CUDA tensors, the Triton kernel of the
+same contract in `tokenspeed.ops.triton` (`rms_norm`, `gated_rms_norm`, `attn_res_mix`, `attn_res_mix_rms_norm`,
+`moe_route`, `kda_decode`). `TOKENSPEED_OPS=reference` forces the reference; `tokenspeed.ops.dispatch` has the rule.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
+from tokenspeed.ops import dispatch as _dispatch
+from tokenspeed.ops.reference import attn_res as _ref_attn_res
+from tokenspeed.ops.reference import moe as _ref_moe
+from tokenspeed.ops.reference import norm as _ref_norm
 from tokenspeed.ops.reference.activation import Activation, gated_activation
-from tokenspeed.ops.reference.attn_res import attn_res_mix, attn_res_mix_rms_norm
 from tokenspeed.ops.reference.conv import causal_conv1d
 from tokenspeed.ops.reference.kda import kda_chunk, kda_gate, kda_recurrent, l2_normalize
 from tokenspeed.ops.reference.mla import (
@@ -18,9 +24,153 @@ from tokenspeed.ops.reference.mla import (
     mla_gather_latent,
     mla_store_latent,
 )
-from tokenspeed.ops.reference.moe import moe_experts, moe_route
-from tokenspeed.ops.reference.norm import gated_rms_norm, rms_norm
+from tokenspeed.ops.reference.moe import moe_experts
 from tokenspeed.ops.reference.rope import apply_rope, rope_cos_sin, yarn_mscale
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if _dispatch.use_triton(x, weight) and _dispatch.norm_supported(x):
+        return _dispatch.kernels("norm").rms_norm(x, weight, eps)
+    return _ref_norm.rms_norm(x, weight, eps)
+
+
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if _dispatch.use_triton(x, gate, weight) and _dispatch.norm_supported(x) and gate.shape == x.shape:
+        return _dispatch.kernels("norm").gated_rms_norm(x, gate, weight, eps)
+    return _ref_norm.gated_rms_norm(x, gate, weight, eps)
+
+
+def attn_res_mix(blocks: Tensor, partial: Tensor, query: Tensor, eps: float) -> Tensor:
+    if _dispatch.use_triton(blocks, partial, query) and _dispatch.attn_res_supported(blocks, partial):
+        return _dispatch.kernels("attn_res").attn_res_mix(blocks, partial, query, eps)
+    return _ref_attn_res.attn_res_mix(blocks, partial, query, eps)
+
+
+def attn_res_mix_rms_norm(
+    blocks: Tensor, partial: Tensor, query: Tensor, eps: float, norm_weight: Tensor, norm_eps: float
+) -> Tensor:
+    if _dispatch.use_triton(blocks, partial, query, norm_weight) and _dispatch.attn_res_supported(blocks, partial):
+        return _dispatch.kernels("attn_res").attn_res_mix_rms_norm(blocks, partial, query, eps, norm_weight,
+                                                                   norm_eps)
+    return _ref_attn_res.attn_res_mix_rms_norm(blocks, partial, query, eps, norm_weight, norm_eps)
+
+
+def moe_route(
+    router_logits: Tensor,
+    correction_bias: Tensor | None,
+    top_k: int,
+    *,
+    scoring: str = "sigmoid",
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    if _dispatch.use_triton(router_logits, correction_bias) and _dispatch.moe_route_supported(
+        router_logits, top_k, scoring
+    ):
+        return _dispatch.kernels("moe_route").moe_route(
+            router_logits, correction_bias, top_k, scoring=scoring, renormalize=renormalize,
+            routed_scaling_factor=routed_scaling_factor,
+        )
+    return _ref_moe.moe_route(router_logits, correction_bias, top_k, scoring=scoring, renormalize=renormalize,
+                              routed_scaling_factor=routed_scaling_factor)
+
+
+for _fn, _ref in ((rms_norm, _ref_norm.rms_norm), (gated_rms_norm, _ref_norm.gated_rms_norm),
+                  (attn_res_mix, _ref_attn_res.attn_res_mix),
+                  (attn_res_mix_rms_norm, _ref_attn_res.attn_res_mix_rms_norm), (moe_route, _ref_moe.moe_route)):
+    _fn.__doc__ = _ref.__doc__
+
+
+def kda_decode(
+    qkv: Tensor,
+    f: Tensor,
+    b: Tensor,
+    conv_weight: Tensor,
+    conv_state: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    state: Tensor,
+    state_indices: Tensor,
+    cu_seqlens: Tensor,
+    *,
+    lower_bound: float | None,
+    scale: float,
+    update_state: bool = True,
+    step_states: Tensor | None = None,
+) -> Tensor:
+    """KDA decode / k-token verify from the raw projections, fused on CUDA (one launch per layer).
+
+    Equals `causal_conv1d(qkv, conv_weight, conv_state, state_indices, cu_seqlens, "silu")` split into q, k, v
+    ([T, 3, H, D]), then `kda_recurrent(l2_normalize(q), l2_normalize(k), v, kda_gate(f, A_log, dt_bias,
+    lower_bound), sigmoid(b), scale=scale)` from and into `state[state_indices]`.
+
+    qkv: [T, 3*H*D] pre-conv projections (a strided slice of the merged projection is read in place);
+    f: [T, H, D] or [T, H*D] gate logits; b: [T, H] beta logits; conv_weight [3*H*D, 4] fp32;
+    conv_state [S, 3*H*D, 3]; A_log [H], dt_bias [H, D] fp32; state [S, H, D, D] fp32 pool;
+    state_indices [N] (a slot < 0 marks a padding row: zero outputs, no state touched); cu_seqlens [N+1].
+    update_state=True advances conv_state and state in place (decode); False leaves both pools untouched
+    (verify) and, with `step_states` [T, H, D, D] fp32, writes the state after every token there.
+    Returns o [T, H, D] in qkv.dtype.
+    """
+    if step_states is not None and update_state:
+        raise ValueError("step_states is for verify (update_state=False)")
+    if _dispatch.use_triton(qkv, f, b, conv_state, state, state_indices) and _dispatch.kda_decode_supported(
+        qkv, conv_weight, dt_bias
+    ):
+        return _dispatch.kernels("kda_decode").kda_decode(
+            qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens,
+            lower_bound=lower_bound, scale=scale, update_state=update_state, step_states=step_states,
+        )
+    return _kda_decode_reference(qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices,
+                                 cu_seqlens, lower_bound=lower_bound, scale=scale, update_state=update_state,
+                                 step_states=step_states)
+
+
+def _kda_decode_reference(qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, *,
+                          lower_bound, scale, update_state, step_states) -> Tensor:
+    """The composition of the reference ops that `kda_decode` fuses (host-synchronising; the CPU path)."""
+    T = qkv.shape[0]
+    H, D = dt_bias.shape
+    slots = state_indices.tolist()
+    bounds = cu_seqlens.tolist()
+    o = torch.zeros(T, H, D, dtype=qkv.dtype, device=qkv.device)
+    keep = [n for n, s in enumerate(slots) if s >= 0]  # padding rows (slot < 0) give zeros
+    if not keep:
+        return o
+    tok = torch.cat([torch.arange(bounds[n], bounds[n + 1]) for n in keep]).to(qkv.device)
+    lens = [bounds[n + 1] - bounds[n] for n in keep]
+    cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(cu_seqlens.device)
+    idx = torch.tensor([slots[n] for n in keep], dtype=torch.int64, device=state_indices.device)
+    t = tok.numel()
+    cs = conv_state if update_state else conv_state.clone()
+    mixed = causal_conv1d(qkv[tok], conv_weight, cs, idx, cu, activation="silu")
+    q, k, v = mixed.view(t, 3, H, D).unbind(1)
+    g = kda_gate(f.reshape(T, H, D)[tok], A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(b[tok].float())
+    q, k = l2_normalize(q), l2_normalize(k)
+    if step_states is None:
+        out, final = kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=state[idx], cu_seqlens=cu)
+        if update_state:
+            state[idx] = final
+        o[tok] = out
+        return o
+    # Verify with per-token states: advance every sequence one token at a time (lockstep).
+    cur = state[idx].clone()
+    starts = cu[:-1]
+    ln = torch.tensor(lens, device=cu.device)
+    one = torch.arange(0, len(keep) + 1, dtype=torch.int64, device=cu.device)
+    for j in range(max(lens)):
+        seqs = torch.nonzero(ln > j).squeeze(1)
+        tt = starts[seqs] + j
+        out, new = kda_recurrent(q[tt], k[tt], v[tt], g[tt], beta[tt], scale=scale, initial_state=cur[seqs],
+                                 cu_seqlens=one[: seqs.numel() + 1])
+        cur[seqs] = new
+        o[tok[tt]] = out
+        step_states[tok[tt]] = new
+    if update_state:
+        state[idx] = cur
+    return o
+
 
 # Sequences with more new tokens than this take the chunked KDA form; shorter ones the recurrent form.
 KDA_CHUNK_MIN_TOKENS = 16
@@ -64,6 +214,7 @@ __all__ = [
     "gated_activation",
     "gated_rms_norm",
     "kda_chunk",
+    "kda_decode",
     "kda_gate",
     "kda_recurrent",
     "kda_scan",

@@ -64,9 +64,9 @@ class Metrics:
             self.running.labels(m).set(0)
             self.waiting.labels(m).set(num_unfinished)
             return
-        self.running.labels(m).set(stats.num_running if num_unfinished else 0)
-        self.waiting.labels(m).set(stats.num_waiting if num_unfinished else 0)
-        self.cache_usage.labels(m).set(stats.cache_usage if num_unfinished else 0.0)
+        self.running.labels(m).set(stats.num_running)
+        self.waiting.labels(m).set(stats.num_waiting)
+        self.cache_usage.labels(m).set(stats.cache_usage)
         self.cache_hits.labels(m).inc(stats.num_cache_hit_tokens - self._seen_hits)
         self.cache_queries.labels(m).inc(stats.num_cache_query_tokens - self._seen_queries)
         self._seen_hits, self._seen_queries = stats.num_cache_hit_tokens, stats.num_cache_query_tokens

@@ -12,7 +12,12 @@ if TYPE_CHECKING:
 
 
 def _token_text(state: ServerState, token_id: int) -> str:
-    return state.tokenizer.decode([token_id], skip_special_tokens=False)
+    """The token's text; for a token with no text of its own (a byte fragment, an unused id) its raw name or
+    `token_id:N`, so distinct tokens keep distinct keys in `top_logprobs`."""
+    text = state.tokenizer.decode([token_id], skip_special_tokens=False)
+    if text and "\ufffd" not in text:
+        return text
+    return state.tokenizer.id_to_token(token_id) or f"token_id:{token_id}"
 
 
 def _chat_logprobs(state: ServerState, ids: list[int], lps: list[float], tops: list | None) -> dict[str, Any]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import signal
 from collections.abc import AsyncIterator
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -85,6 +87,16 @@ def serve(args: argparse.Namespace) -> int:
         await client.stop()
 
     app = build_app(client, server_config, name, lifespan)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
-                timeout_graceful_shutdown=int(server_config.timeout_graceful_shutdown))
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level,
+                            timeout_graceful_shutdown=int(server_config.timeout_graceful_shutdown))
+    _GracefulServer(config).run()
     return 0
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM after its graceful shutdown (exit status 143); a clean stop here exits 0."""
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True

@@ -47,7 +47,7 @@ def export_jsonl(trace: Trace, path: str | Path) -> int:
                 sid = str(s.session_id) if ci == 0 else f"{s.session_id}.{ci}"
                 for ti, t in enumerate(conv.turns):
                     line: dict = {"session_id": sid, "input_length": t.input_len, "output_length": t.output_len,
-                                  "hash_ids": t.block_ids(), "delay": round(t.delay_ms, 3)}
+                                  "hash_ids": t.block_ids(), "delay": t.delay_ms}
                     if t.kind != "root":
                         line["kind"] = t.kind
                     if t.shared_blocks:
@@ -58,7 +58,7 @@ def export_jsonl(trace: Trace, path: str | Path) -> int:
                         pc, pt, sp = parents[ci]
                         line.update(parent=str(s.session_id) if pc == 0 else f"{s.session_id}.{pc}", parent_turn=pt,
                                     spawn="end" if sp.at_end else "start", blocking=sp.blocking,
-                                    offset=round(sp.offset_ms, 3))
+                                    offset=sp.offset_ms)
                     f.write(json.dumps(line) + "\n")
                     n += 1
     return n

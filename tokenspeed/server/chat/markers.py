@@ -11,6 +11,7 @@ The parsers match marker *text*, so the server must detokenize with special toke
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 # --- Kimi K3 -------------------------------------------------------------------------------------------------
@@ -68,13 +69,30 @@ def find_first(text: str, markers: Sequence[str], start: int = 0) -> tuple[int, 
     return best
 
 
+@functools.lru_cache(maxsize=64)
+def _window(markers: tuple[str, ...]) -> tuple[int, frozenset[str]]:
+    return max(len(m) for m in markers) - 1, frozenset(m[0] for m in markers)
+
+
 def partial_suffix(text: str, markers: Sequence[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of some marker (text to hold back while
     streaming, because the next delta may complete the marker)."""
-    held = 0
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), held, -1):
-            if text.endswith(marker[:k]):
-                held = k
-                break
-    return held
+    if not markers or not text:
+        return 0
+    width, first_chars = _window(tuple(markers))
+    start = max(0, len(text) - width)
+    if len(first_chars) == 1:  # the usual case: every marker starts with "<"
+        (first,) = first_chars
+        i = text.find(first, start)
+        while i >= 0:
+            suffix = text[i:]
+            if any(len(m) > len(suffix) and m.startswith(suffix) for m in markers):
+                return len(text) - i
+            i = text.find(first, i + 1)
+        return 0
+    for i in range(start, len(text)):
+        if text[i] in first_chars:
+            suffix = text[i:]
+            if any(len(m) > len(suffix) and m.startswith(suffix) for m in markers):
+                return len(text) - i
+    return 0

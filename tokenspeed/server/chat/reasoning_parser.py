@@ -58,6 +58,8 @@ class ReasoningParser:
         self._tail = ""  # reasoning-region text not yet returned (a possible marker start, or all of it at first)
         self._sent: list[str] = []  # reasoning returned so far, kept while deviation (b) may still apply
         self._observed = False  # a think opener appeared in the output
+        self._end_markers = tuple(m for m, _ in self.ends)
+        self._all_markers = self._end_markers + tuple(self.answer_closers)
         self._finished = False
 
     # -- streaming -------------------------------------------------------------------------------------------
@@ -99,9 +101,8 @@ class ReasoningParser:
         """True once the output has left the think channel (or never was in it)."""
         return self._state == _CONTENT
 
-    def _markers(self) -> list[str]:
-        found = [m for m, _ in self.ends]
-        return found if self._observed else found + list(self.answer_closers)
+    def _markers(self) -> tuple[str, ...]:
+        return self._end_markers if self._observed else self._all_markers
 
     def _scan(self, final: bool) -> tuple[str, str]:
         # Sent text never holds a complete marker or a marker start (those stay in the tail), so only the tail

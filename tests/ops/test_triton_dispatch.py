@@ -1,0 +1,102 @@
+"""`tokenspeed.ops` dispatch: CUDA tensors -> Triton kernels, CPU tensors -> reference, TOKENSPEED_OPS overrides."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+
+from tokenspeed import ops  # noqa: E402
+from tokenspeed.ops import dispatch  # noqa: E402
+from tokenspeed.ops.reference import attn_res as ref_attn_res  # noqa: E402
+from tokenspeed.ops.reference import moe as ref_moe  # noqa: E402
+from tokenspeed.ops.reference import norm as ref_norm  # noqa: E402
+
+INTERP = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_mode_parsing(monkeypatch):
+    monkeypatch.delenv("TOKENSPEED_OPS", raising=False)
+    assert dispatch.mode() == "auto"
+    monkeypatch.setenv("TOKENSPEED_OPS", " Reference ")
+    assert dispatch.mode() == "reference"
+    assert not dispatch.use_triton(torch.zeros(1))
+    monkeypatch.setenv("TOKENSPEED_OPS", "cuda")
+    with pytest.raises(ValueError, match="TOKENSPEED_OPS"):
+        dispatch.mode()
+
+
+def test_cpu_tensors_take_the_reference(monkeypatch):
+    monkeypatch.delenv("TOKENSPEED_OPS", raising=False)
+    x = torch.randn(3, 8)
+    assert not dispatch.use_triton(x)
+    assert torch.equal(ops.rms_norm(x, torch.ones(8), 1e-5), ref_norm.rms_norm(x, torch.ones(8), 1e-5))
+    assert ops.attn_res_mix(torch.zeros(0, 3, 8), x, torch.ones(8), 1e-6) is x  # n == 0 returns partial itself
+
+
+def test_public_signatures_unchanged():
+    import inspect
+
+    for name, ref in [("rms_norm", ref_norm.rms_norm), ("gated_rms_norm", ref_norm.gated_rms_norm),
+                      ("attn_res_mix", ref_attn_res.attn_res_mix),
+                      ("attn_res_mix_rms_norm", ref_attn_res.attn_res_mix_rms_norm),
+                      ("moe_route", ref_moe.moe_route)]:
+        assert inspect.signature(getattr(ops, name)) == inspect.signature(ref), name
+        assert getattr(ops, name).__doc__ == ref.__doc__
+        assert name in ops.__all__
+
+
+@pytest.mark.skipif(not INTERP, reason="needs the Triton CPU interpreter (set before triton import)")
+def test_forced_triton_on_cpu_interpreter(monkeypatch):
+    monkeypatch.setenv("TOKENSPEED_OPS", "triton")
+    x, w, g = torch.randn(4, 24), torch.randn(24), torch.randn(4, 24)
+    assert torch.allclose(ops.rms_norm(x, w, 1e-5), ref_norm.rms_norm(x, w, 1e-5), atol=1e-5)
+    assert torch.allclose(ops.gated_rms_norm(x, g, w, 1e-5), ref_norm.gated_rms_norm(x, g, w, 1e-5), atol=1e-5)
+    blocks = torch.randn(2, 4, 24)
+    assert torch.allclose(ops.attn_res_mix_rms_norm(blocks, x, w, 1e-6, w, 1e-5),
+                          ref_attn_res.attn_res_mix_rms_norm(blocks, x, w, 1e-6, w, 1e-5), atol=1e-5)
+    wk, ik = ops.moe_route(x, None, 3)
+    wr, ir = ref_moe.moe_route(x, None, 3)
+    assert torch.equal(ik, ir) and torch.allclose(wk, wr, atol=1e-6)
+
+
+def _spy(monkeypatch, module: str, name: str) -> list:
+    mod = dispatch.kernels(module)
+    real = getattr(mod, name)
+    calls: list = []
+    monkeypatch.setattr(mod, name, lambda *a, **k: calls.append(name) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_tensors_take_triton_and_env_forces_reference(monkeypatch):
+    monkeypatch.delenv("TOKENSPEED_OPS", raising=False)
+    calls = []
+    for module, name in [("norm", "rms_norm"), ("norm", "gated_rms_norm"), ("attn_res", "attn_res_mix"),
+                         ("attn_res", "attn_res_mix_rms_norm"), ("moe_route", "moe_route")]:
+        calls.append(_spy(monkeypatch, module, name))
+    dev, bf = "cuda", torch.bfloat16
+    x, g = torch.randn(4, 7168, device=dev, dtype=bf), torch.randn(4, 7168, device=dev, dtype=bf)
+    w, q = torch.randn(7168, device=dev, dtype=bf), torch.randn(7168, device=dev) * 0.05
+    blocks = torch.randn(3, 4, 7168, device=dev, dtype=bf)
+    logits, bias = torch.randn(4, 896, device=dev, dtype=bf), torch.randn(896, device=dev) * 0.1
+
+    def run_all():
+        return [ops.rms_norm(x, w, 1e-5), ops.gated_rms_norm(x, g, w.float(), 1e-5),
+                ops.attn_res_mix(blocks, x, q, 1e-6), ops.attn_res_mix_rms_norm(blocks, x, q, 1e-6, w, 1e-5),
+                ops.moe_route(logits, bias, 16)[0]]
+
+    fast = run_all()
+    assert [len(c) for c in calls] == [1] * 5
+    monkeypatch.setenv("TOKENSPEED_OPS", "reference")
+    slow = run_all()
+    assert [len(c) for c in calls] == [1] * 5
+    for a, b in zip(fast, slow):
+        assert ((a.double() - b.double()).abs().max() / b.double().abs().max()).item() < 1e-2

@@ -1,0 +1,256 @@
+"""Fused KDA decode / verify kernel against the composition of reference ops it replaces:
+
+    causal_conv1d(qkv) -> split q, k, v -> l2_normalize(q), l2_normalize(k); kda_gate(f); sigmoid(b)
+    -> kda_recurrent from state[state_indices] -> state[state_indices] = final
+
+Checked: outputs, the recurrent-state pool and the conv-state pool (slots not in the batch untouched), both gate
+forms, the V split (and its last-arriver conv-state write), strided qkv / b read from a merged projection,
+zero-length sequences, padding slots (-1), verify mode with per-token states, and CUDA-graph replay.
+Tolerances: fp32 io within 1e-5 (outputs and fp32 state), bf16 io within 1e-2 relative. Outputs start poisoned.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+pytest.importorskip("triton")
+
+from tokenspeed.ops.reference.conv import causal_conv1d  # noqa: E402
+from tokenspeed.ops.reference.kda import kda_gate, kda_recurrent, l2_normalize  # noqa: E402
+
+INTERP = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
+cpu_interp = pytest.mark.skipif(not INTERP, reason="needs the Triton CPU interpreter (set before triton import)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert not torch.isnan(a).any(), "element not written (NaN poison left)"
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def make(lens, H, D, dtype, device, slots=None, num_slots=None, seed=0):
+    """Inputs of one KDA layer step: strided qkv / b slices of a merged projection, pools with random state."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    T, N = sum(lens), len(lens)
+    S = num_slots or (2 * N + 3)
+    perm = torch.randperm(S, generator=g)[:N].tolist()  # drawn always: the same seed gives the same weights
+    slots = perm if slots is None else slots
+    C = 3 * H * D
+
+    def r(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(device)
+
+    merged = r(T, C + 2 * D + H + 5).to(dtype)  # [q | k | v | f_a-ish | b | pad] as the merged GEMM writes it
+    return dict(
+        qkv=merged[:, :C], f=r(T, H * D).to(dtype), b=merged[:, C + 2 * D:C + 2 * D + H],
+        conv_weight=r(C, 4, s=0.5), conv_state=r(S, C, 3).to(dtype),
+        A_log=r(H, s=0.5), dt_bias=r(H, D, s=0.5), state=r(S, H, D, D, s=0.3),
+        state_indices=torch.tensor(slots, dtype=torch.int64, device=device),
+        cu_seqlens=torch.tensor([0] + list(lens), dtype=torch.int64).cumsum(0).to(device),
+    )
+
+
+def composed(inp, lower_bound, scale):
+    """The reference ops in sequence (mutates inp's pools like the fused kernel); padding slots skipped."""
+    qkv, slots, cu = inp["qkv"], inp["state_indices"], inp["cu_seqlens"]
+    H, D = inp["dt_bias"].shape
+    T = qkv.shape[0]
+    keep = [n for n, s in enumerate(slots.tolist()) if s >= 0]
+    b = cu.tolist()
+    tok = torch.cat([torch.arange(b[n], b[n + 1]) for n in keep]).to(qkv.device)
+    lens = [b[n + 1] - b[n] for n in keep]
+    cu2 = torch.tensor([0] + lens).cumsum(0).to(qkv.device)
+    idx = slots[keep]
+    mixed = causal_conv1d(qkv[tok], inp["conv_weight"], inp["conv_state"], idx, cu2, activation="silu")
+    q, k, v = mixed.view(len(tok), 3, H, D).unbind(1)
+    g = kda_gate(inp["f"].view(T, H, D)[tok], inp["A_log"], inp["dt_bias"], lower_bound)
+    beta = torch.sigmoid(inp["b"][tok].float())
+    o, final = kda_recurrent(l2_normalize(q), l2_normalize(k), v, g, beta, scale=scale,
+                             initial_state=inp["state"][idx], cu_seqlens=cu2)
+    inp["state"][idx] = final
+    out = torch.zeros(T, H, D, dtype=qkv.dtype, device=qkv.device)
+    out[tok] = o
+    return out
+
+
+def clone(inp):
+    return {k: (v.clone() if k in ("conv_state", "state") else v) for k, v in inp.items()}
+
+
+def run_fused(inp, lower_bound, scale, **kw):
+    from tokenspeed.ops.triton.kda_decode import kda_decode
+
+    H, D = inp["dt_bias"].shape
+    T = inp["qkv"].shape[0]
+    out = torch.full((T, H, D), float("nan"), dtype=inp["qkv"].dtype, device=inp["qkv"].device)
+    y = kda_decode(**inp, lower_bound=lower_bound, scale=scale, out=out, **kw)
+    assert y is out
+    return y
+
+
+def check(lens, H, D, dtype, device, lower_bound=-5.0, slots=None, **kw):
+    inp = make(lens, H, D, dtype, device, slots=slots)
+    scale = D ** -0.5
+    a, r = clone(inp), clone(inp)
+    o = run_fused(a, lower_bound, scale, **kw)
+    o_ref = composed(r, lower_bound, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    errs = (rel_err(o, o_ref), rel_err(a["state"], r["state"]))
+    assert errs[0] < tol and errs[1] < tol, errs
+    assert torch.equal(a["conv_state"], r["conv_state"])
+    return errs
+
+
+def check_verify(lens, H, D, dtype, device, lower_bound=-5.0, **kw):
+    """update_state=False: pools untouched; step_states[t] = the state after token t (prefix runs)."""
+    inp = make(lens, H, D, dtype, device)
+    scale = D ** -0.5
+    T = sum(lens)
+    a = clone(inp)
+    steps = torch.full((T, H, D, D), float("nan"), device=device)
+    o = run_fused(a, lower_bound, scale, update_state=False, step_states=steps, **kw)
+    assert torch.equal(a["state"], inp["state"]) and torch.equal(a["conv_state"], inp["conv_state"])
+    r = clone(inp)
+    o_ref = composed(r, lower_bound, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(o, o_ref) < tol
+    cu = inp["cu_seqlens"].tolist()
+    for j in range(max(lens)):  # state after j+1 tokens of every sequence, from a run on the prefixes
+        pre = [min(L, j + 1) for L in lens]
+        sub = make(lens, H, D, dtype, device, slots=inp["state_indices"].tolist())
+        rows = torch.cat([torch.arange(cu[n], cu[n] + pre[n]) for n in range(len(lens))]).to(device)
+        sub.update(qkv=inp["qkv"][rows], f=inp["f"][rows], b=inp["b"][rows], conv_state=inp["conv_state"].clone(),
+                   state=inp["state"].clone(), cu_seqlens=torch.tensor([0] + pre).cumsum(0).to(device))
+        composed(sub, lower_bound, scale)
+        for n, L in enumerate(lens):
+            if L > j:
+                slot = inp["state_indices"][n]
+                assert rel_err(steps[cu[n] + j], sub["state"][slot]) < tol
+
+
+# ----------------------------------------------------------------------------- CPU (interpreter, fp32)
+@cpu_interp
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("BV", [None, 8])
+def test_fused_interp(lower_bound, BV):
+    check([1, 3, 0, 5], 2, 16, torch.float32, "cpu", lower_bound=lower_bound, BV=BV)
+
+
+@cpu_interp
+def test_fused_interp_padding_slot():
+    check([2, 1, 3], 2, 16, torch.float32, "cpu", slots=[4, -1, 0], BV=8)
+
+
+@cpu_interp
+def test_verify_interp():
+    check_verify([3, 1, 2], 1, 16, torch.float32, "cpu")
+
+
+@cpu_interp
+def test_public_op_reference_and_forced_triton(monkeypatch):
+    """ops.kda_decode: the reference composition on CPU; TOKENSPEED_OPS=triton runs the kernel (interpreter)."""
+    from tokenspeed import ops
+
+    inp = make([2, 1], 2, 16, torch.float32, "cpu")
+    outs = []
+    for mode in ("reference", "triton"):
+        monkeypatch.setenv("TOKENSPEED_OPS", mode)
+        x = clone(inp)
+        outs.append((ops.kda_decode(**x, lower_bound=-5.0, scale=0.25), x["state"], x["conv_state"]))
+    assert rel_err(outs[1][0], outs[0][0]) < 1e-5 and rel_err(outs[1][1], outs[0][1]) < 1e-5
+    assert torch.equal(outs[1][2], outs[0][2])
+
+
+# ----------------------------------------------------------------------------- CUDA
+K3_TP8 = dict(H=12, D=128)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("lens", [[1], [1] * 7, [1] * 64, [4] * 5, [1, 3, 0, 2, 5, 1, 4]])
+def test_fused_k3_tp8_gpu(lens, lower_bound, dtype):
+    check(lens, K3_TP8["H"], K3_TP8["D"], dtype, "cuda", lower_bound=lower_bound)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("BV,num_warps", [(32, 4), (64, 4), (128, 8), (128, 16)])
+@pytest.mark.parametrize("lens", [[1] * 3, [2, 1, 4]])
+def test_fused_configs_gpu(lens, BV, num_warps):
+    check(lens, 12, 128, torch.bfloat16, "cuda", BV=BV, num_warps=num_warps)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fused_96_heads_and_padding_gpu():
+    check([1, 1, 1, 1], 96, 128, torch.bfloat16, "cuda", slots=[3, -1, 7, 0])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_verify_gpu(dtype):
+    check_verify([4, 2, 3], 12, 128, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("BV", [None, 32])
+def test_cuda_graph_replay_gpu(BV):
+    """Captured once, replayed on new inputs: two decode steps equal two reference steps."""
+    from tokenspeed.ops.triton.kda_decode import kda_decode
+
+    lens, H, D = [1] * 3, 12, 128
+    inp = make(lens, H, D, torch.bfloat16, "cuda")
+    static = clone(inp)
+    static["qkv"] = inp["qkv"].clone()
+    static["f"], static["b"] = inp["f"].clone(), inp["b"].clone()
+    warm = clone(inp)
+    kda_decode(**warm, lower_bound=-5.0, scale=D ** -0.5, BV=BV)  # compile + counters, outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kda_decode(**static, lower_bound=-5.0, scale=D ** -0.5, BV=BV)
+    static["state"].copy_(inp["state"])
+    static["conv_state"].copy_(inp["conv_state"])
+    ref = clone(inp)
+    for step in range(2):
+        new = make(lens, H, D, torch.bfloat16, "cuda", seed=10 + step)
+        for key in ("qkv", "f", "b"):
+            static[key].copy_(new[key])
+            ref[key] = new[key]
+        out.fill_(float("nan"))
+        graph.replay()
+        o_ref = composed(ref, -5.0, D ** -0.5)
+        assert rel_err(out, o_ref) < 1e-2
+        assert rel_err(static["state"], ref["state"]) < 1e-2
+        assert torch.equal(static["conv_state"], ref["conv_state"])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_dispatch_cuda_gpu(monkeypatch):
+    """ops.kda_decode on CUDA tensors runs the kernel; TOKENSPEED_OPS=reference runs the composition."""
+    from tokenspeed import ops
+    from tokenspeed.ops.triton import kda_decode as mod
+
+    calls = []
+    real = mod.kda_decode
+    monkeypatch.setattr(mod, "kda_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    inp = make([1, 2], 12, 128, torch.bfloat16, "cuda")
+    a, r = clone(inp), clone(inp)
+    o = ops.kda_decode(**a, lower_bound=-5.0, scale=128 ** -0.5)
+    assert calls == [1]
+    monkeypatch.setenv("TOKENSPEED_OPS", "reference")
+    o_ref = ops.kda_decode(**r, lower_bound=-5.0, scale=128 ** -0.5)
+    assert calls == [1]
+    assert rel_err(o, o_ref) < 1e-2

@@ -1,0 +1,146 @@
+"""Triton RMSNorm, gated RMSNorm and AttnRes mix (+ fused RMSNorm) against the torch reference.
+
+CPU: the Triton interpreter (fp32, small shapes; it truncates fp32 -> bf16, so bf16 is checked on CUDA only).
+CUDA (`-m gpu`): K3 TP8 per-rank shapes and odd ones, bf16 within 1e-2 and fp32 within 1e-5 relative.
+Every output starts poisoned (NaN) so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+pytest.importorskip("triton")
+
+from tokenspeed.ops.reference import attn_res as ref_attn_res  # noqa: E402
+from tokenspeed.ops.reference import norm as ref_norm  # noqa: E402
+
+INTERP = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
+cpu_interp = pytest.mark.skipif(not INTERP, reason="needs the Triton CPU interpreter (set before triton import)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| in fp64; NaN anywhere (an unwritten output) fails."""
+    assert not torch.isnan(a).any(), "output element not written (NaN poison left)"
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def poison(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def kernels():
+    from tokenspeed.ops.triton import attn_res, norm
+
+    return norm, attn_res
+
+
+def check_rms(shape, dtype, device):
+    norm, _ = kernels()
+    d = shape[-1]
+    x = torch.randn(shape, device=device).to(dtype) * 3
+    w = (1 + 0.5 * torch.randn(d, device=device)).to(dtype)
+    out = poison(shape, dtype, device)
+    y = norm.rms_norm(x, w, 1e-5, out=out)
+    assert y is out
+    assert rel_err(y, ref_norm.rms_norm(x, w, 1e-5)) < tol(dtype)
+
+
+def check_gated(T, H, D, dtype, device, strided: bool):
+    norm, _ = kernels()
+    x = torch.randn(T, H, D, device=device).to(dtype)
+    if strided:  # the output-gate slice of a wider projection, read in place
+        gate = torch.randn(T, H * D + 24, device=device).to(dtype)[:, 8:8 + H * D].view(T, H, D)
+    else:
+        gate = torch.randn(T, H, D, device=device).to(dtype)
+    w = 1 + 0.5 * torch.randn(D, device=device)  # fp32 o_norm weight
+    out = poison((T, H, D), dtype, device)
+    y = norm.gated_rms_norm(x, gate, w, 1e-5, out=out)
+    assert rel_err(y, ref_norm.gated_rms_norm(x, gate, w, 1e-5)) < tol(dtype)
+
+
+def check_attn_res(n, T, D, dtype, device, schedule, fused=True):
+    _, attn_res = kernels()
+    scratch = torch.randn(max(n, 1) + 2, T, D, device=device).to(dtype)  # the stream's scratch, sliced
+    blocks = scratch[:n]
+    partial = torch.randn(T, D, device=device).to(dtype)
+    query = torch.randn(D, device=device) * 0.05
+    nw = (1 + 0.5 * torch.randn(D, device=device)).to(dtype)
+    out = poison((T, D), dtype, device)
+    if fused:
+        y = attn_res.attn_res_mix_rms_norm(blocks, partial, query, 1e-6, nw, 1e-5, schedule=schedule, out=out)
+        ref = ref_attn_res.attn_res_mix_rms_norm(blocks, partial, query, 1e-6, nw, 1e-5)
+    else:
+        y = attn_res.attn_res_mix(blocks, partial, query, 1e-6, schedule=schedule, out=out)
+        ref = ref_attn_res.attn_res_mix(blocks, partial, query, 1e-6)
+    assert rel_err(y, ref) < tol(dtype)
+
+
+# ----------------------------------------------------------------------------- CPU (interpreter, fp32)
+@cpu_interp
+@pytest.mark.parametrize("shape", [(3, 5, 48), (7, 130), (1, 1)])
+def test_rms_norm_interp(shape):
+    check_rms(shape, torch.float32, "cpu")
+
+
+@cpu_interp
+@pytest.mark.parametrize("strided", [False, True])
+def test_gated_rms_norm_interp(strided):
+    check_gated(5, 3, 16, torch.float32, "cpu", strided)
+
+
+@cpu_interp
+@pytest.mark.parametrize("schedule", ["tile", "online"])
+@pytest.mark.parametrize("n", [0, 3, 11])
+def test_attn_res_interp(n, schedule):
+    check_attn_res(n, 3, 100, torch.float32, "cpu", schedule)
+    if n:
+        check_attn_res(n, 2, 36, torch.float32, "cpu", schedule, fused=False)
+
+
+# ----------------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 7168), (37, 7168), (64, 7168), (4099, 7168), (5, 1536), (3, 7, 512),
+                                   (11, 3584), (2, 129)])
+def test_rms_norm_gpu(shape, dtype):
+    check_rms(shape, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [1, 37, 256, 4096])
+def test_gated_rms_norm_gpu(T, dtype, strided):
+    check_gated(T, 12, 128, dtype, "cuda", strided)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("schedule", ["tile", "online"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,T", [(0, 4), (1, 1), (7, 4), (11, 1), (11, 37), (11, 300), (5, 2049)])
+def test_attn_res_mix_rms_norm_gpu(n, T, dtype, schedule):
+    check_attn_res(n, T, 7168, dtype, "cuda", schedule)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("schedule", ["tile", "online"])
+@pytest.mark.parametrize("n,T,D", [(3, 5, 7168), (11, 3, 1000)])
+def test_attn_res_mix_gpu(n, T, D, schedule):
+    check_attn_res(n, T, D, torch.bfloat16, "cuda", schedule, fused=False)
+

@@ -1,0 +1,15 @@
+"""Triton kernels behind `tokenspeed.ops` (issue 7).
+
+Nothing here is imported by `tokenspeed.ops` until a call needs it (`tokenspeed.ops.dispatch` imports a kernel
+module lazily), so CPU-only runs never import Triton. Each module mirrors one reference module in
+`tokenspeed.ops.reference` and computes the same function (see docs/kernels.md for the numerics and the layouts):
+
+- `norm`:       `rms_norm`, `gated_rms_norm`
+- `attn_res`:   `attn_res_mix`, `attn_res_mix_rms_norm`
+- `moe_route`:  `moe_route` (sigmoid / softmax, bias-corrected top-k, renormalise) in one launch
+- `kda_decode`: `kda_decode`, the fused conv + SiLU + L2 norm + gate + beta + recurrence step for 1..k tokens
+
+Every wrapper takes CUDA tensors (or CPU tensors when `TRITON_INTERPRET=1` was set before Triton was imported,
+which is how the CPU tests run them), launches one kernel, never synchronises with the host and allocates only
+its outputs, so it can be captured in a CUDA graph.
+"""

@@ -1,0 +1,176 @@
+"""Block AttnRes depth mix (+ the following RMSNorm) in one launch.
+
+For each token row t, candidates v_0..v_n (n snapshots from `blocks`, then `partial`):
+    z_i = (query . v_i) * rsqrt(mean(v_i^2) + eps);  alpha = softmax(z);  mix = cast(sum_i alpha_i v_i)
+and, fused, y = rms_norm(mix, norm_weight, norm_eps) with the reference rounding (mix rounded to the activation
+dtype first, the gain after the downcast).
+
+Two schedules of the same math (`tokenspeed.ops.reference.attn_res` is the ground truth):
+- "tile" (few rows, decode / verify): one program per row walks D in chunks of all candidates at once
+  ([BLOCK_N, CHUNK] tiles: every candidate's loads in flight together), first for the logits, then again for the
+  weighted sum (the second read hits L2), writes the mix, and normalises it in a third pass over its own row.
+- "online" (many rows, prefill): one program per row, one full-width row per candidate, online softmax; every
+  candidate byte is read once from memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from tokenspeed.ops.triton._utils import next_pow2
+
+# Rows at or below which the "tile" schedule is used (measured on H200: benchmarks/kernels_h200.py).
+TILE_MAX_ROWS = 256
+
+
+@triton.jit
+def _norm_row_inplace(Y, t64, stride_y, NW, D, norm_eps, BLOCK_D: tl.constexpr):
+    """Row t of Y (already the rounded mix) -> rms_norm(row) in place (reference rounding)."""
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    m = tl.load(Y + t64 * stride_y + cols, mask=cmask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(m * m, axis=0) / D + norm_eps)
+    normed = (m * inv).to(Y.dtype.element_ty).to(tl.float32)
+    w = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(Y + t64 * stride_y + cols, (w * normed).to(Y.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _attn_res_online_kernel(
+    Bk, P, Q, NW, Y,
+    n, D,
+    stride_bn, stride_bt, stride_p, stride_y,
+    eps, norm_eps,
+    BLOCK_D: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    t64 = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    q = tl.load(Q + cols, mask=cmask, other=0.0).to(tl.float32)
+    # The partial sum starts the online softmax (it is always a candidate); the order does not change the math.
+    v = tl.load(P + t64 * stride_p + cols, mask=cmask, other=0.0).to(tl.float32)
+    m_run = tl.sum(v * q, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
+    l_run = m_run * 0.0 + 1.0
+    acc = v
+    for i in range(0, n):
+        v = tl.load(Bk + i * stride_bn + t64 * stride_bt + cols, mask=cmask, other=0.0).to(tl.float32)
+        z = tl.sum(v * q, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
+        m_new = tl.maximum(m_run, z)
+        a = tl.exp(m_run - m_new)
+        p = tl.exp(z - m_new)
+        acc = acc * a + p * v
+        l_run = l_run * a + p
+        m_run = m_new
+    mix = (acc / l_run).to(Y.dtype.element_ty)
+    if HAS_NORM:
+        mf = mix.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(mf * mf, axis=0) / D + norm_eps)
+        normed = (mf * inv).to(Y.dtype.element_ty).to(tl.float32)
+        w = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+        mix = (w * normed).to(Y.dtype.element_ty)
+    tl.store(Y + t64 * stride_y + cols, mix, mask=cmask)
+
+
+@triton.jit
+def _attn_res_tile_kernel(
+    Bk, P, Q, NW, Y,
+    n, D,
+    stride_bn, stride_bt, stride_p, stride_y,
+    eps, norm_eps,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    t64 = tl.program_id(0).to(tl.int64)
+    cand = tl.arange(0, BLOCK_N)
+    is_blk = cand < n
+    is_par = cand == n
+    # Candidate i < n comes from blocks[i], candidate n from partial; rows past n are masked off.
+    blk_off = cand.to(tl.int64) * stride_bn + t64 * stride_bt
+    dot = tl.zeros([BLOCK_N], dtype=tl.float32)
+    ssq = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for c0 in range(0, D, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        cmask = cols < D
+        vb = tl.load(Bk + blk_off[:, None] + cols[None, :], mask=is_blk[:, None] & cmask[None, :], other=0.0)
+        vp = tl.load(P + t64 * stride_p + cols, mask=cmask, other=0.0)
+        v = tl.where(is_par[:, None], vp.to(tl.float32)[None, :], vb.to(tl.float32))
+        q = tl.load(Q + cols, mask=cmask, other=0.0).to(tl.float32)
+        dot += tl.sum(v * q[None, :], axis=1)
+        ssq += tl.sum(v * v, axis=1)
+    valid = cand <= n
+    z = tl.where(valid, dot * tl.rsqrt(ssq / D + eps), -float("inf"))
+    e = tl.exp(z - tl.max(z, axis=0))
+    alpha = e / tl.sum(e, axis=0)
+    for c0 in range(0, D, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        cmask = cols < D
+        vb = tl.load(Bk + blk_off[:, None] + cols[None, :], mask=is_blk[:, None] & cmask[None, :], other=0.0)
+        vp = tl.load(P + t64 * stride_p + cols, mask=cmask, other=0.0)
+        v = tl.where(is_par[:, None], vp.to(tl.float32)[None, :], vb.to(tl.float32))
+        mix = tl.sum(alpha[:, None] * v, axis=0)
+        tl.store(Y + t64 * stride_y + cols, mix.to(Y.dtype.element_ty), mask=cmask)
+    if HAS_NORM:
+        tl.debug_barrier()
+        _norm_row_inplace(Y, t64, stride_y, NW, D, norm_eps, BLOCK_D)
+
+
+def _launch(blocks: Tensor, partial: Tensor, query: Tensor, eps: float, norm_weight: Tensor | None,
+            norm_eps: float, schedule: str = "auto", out: Tensor | None = None) -> Tensor:
+    if partial.dim() != 2:
+        raise ValueError(f"partial must be [T, D]; got {tuple(partial.shape)}")
+    T, D = partial.shape
+    n = blocks.shape[0]
+    if blocks.shape[1:] != (T, D):
+        raise ValueError(f"blocks must be [n, {T}, {D}]; got {tuple(blocks.shape)}")
+    if out is None:
+        out = torch.empty(T, D, dtype=partial.dtype, device=partial.device)
+    elif out.shape != (T, D) or out.dtype != partial.dtype or out.stride(1) != 1:
+        raise ValueError("out must be [T, D] in partial's dtype with unit column stride")
+    if T == 0:
+        return out
+    if partial.stride(1) != 1:
+        partial = partial.contiguous()
+    if n and blocks.stride(2) != 1:
+        blocks = blocks.contiguous()
+    if blocks.dtype != partial.dtype:
+        blocks = blocks.to(partial.dtype)
+    bk = blocks if n else partial  # a valid pointer when there are no snapshots (never read)
+    sbn, sbt = (blocks.stride(0), blocks.stride(1)) if n else (0, 0)
+    has_norm = norm_weight is not None
+    nw = norm_weight if has_norm else query
+    block_d = next_pow2(D)
+    if schedule == "auto":
+        schedule = "tile" if T <= TILE_MAX_ROWS else "online"
+    common = (bk, partial, query, nw, out, n, D, sbn, sbt, partial.stride(0), out.stride(0), float(eps),
+              float(norm_eps))
+    if schedule == "tile":
+        block_n = next_pow2(n + 1)
+        chunk = max(64, min(block_d, 4096 // block_n))
+        _attn_res_tile_kernel[(T,)](*common, BLOCK_N=block_n, CHUNK=chunk, BLOCK_D=block_d, HAS_NORM=has_norm,
+                                    num_warps=8)
+    elif schedule == "online":
+        _attn_res_online_kernel[(T,)](*common, BLOCK_D=block_d, HAS_NORM=has_norm,
+                                      num_warps=4 if block_d <= 2048 else (8 if block_d <= 8192 else 16))
+    else:
+        raise ValueError(f"unknown schedule {schedule!r}")
+    return out
+
+
+def attn_res_mix(blocks: Tensor, partial: Tensor, query: Tensor, eps: float, *, schedule: str = "auto",
+                 out: Tensor | None = None) -> Tensor:
+    """Triton `ops.attn_res_mix` (same contract; with no snapshots it returns `partial` itself)."""
+    if blocks.shape[0] == 0 and out is None:
+        return partial
+    return _launch(blocks, partial, query, eps, None, 0.0, schedule, out)
+
+
+def attn_res_mix_rms_norm(blocks: Tensor, partial: Tensor, query: Tensor, eps: float, norm_weight: Tensor,
+                          norm_eps: float, *, schedule: str = "auto", out: Tensor | None = None) -> Tensor:
+    """Triton `ops.attn_res_mix_rms_norm`: the mix with the sublayer's input RMSNorm fused (one launch)."""
+    return _launch(blocks, partial, query, eps, norm_weight, norm_eps, schedule, out)

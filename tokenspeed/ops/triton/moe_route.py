@@ -1,0 +1,101 @@
+"""MoE router in one launch: scores (sigmoid or softmax), top-k of score + correction bias, renormalise, scale.
+
+One program per token holds all E scores in registers (E <= 8192) and selects the top k by k rounds of argmax
+(ties go to the lower expert id, like the reference's stable descending sort), so ids come out in descending
+order of selection score. Weights are the selected raw scores, divided by (their sum + 1e-20) when
+`renormalize`, times `routed_scaling_factor`. Same contract as `tokenspeed.ops.reference.moe.moe_route`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from tokenspeed.ops.triton._utils import next_pow2
+
+MAX_EXPERTS = 8192
+
+
+@triton.jit
+def _moe_route_kernel(
+    L, Bias, Wout, Iout,
+    E, stride_l,
+    scaling,
+    BLOCK_E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+):
+    t64 = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    emask = cols < E
+    x = tl.load(L + t64 * stride_l + cols, mask=emask, other=-float("inf")).to(tl.float32)
+    if SOFTMAX:
+        e = tl.exp(x - tl.max(x, axis=0))
+        e = tl.where(emask, e, 0.0)
+        scores = e / tl.sum(e, axis=0)
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    if HAS_BIAS:
+        choice = scores + tl.load(Bias + cols, mask=emask, other=0.0).to(tl.float32)
+    else:
+        choice = scores
+    choice = tl.where(emask, choice, -float("inf"))
+    kk = tl.arange(0, BLOCK_K)
+    w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(choice, axis=0, tie_break_left=True)
+        hit = cols == best
+        s = tl.sum(tl.where(hit, scores, 0.0), axis=0)
+        w = tl.where(kk == j, s, w)
+        ids = tl.where(kk == j, best.to(tl.int64), ids)
+        choice = tl.where(hit, -float("inf"), choice)
+    if RENORM:
+        w = w / (tl.sum(w, axis=0) + 1e-20)
+    w = w * scaling
+    kmask = kk < TOP_K
+    tl.store(Wout + t64 * TOP_K + kk, w, mask=kmask)
+    tl.store(Iout + t64 * TOP_K + kk, ids, mask=kmask)
+
+
+def moe_route(
+    router_logits: Tensor,
+    correction_bias: Tensor | None,
+    top_k: int,
+    *,
+    scoring: str = "sigmoid",
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    out: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Triton `ops.moe_route` (same contract): returns (weights [T, k] fp32, ids [T, k] int64)."""
+    if scoring not in ("sigmoid", "softmax"):
+        raise ValueError(f"unknown router scoring {scoring!r}; supported: 'sigmoid', 'softmax'")
+    T, E = router_logits.shape
+    if not 1 <= top_k <= E or E > MAX_EXPERTS:
+        raise ValueError(f"need 1 <= top_k <= E <= {MAX_EXPERTS}; got top_k={top_k}, E={E}")
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    if out is None:
+        weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    else:
+        weights, ids = out
+        if weights.shape != (T, top_k) or ids.shape != (T, top_k) or weights.dtype != torch.float32 \
+                or ids.dtype != torch.int64 or not (weights.is_contiguous() and ids.is_contiguous()):
+            raise ValueError("out must be contiguous (weights fp32, ids int64), both [T, top_k]")
+    if T == 0:
+        return weights, ids
+    block_e = next_pow2(E)
+    _moe_route_kernel[(T,)](
+        logits, correction_bias if correction_bias is not None else logits, weights, ids,
+        E, logits.stride(0), float(routed_scaling_factor),
+        BLOCK_E=block_e, TOP_K=top_k, BLOCK_K=next_pow2(top_k), SOFTMAX=scoring == "softmax",
+        HAS_BIAS=correction_bias is not None, RENORM=bool(renormalize),
+        num_warps=4 if block_e <= 2048 else 8,
+    )
+    return weights, ids
