@@ -80,9 +80,12 @@ class ServerState:
     def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
         tools_enabled = bool(body.tools) and body.tool_choice != "none"
         kwargs = dict(body.chat_template_kwargs or {})
-        if body.tool_choice is not None:
-            kwargs.setdefault("tool_choice", body.tool_choice)
-        text = self.render(body.messages, body.tools if tools_enabled else None, kwargs)
+        extra = body.model_extra or {}
+        for key, value in (("tool_choice", body.tool_choice), ("reasoning_effort", extra.get("reasoning_effort")),
+                           ("response_format", extra.get("response_format"))):
+            if value is not None:
+                kwargs.setdefault(key, value)
+        text = self.render(body.messages, body.tools, kwargs)  # tools stay declared even with tool_choice none
         ids = self.tokenizer.encode(text)
         params = body.sampling_params().clone(skip_special_tokens=False)  # the parsers need the markers
         self._check_prompt(ids, params)
