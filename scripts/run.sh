@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Set up, then run the main job. Until `tokenspeed serve` lands, the main job is a greedy generation through
-# the engine-style forward (prefill + cached decode) on the built-in tiny-k3 model.
+# Set up, then serve the built-in default model (OpenAI-compatible, http://127.0.0.1:8000). Extra arguments go
+# to `tokenspeed serve`, e.g. `scripts/run.sh --port 9000` or `scripts/run.sh tiny-kimi-linear`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-.venv/bin/tokenspeed inspect tiny-k3
-.venv/bin/tokenspeed generate tiny-k3 --prompt-ids 1,2,3,4,5,6,7,8 --max-tokens 16 "$@"
+exec .venv/bin/tokenspeed serve "$@"

@@ -5,8 +5,13 @@ For each token row t, candidates v_0..v_n (n snapshots from `blocks`, then `part
 and, fused, y = rms_norm(mix, norm_weight, norm_eps) with the reference rounding (mix rounded to the activation
 dtype first, the gain after the downcast).
 
-Two schedules of the same math (`tokenspeed.ops.reference.attn_res` is the ground truth):
-- "tile" (few rows, decode / verify): one program per row walks D in chunks of all candidates at once
+Three schedules of the same math (`tokenspeed.ops.reference.attn_res` is the ground truth):
+- "split" (a handful of rows, decode): each row is split over SPLIT programs, each holding a [BLOCK_N, DS] slice
+  of all candidates in registers. They exchange partial logit sums (and then partial sums of squares of the mix,
+  for the norm) through a small workspace and a per-row arrival counter that they spin on, so every byte is read
+  once and the whole GPU takes part. Only used when all T * SPLIT programs fit on the GPU at once (one per SM),
+  so the spin barrier cannot wait on a program that is not running. Not runnable in the CPU interpreter.
+- "tile" (tens of rows, verify / small batches): one program per row walks D in chunks of all candidates at once
   ([BLOCK_N, CHUNK] tiles: every candidate's loads in flight together), first for the logits, then again for the
   weighted sum (the second read hits L2), writes the mix, and normalises it in a third pass over its own row.
 - "online" (many rows, prefill): one program per row, one full-width row per candidate, online softmax; every
@@ -24,6 +29,94 @@ from tokenspeed.ops.triton._utils import next_pow2
 
 # Rows at or below which the "tile" schedule is used (measured on H200: benchmarks/kernels_h200.py).
 TILE_MAX_ROWS = 256
+SPLIT_SLICE = 1024  # columns per program in the "split" schedule
+
+_WORKSPACE: dict = {}
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device not in _NUM_SMS:
+        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS[device]
+
+
+def _workspace(device: torch.device, floats: int, counters: int) -> tuple[Tensor, Tensor]:
+    """Cached fp32 scratch and zeroed int32 counters (the kernel leaves the counters at zero)."""
+    ws, cnt = _WORKSPACE.get(device, (None, None))
+    if ws is None or ws.numel() < floats or cnt.numel() < counters:
+        ws = torch.empty(max(floats, 1 << 16), dtype=torch.float32, device=device)
+        cnt = torch.zeros(max(counters, 1024), dtype=torch.int32, device=device)
+        _WORKSPACE[device] = (ws, cnt)
+    return ws, cnt
+
+
+@triton.jit
+def _spin_barrier(C, expected):
+    """All programs of a row arrive at C; return once `expected` have (release / acquire at GPU scope)."""
+    tl.debug_barrier()
+    tl.atomic_add(C, 1, sem="release")
+    seen = tl.atomic_add(C, 0, sem="acquire")
+    while seen < expected:
+        seen = tl.atomic_add(C, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _attn_res_split_kernel(
+    Bk, P, Q, NW, Y, WS, CNT,
+    n, D,
+    stride_bn, stride_bt, stride_p, stride_y,
+    eps, norm_eps,
+    SPLIT: tl.constexpr,
+    SPLIT_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t64 = (pid // SPLIT).to(tl.int64)
+    s = pid % SPLIT
+    cand = tl.arange(0, BLOCK_N)
+    cols = s * DS + tl.arange(0, DS)
+    cmask = cols < D
+    is_blk = cand < n
+    is_par = cand == n
+    vb = tl.load(Bk + cand.to(tl.int64)[:, None] * stride_bn + t64 * stride_bt + cols[None, :],
+                 mask=is_blk[:, None] & cmask[None, :], other=0.0)
+    vp = tl.load(P + t64 * stride_p + cols, mask=cmask, other=0.0)
+    v = tl.where(is_par[:, None], vp.to(tl.float32)[None, :], vb.to(tl.float32))
+    q = tl.load(Q + cols, mask=cmask, other=0.0).to(tl.float32)
+    # Workspace of this row: dot [SPLIT, BLOCK_N], ssq [SPLIT, BLOCK_N], mix ssq [SPLIT_P2].
+    ws = WS + t64 * (2 * SPLIT * BLOCK_N + SPLIT_P2)
+    tl.store(ws + s * BLOCK_N + cand, tl.sum(v * q[None, :], axis=1))
+    tl.store(ws + (SPLIT + s) * BLOCK_N + cand, tl.sum(v * v, axis=1))
+    cnt = CNT + t64 * 3
+    _spin_barrier(cnt, SPLIT)
+    sp = tl.arange(0, SPLIT_P2)
+    pm = (sp < SPLIT)[:, None] & (cand >= 0)[None, :]
+    dot = tl.sum(tl.load(ws + sp[:, None] * BLOCK_N + cand[None, :], mask=pm, other=0.0, volatile=True), axis=0)
+    ssq = tl.sum(tl.load(ws + (SPLIT + sp[:, None]) * BLOCK_N + cand[None, :], mask=pm, other=0.0,
+                         volatile=True), axis=0)
+    z = tl.where(cand <= n, dot * tl.rsqrt(ssq / D + eps), -float("inf"))
+    e = tl.exp(z - tl.max(z, axis=0))
+    alpha = e / tl.sum(e, axis=0)
+    mix = tl.sum(alpha[:, None] * v, axis=0).to(Y.dtype.element_ty)
+    if HAS_NORM:
+        mf = mix.to(tl.float32)
+        tl.store(ws + 2 * SPLIT * BLOCK_N + s, tl.sum(mf * mf, axis=0))
+        _spin_barrier(cnt + 1, SPLIT)
+        tot = tl.sum(tl.load(ws + 2 * SPLIT * BLOCK_N + sp, mask=sp < SPLIT, other=0.0, volatile=True), axis=0)
+        normed = (mf * tl.rsqrt(tot / D + norm_eps)).to(Y.dtype.element_ty).to(tl.float32)
+        w = tl.load(NW + cols, mask=cmask, other=0.0).to(tl.float32)
+        mix = (w * normed).to(Y.dtype.element_ty)
+    tl.store(Y + t64 * stride_y + cols, mix, mask=cmask)
+    # The last program of the row through both barriers puts the row's counters back to zero for the next launch.
+    done = tl.atomic_add(cnt + 2, 1, sem="acq_rel")
+    if done == SPLIT - 1:
+        tl.atomic_xchg(cnt, 0)
+        tl.atomic_xchg(cnt + 1, 0)
+        tl.atomic_xchg(cnt + 2, 0)
 
 
 @triton.jit
@@ -145,11 +238,23 @@ def _launch(blocks: Tensor, partial: Tensor, query: Tensor, eps: float, norm_wei
     has_norm = norm_weight is not None
     nw = norm_weight if has_norm else query
     block_d = next_pow2(D)
+    split = triton.cdiv(D, SPLIT_SLICE)
     if schedule == "auto":
-        schedule = "tile" if T <= TILE_MAX_ROWS else "online"
+        if partial.is_cuda and T * split <= _num_sms(partial.device) and n + 1 <= 16:
+            schedule = "split"
+        else:
+            schedule = "tile" if T <= TILE_MAX_ROWS else "online"
     common = (bk, partial, query, nw, out, n, D, sbn, sbt, partial.stride(0), out.stride(0), float(eps),
               float(norm_eps))
-    if schedule == "tile":
+    if schedule == "split":
+        if T * split > _num_sms(partial.device):
+            raise ValueError(f"split schedule needs T * {split} <= {_num_sms(partial.device)} programs")
+        block_n = next_pow2(n + 1)
+        split_p2 = next_pow2(split)
+        ws, cnt = _workspace(partial.device, T * (2 * split * block_n + split_p2), 3 * T)
+        _attn_res_split_kernel[(T * split,)](*common[:5], ws, cnt, *common[5:], SPLIT=split, SPLIT_P2=split_p2,
+                                             BLOCK_N=block_n, DS=SPLIT_SLICE, HAS_NORM=has_norm, num_warps=8)
+    elif schedule == "tile":
         block_n = next_pow2(n + 1)
         chunk = max(64, min(block_d, 4096 // block_n))
         _attn_res_tile_kernel[(T,)](*common, BLOCK_N=block_n, CHUNK=chunk, BLOCK_D=block_d, HAS_NORM=has_norm,
