@@ -111,7 +111,7 @@ def bench_norms(quick: bool):
 def bench_attn_res(quick: bool):
     D = pick(7168, 80)
     for n in pick([7, 11], [3]):
-        for T in pick([1, 4, 64, 512, 4096], [2]):
+        for T in pick([1, 4, 16, 64, 512, 4096], [2]):
             blocks = torch.randn(n, T, D, device=DEV, dtype=BF)
             partial = torch.randn(T, D, device=DEV, dtype=BF)
             q = torch.randn(D, device=DEV) * 0.05
@@ -119,13 +119,17 @@ def bench_attn_res(quick: bool):
             ref = ref_attn_res.attn_res_mix_rms_norm(blocks, partial, q, 1e-6, nw, 1e-5)
             t_ref = us(lambda: ref_attn_res.attn_res_mix_rms_norm(blocks, partial, q, 1e-6, nw, 1e-5), rep=50)
             nbytes = (n + 2) * T * D * 2
-            for sched in ["tile", "online"]:
+            auto = k_attn_res.choose_schedule(T, D, n, torch.device(DEV))
+            scheds = ["tile", "online"]
+            if DEV == "cuda" and T * triton.cdiv(D, k_attn_res.SPLIT_SLICE) <= k_attn_res._num_sms(
+                    torch.device(DEV)):
+                scheds.insert(0, "split")
+            for sched in scheds:
                 out = k_attn_res.attn_res_mix_rms_norm(blocks, partial, q, 1e-6, nw, 1e-5, schedule=sched)
                 record(f"attn_res_mix_rms_norm/{sched}", f"{n + 1} cand, [{T}, {D}] bf16", nbytes,
                        us(lambda: k_attn_res.attn_res_mix_rms_norm(blocks, partial, q, 1e-6, nw, 1e-5,
                                                                     schedule=sched)),
-                       t_ref, err=rel(out, ref),
-                       default=(sched == ("tile" if T <= k_attn_res.TILE_MAX_ROWS else "online")))
+                       t_ref, err=rel(out, ref), default=sched == auto, schedule=sched)
 
 
 def bench_router(quick: bool):
@@ -281,7 +285,18 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="norms,attn_res,router,kda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (plumbing check)")
+    ap.add_argument("--check-split", action="store_true",
+                    help="run the spin-barrier AttnRes schedule once and exit (run it under `timeout`)")
     args = ap.parse_args()
+    if args.check_split:
+        blocks = torch.randn(11, 8, 7168, device=DEV, dtype=BF)
+        partial = torch.randn(8, 7168, device=DEV, dtype=BF)
+        q, nw = torch.randn(7168, device=DEV) * 0.05, torch.randn(7168, device=DEV, dtype=BF)
+        for _ in range(3):
+            y = k_attn_res.attn_res_mix_rms_norm(blocks, partial, q, 1e-6, nw, 1e-5, schedule="split")
+        torch.cuda.synchronize()
+        print("split schedule ok, err", rel(y, ref_attn_res.attn_res_mix_rms_norm(blocks, partial, q, 1e-6, nw, 1e-5)))
+        return
     global SMOKE, DEV
     if args.smoke:
         SMOKE, DEV = True, "cpu"

@@ -130,16 +130,41 @@ def test_gated_rms_norm_gpu(T, dtype, strided):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("schedule", ["tile", "online"])
+@pytest.mark.parametrize("schedule", ["tile", "online", "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n,T", [(0, 4), (1, 1), (7, 4), (11, 1), (11, 37), (11, 300), (5, 2049)])
+@pytest.mark.parametrize("n,T", [(0, 4), (1, 1), (7, 4), (11, 1), (11, 17), (11, 37), (11, 300), (5, 2049)])
 def test_attn_res_mix_rms_norm_gpu(n, T, dtype, schedule):
+    if schedule == "split" and T * 7 > torch.cuda.get_device_properties(0).multi_processor_count:
+        pytest.skip("split needs every program resident")
     check_attn_res(n, T, 7168, dtype, "cuda", schedule)
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("schedule", ["tile", "online"])
+def test_attn_res_split_repeated_gpu():
+    """The split schedule's counters are left at zero: many launches in a row (and in a CUDA graph) stay right."""
+    for _ in range(3):
+        check_attn_res(11, 4, 7168, torch.bfloat16, "cuda", "split")
+    _, attn_res = kernels()
+    blocks = torch.randn(7, 2, 7168, device="cuda", dtype=torch.bfloat16)
+    partial = torch.randn(2, 7168, device="cuda", dtype=torch.bfloat16)
+    q, nw = torch.randn(7168, device="cuda") * 0.05, torch.randn(7168, device="cuda", dtype=torch.bfloat16)
+    attn_res.attn_res_mix_rms_norm(blocks, partial, q, 1e-6, nw, 1e-5, schedule="split")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attn_res.attn_res_mix_rms_norm(blocks, partial, q, 1e-6, nw, 1e-5, schedule="split")
+    for _ in range(2):
+        blocks.copy_(torch.randn_like(blocks))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = ref_attn_res.attn_res_mix_rms_norm(blocks, partial, q, 1e-6, nw, 1e-5)
+        assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("schedule", ["tile", "online", "split"])
 @pytest.mark.parametrize("n,T,D", [(3, 5, 7168), (11, 3, 1000)])
 def test_attn_res_mix_gpu(n, T, D, schedule):
     check_attn_res(n, T, D, torch.bfloat16, "cuda", schedule, fused=False)

@@ -20,6 +20,8 @@ Three schedules of the same math (`tokenspeed.ops.reference.attn_res` is the gro
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +32,8 @@ from tokenspeed.ops.triton._utils import next_pow2
 # Rows at or below which the "tile" schedule is used (measured on H200: benchmarks/kernels_h200.py).
 TILE_MAX_ROWS = 256
 SPLIT_SLICE = 1024  # columns per program in the "split" schedule
+# TOKENSPEED_ATTN_RES_SPLIT=0 keeps "auto" off the spin-barrier schedule (a safety switch).
+SPLIT_ENABLED = os.environ.get("TOKENSPEED_ATTN_RES_SPLIT", "1") != "0"
 
 _WORKSPACE: dict = {}
 _NUM_SMS: dict = {}
@@ -49,6 +53,13 @@ def _workspace(device: torch.device, floats: int, counters: int) -> tuple[Tensor
         cnt = torch.zeros(max(counters, 1024), dtype=torch.int32, device=device)
         _WORKSPACE[device] = (ws, cnt)
     return ws, cnt
+
+
+def choose_schedule(T: int, D: int, n: int, device: torch.device) -> str:
+    """The schedule "auto" picks for T rows of width D with n snapshots."""
+    if SPLIT_ENABLED and device.type == "cuda" and T * triton.cdiv(D, SPLIT_SLICE) <= _num_sms(device) and n < 16:
+        return "split"
+    return "tile" if T <= TILE_MAX_ROWS else "online"
 
 
 @triton.jit
@@ -240,10 +251,7 @@ def _launch(blocks: Tensor, partial: Tensor, query: Tensor, eps: float, norm_wei
     block_d = next_pow2(D)
     split = triton.cdiv(D, SPLIT_SLICE)
     if schedule == "auto":
-        if partial.is_cuda and T * split <= _num_sms(partial.device) and n + 1 <= 16:
-            schedule = "split"
-        else:
-            schedule = "tile" if T <= TILE_MAX_ROWS else "online"
+        schedule = choose_schedule(T, D, n, partial.device)
     common = (bk, partial, query, nw, out, n, D, sbn, sbt, partial.stride(0), out.stride(0), float(eps),
               float(norm_eps))
     if schedule == "split":
