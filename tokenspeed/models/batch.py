@@ -9,7 +9,7 @@ slots, and it zeroes (or restores from a checkpoint) a KDA slot before a sequenc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -30,6 +30,7 @@ class ForwardBatch:
     kda_slots: Tensor  # [N] int64: KDA state slot of each sequence (read, then updated in place)
     cu_seqlens_host: list[int]  # N+1 host copy of cu_seqlens
     kv_lens_host: list[int]  # N host copy of kv_lens
+    verify: bool = False  # speculative verification: KDA states are read, not written (see KDAAttention.replay)
 
     @property
     def num_seqs(self) -> int:
@@ -53,6 +54,7 @@ class ForwardBatch:
         kda_slots: Sequence[int],
         page_size: int,
         device: torch.device | str = "cpu",
+        verify: bool = False,
     ) -> "ForwardBatch":
         """Assemble a batch from per-sequence host data. page_tables[n] must cover num_cached[n] + len(new)."""
         cu, positions, slots, kv_lens = [0], [], [], []
@@ -80,7 +82,17 @@ class ForwardBatch:
             kda_slots=t(list(kda_slots)),
             cu_seqlens_host=cu,
             kv_lens_host=kv_lens,
+            verify=verify,
         )
+
+
+@dataclass
+class ReplayInputs:
+    """What a verify forward records per KDA layer so the accepted tokens can be replayed into the state."""
+
+    projected: Tensor  # [T, 3 * channels] q/k/v projections before the short conv (model dtype)
+    g: Tensor  # [T, heads, head_dim] fp32 log decay
+    beta: Tensor  # [T, heads] fp32
 
 
 @dataclass
@@ -97,6 +109,7 @@ class CacheBuffers:
     kda_conv: list[Tensor]
     kda_recurrent: list[Tensor]
     mla_kv_scale: float = 1.0
+    replay: dict[int, ReplayInputs] = field(default_factory=dict)  # KDA layer ordinal -> last verify's inputs
 
     @classmethod
     def allocate(

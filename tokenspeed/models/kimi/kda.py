@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from tokenspeed import ops
 from tokenspeed.distributed import ParallelContext
-from tokenspeed.models.batch import CacheBuffers, ForwardBatch
+from tokenspeed.models.batch import CacheBuffers, ForwardBatch, ReplayInputs
 from tokenspeed.models.config import KimiConfig
 from tokenspeed.models.layers import Linear, weight
 
@@ -73,17 +73,45 @@ class KDAAttention(nn.Module):
         return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
 
     def forward(self, x: Tensor, batch: ForwardBatch, cache: CacheBuffers) -> Tensor:
-        """x: [T, hidden] normed input -> [T, hidden]. Advances the KDA state of batch.kda_slots in place."""
+        """x: [T, hidden] normed input -> [T, hidden].
+
+        Commit mode (default): advances the KDA state of batch.kda_slots in place. Verify mode
+        (`batch.verify`): reads the states but leaves them untouched (scratch copies), and records in
+        `cache.replay[cache_index]` what `replay` needs to advance them later by the accepted tokens only.
+        """
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
-        conv_state = cache.kda_conv[self.cache_index]
-        mixed = ops.causal_conv1d(self.qkv_proj(x), self.conv_weight, conv_state, batch.kda_slots,
-                                  batch.cu_seqlens, activation="silu")
+        conv_state, rec_state = cache.kda_conv[self.cache_index], cache.kda_recurrent[self.cache_index]
+        slots = batch.kda_slots
+        if batch.verify:  # scratch copies: the committed state is never written by a verification
+            conv_state, rec_state = conv_state[slots], rec_state[slots]
+            slots = torch.arange(batch.num_seqs, device=x.device)
+        projected = self.qkv_proj(x)
+        mixed = ops.causal_conv1d(projected, self.conv_weight, conv_state, slots, batch.cu_seqlens, activation="silu")
         q, k, v = mixed.view(t, 3, h, hd).unbind(1)
         g = ops.kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, hd), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
+        if batch.verify:
+            cache.replay[self.cache_index] = ReplayInputs(projected, g, beta)
         o = ops.kda_scan(
             ops.l2_normalize(q), ops.l2_normalize(k), v, g, beta, scale=1.0 / math.sqrt(hd),
-            state=cache.kda_recurrent[self.cache_index], state_indices=batch.kda_slots, cu_seqlens=batch.cu_seqlens,
+            state=rec_state, state_indices=slots, cu_seqlens=batch.cu_seqlens,
         )
         o = ops.gated_rms_norm(o, self.output_gate(x).view(t, h, hd), self.o_norm.weight, self.eps)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
+
+    def replay(self, cache: CacheBuffers, batch: ForwardBatch, num_accepted: Tensor) -> None:
+        """Advance the committed state of each sequence of a verified `batch` by its first num_accepted[n] tokens.
+
+        Uses the inputs recorded by the verify forward (no projection is recomputed); mutates the conv and
+        recurrent state of batch.kda_slots. num_accepted: [N] int64, 0 <= a_n <= q_len_n.
+        """
+        rec = cache.replay.pop(self.cache_index)
+        starts = batch.cu_seqlens[:-1]
+        keep = torch.cat([torch.arange(int(a), device=starts.device) + int(s) for s, a in zip(starts, num_accepted)])
+        cu = torch.nn.functional.pad(torch.cumsum(num_accepted, 0), (1, 0))
+        t, h, hd = keep.numel(), self.num_heads, self.head_dim
+        mixed = ops.causal_conv1d(rec.projected[keep], self.conv_weight, cache.kda_conv[self.cache_index],
+                                  batch.kda_slots, cu, activation="silu")
+        q, k, v = mixed.view(t, 3, h, hd).unbind(1)
+        ops.kda_scan(ops.l2_normalize(q), ops.l2_normalize(k), v, rec.g[keep], rec.beta[keep], scale=1.0,
+                     state=cache.kda_recurrent[self.cache_index], state_indices=batch.kda_slots, cu_seqlens=cu)

@@ -7,6 +7,7 @@ parameter's path is its checkpoint name (after the `language_model.` prefix of a
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -47,20 +48,45 @@ class KimiModel(nn.Module):
             self.output_attn_res_norm = RMSNorm(d, config.rms_norm_eps, dtype, device)
             self.output_attn_res_proj = Linear(d, 1, dtype, device)
 
-    def forward(self, batch: ForwardBatch, cache: CacheBuffers) -> Tensor:
-        """Run all layers over the batch; mutates the cache (new MLA rows, advanced KDA states)."""
+    def forward(
+        self, batch: ForwardBatch, cache: CacheBuffers, capture_layers: Sequence[int] = ()
+    ) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
+        """Run all layers over the batch; mutates the cache (new MLA rows, advanced KDA states).
+
+        capture_layers: 1-based layers after which to capture a target feature for an EAGLE3 draft (duplicates
+        allowed): the AttnRes partial sum P (K3) or the residual stream h (plain residual). When given, returns
+        (hidden, features) with one [T, hidden] tensor per entry, in the order asked.
+        """
         embeddings = self.embed_tokens(batch.input_ids)
         c = self.config
+        wanted = _capture_slots(capture_layers, c.num_hidden_layers)
+        captured: list[Tensor] = [embeddings] * len(capture_layers)
         if c.attn_res_block_size is None:
             hidden = embeddings
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 hidden = layer.forward_plain(hidden, batch, cache)
-            return self.norm(hidden)
-        stream = ResidualStream.start(embeddings, math.ceil(c.num_hidden_layers / c.attn_res_block_size))
-        for layer in self.layers:
-            layer.forward_attn_res(stream, batch, cache)
-        query = depth_query(self.output_attn_res_norm, self.output_attn_res_proj)
-        return mix_and_norm(stream, query, c.rms_norm_eps, self.norm)
+                for slot in wanted.get(i, ()):
+                    captured[slot] = hidden
+            out = self.norm(hidden)
+        else:
+            stream = ResidualStream.start(embeddings, math.ceil(c.num_hidden_layers / c.attn_res_block_size))
+            for i, layer in enumerate(self.layers):
+                layer.forward_attn_res(stream, batch, cache)
+                for slot in wanted.get(i, ()):
+                    captured[slot] = stream.partial
+            query = depth_query(self.output_attn_res_norm, self.output_attn_res_proj)
+            out = mix_and_norm(stream, query, c.rms_norm_eps, self.norm)
+        return (out, tuple(captured)) if capture_layers else out
+
+
+def _capture_slots(capture_layers: Sequence[int], num_layers: int) -> dict[int, list[int]]:
+    """{0-based layer: [output slots]} for 1-based `capture_layers` (each in 1..num_layers)."""
+    slots: dict[int, list[int]] = {}
+    for slot, layer in enumerate(capture_layers):
+        if not 1 <= layer <= num_layers:
+            raise ValueError(f"capture layer {layer} is outside 1..{num_layers} (1-based, after that layer)")
+        slots.setdefault(layer - 1, []).append(slot)
+    return slots
 
 
 class KimiForCausalLM(nn.Module):
@@ -86,9 +112,30 @@ class KimiForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def forward(self, batch: ForwardBatch, cache: CacheBuffers, logits_indices: Tensor | None = None) -> Tensor:
-        """Logits [T or len(logits_indices), vocab] fp32 (the head runs in the model dtype, as the reference)."""
-        hidden = self.model(batch, cache)
+    def replay_kda(self, cache: CacheBuffers, batch: ForwardBatch, num_accepted: Tensor) -> None:
+        """After a verify forward of `batch`: advance every KDA layer's committed state of each sequence by its
+        first num_accepted[n] tokens ([N] int64), from the inputs the verification recorded."""
+        for layer in self.model.layers:
+            if hasattr(layer.self_attn, "replay"):
+                layer.self_attn.replay(cache, batch, num_accepted)
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        cache: CacheBuffers,
+        logits_indices: Tensor | None = None,
+        capture_layers: Sequence[int] = (),
+    ) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
+        """Logits [T or len(logits_indices), vocab] fp32 (the head runs in the model dtype, as the reference).
+
+        With capture_layers (1-based, see KimiModel.forward) returns (logits, features): the features cover all T
+        tokens of the batch, whatever logits_indices selects.
+        """
+        if capture_layers:
+            hidden, features = self.model(batch, cache, capture_layers)
+        else:
+            hidden, features = self.model(batch, cache), None
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return logits if features is None else (logits, features)

@@ -48,6 +48,38 @@ def _counters(device: torch.device, size: int) -> Tensor:
 
 
 @triton.jit
+def _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, p, ch, m):
+    """Pre-conv input of channels `ch` at position p of the sequence (p < 0: column 3 + p of the old conv state)."""
+    pv = ch * 0 + p
+    xs = tl.load(QKV + (bos + tl.maximum(p, 0)) * stride_qkv + ch, mask=m & (pv >= 0), other=0.0)
+    xc = tl.load(cs + ch * stride_csc + (3 + tl.minimum(p, -1)) * stride_csw, mask=m & (pv < 0), other=0.0)
+    return xs.to(tl.float32) + xc.to(tl.float32)  # exactly one of the two is loaded
+
+
+@triton.jit
+def _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ch, m, OUT_TY: tl.constexpr):
+    """cast(SiLU(sum_j w[ch, j] x_{i-3+j}), OUT_TY) as fp32, the reference conv's rounding."""
+    y = tl.load(CW + ch * 4 + 0) * _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, i - 3, ch, m)
+    y += tl.load(CW + ch * 4 + 1) * _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, i - 2, ch, m)
+    y += tl.load(CW + ch * 4 + 2) * _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, i - 1, ch, m)
+    y += tl.load(CW + ch * 4 + 3) * _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, i, ch, m)
+    return (y / (1.0 + tl.exp(-y))).to(OUT_TY).to(tl.float32)
+
+
+@triton.jit
+def _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, ch, m):
+    """New conv state of channels `ch`: the last 3 inputs of [old state, new tokens], all read before any write."""
+    x0 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 3, ch, m)
+    x1 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 2, ch, m)
+    x2 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 1, ch, m)
+    tl.debug_barrier()
+    ty = cs.dtype.element_ty
+    tl.store(cs + ch * stride_csc + 0 * stride_csw, x0.to(ty), mask=m)
+    tl.store(cs + ch * stride_csc + 1 * stride_csw, x1.to(ty), mask=m)
+    tl.store(cs + ch * stride_csc + 2 * stride_csw, x2.to(ty), mask=m)
+
+
+@triton.jit
 def _kda_decode_kernel(
     QKV, stride_qkv,
     F, stride_ft, stride_fh,
@@ -71,6 +103,7 @@ def _kda_decode_kernel(
     n = pid_nh // H
     h = pid_nh % H
     HD = H * D
+    OUT_TY = O.dtype.element_ty
 
     bos = tl.load(CU + n).to(tl.int64)
     seq_len = tl.load(CU + n + 1).to(tl.int64) - bos
@@ -85,69 +118,27 @@ def _kda_decode_kernel(
     cq = h * D + ok                      # conv channels of q, k, v
     ck = HD + cq
     cv = 2 * HD + h * D + ov
-
-    # Conv weights [C, 4] fp32 (column 3 multiplies the current token).
-    wq0 = tl.load(CW + cq * 4 + 0)
-    wq1 = tl.load(CW + cq * 4 + 1)
-    wq2 = tl.load(CW + cq * 4 + 2)
-    wq3 = tl.load(CW + cq * 4 + 3)
-    wk0 = tl.load(CW + ck * 4 + 0)
-    wk1 = tl.load(CW + ck * 4 + 1)
-    wk2 = tl.load(CW + ck * 4 + 2)
-    wk3 = tl.load(CW + ck * 4 + 3)
-    wv0 = tl.load(CW + cv * 4 + 0)
-    wv1 = tl.load(CW + cv * 4 + 1)
-    wv2 = tl.load(CW + cv * 4 + 2)
-    wv3 = tl.load(CW + cv * 4 + 3)
-
-    # Conv windows: the 3 previous pre-conv inputs (oldest first) from the slot's conv state.
     cs = CS + slot * stride_css
-    xq0 = tl.load(cs + cq * stride_csc + 0 * stride_csw, mask=mk, other=0.0).to(tl.float32)
-    xq1 = tl.load(cs + cq * stride_csc + 1 * stride_csw, mask=mk, other=0.0).to(tl.float32)
-    xq2 = tl.load(cs + cq * stride_csc + 2 * stride_csw, mask=mk, other=0.0).to(tl.float32)
-    xk0 = tl.load(cs + ck * stride_csc + 0 * stride_csw, mask=mk, other=0.0).to(tl.float32)
-    xk1 = tl.load(cs + ck * stride_csc + 1 * stride_csw, mask=mk, other=0.0).to(tl.float32)
-    xk2 = tl.load(cs + ck * stride_csc + 2 * stride_csw, mask=mk, other=0.0).to(tl.float32)
-    xv0 = tl.load(cs + cv * stride_csc + 0 * stride_csw, mask=mv, other=0.0).to(tl.float32)
-    xv1 = tl.load(cs + cv * stride_csc + 1 * stride_csw, mask=mv, other=0.0).to(tl.float32)
-    xv2 = tl.load(cs + cv * stride_csc + 2 * stride_csw, mask=mv, other=0.0).to(tl.float32)
 
-    # Recurrent state [K, BV] of this head / V-block.
+    # Recurrent state [K, BV] of this head / V-block: read once, kept in registers, written once.
     p_s = S + slot * stride_ss + h * D * D + ok[:, None] * D + ov[None, :]
     ms = mk[:, None] & mv[None, :]
-    b_s = tl.load(p_s, mask=ms, other=0.0)
+    b_s = tl.where(ms, tl.load(p_s, eviction_policy="evict_first"), 0.0)  # padding rows read slot 0, then zeros
 
     rate = tl.exp(tl.load(A_log + h).to(tl.float32))
-    dt = tl.load(DT + h * D + ok).to(tl.float32)
 
     for i in range(0, seq_len):
         t = bos + i
-        row = QKV + t * stride_qkv
-        xq3 = tl.load(row + cq).to(tl.float32)
-        xk3 = tl.load(row + ck).to(tl.float32)
-        xv3 = tl.load(row + cv).to(tl.float32)
+        # Short conv + SiLU: the window is re-read per token (L1/L2 hits) instead of carried in registers.
+        yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, OUT_TY)
+        yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, OUT_TY)
+        yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv, mv, OUT_TY)
         f = tl.load(F + t * stride_ft + h * stride_fh + ok).to(tl.float32)
         braw = tl.load(Bt + t * stride_bt + h * stride_bh).to(tl.float32)
 
-        yq = wq0 * xq0 + wq1 * xq1 + wq2 * xq2 + wq3 * xq3
-        yk = wk0 * xk0 + wk1 * xk1 + wk2 * xk2 + wk3 * xk3
-        yv = wv0 * xv0 + wv1 * xv1 + wv2 * xv2 + wv3 * xv3
-        yq = (yq / (1.0 + tl.exp(-yq))).to(O.dtype.element_ty).to(tl.float32)
-        yk = (yk / (1.0 + tl.exp(-yk))).to(O.dtype.element_ty).to(tl.float32)
-        yv = (yv / (1.0 + tl.exp(-yv))).to(O.dtype.element_ty).to(tl.float32)
-        xq0 = xq1
-        xq1 = xq2
-        xq2 = xq3
-        xk0 = xk1
-        xk1 = xk2
-        xk2 = xk3
-        xv0 = xv1
-        xv1 = xv2
-        xv2 = xv3
-
         q = yq * tl.rsqrt(tl.sum(yq * yq, axis=0) + 1e-6) * scale
         k = yk * tl.rsqrt(tl.sum(yk * yk, axis=0) + 1e-6)
-        xg = f + dt
+        xg = f + tl.load(DT + h * D + ok).to(tl.float32)
         if HAS_LB:
             g = lower_bound / (1.0 + tl.exp(-(rate * xg)))
         else:
@@ -161,37 +152,33 @@ def _kda_decode_kernel(
         b_s = b_s + k[:, None] * nu[None, :]
         o = tl.sum(b_s * q[:, None], axis=0)
         o = tl.where(mv, o, 0.0)
-        tl.store(O + (t * H + h) * D + ov, o.to(O.dtype.element_ty))
+        tl.store(O + (t * H + h) * D + ov, o.to(OUT_TY))
         if STORE_STEPS:
-            tl.store(STEP + (t * H + h) * D * D + ok[:, None] * D + ov[None, :], b_s, mask=ms)
+            tl.store(STEP + (t * H + h) * D * D + ok[:, None] * D + ov[None, :], b_s, mask=ms,
+                     cache_modifier=".cs")
 
     if UPDATE:
         mkl = mk & ((ok * 0 + seq_len) > 0)
         mvl = mv & ((ov * 0 + seq_len) > 0)
-        tl.store(p_s, b_s, mask=mkl[:, None] & mvl[None, :])
-        dt_cs = CS.dtype.element_ty
-        tl.store(cs + cv * stride_csc + 0 * stride_csw, xv0.to(dt_cs), mask=mvl)
-        tl.store(cs + cv * stride_csc + 1 * stride_csw, xv1.to(dt_cs), mask=mvl)
-        tl.store(cs + cv * stride_csc + 2 * stride_csw, xv2.to(dt_cs), mask=mvl)
+        tl.store(p_s, b_s, mask=mkl[:, None] & mvl[None, :], cache_modifier=".cs")
+        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cv, mvl)
         if NV > 1:
             # All NV programs of this (sequence, head) read the old q/k columns above; the last to arrive writes.
+            tl.debug_barrier()  # every warp of this program is past its reads before the release
             arrived = tl.atomic_add(CNT + pid_nh, 1, sem="acq_rel")
             tl.atomic_xchg(CNT + pid_nh, 0, mask=arrived == NV - 1)
             mkl = mkl & ((ok * 0 + arrived) == NV - 1)
-        tl.store(cs + cq * stride_csc + 0 * stride_csw, xq0.to(dt_cs), mask=mkl)
-        tl.store(cs + cq * stride_csc + 1 * stride_csw, xq1.to(dt_cs), mask=mkl)
-        tl.store(cs + cq * stride_csc + 2 * stride_csw, xq2.to(dt_cs), mask=mkl)
-        tl.store(cs + ck * stride_csc + 0 * stride_csw, xk0.to(dt_cs), mask=mkl)
-        tl.store(cs + ck * stride_csc + 1 * stride_csw, xk1.to(dt_cs), mask=mkl)
-        tl.store(cs + ck * stride_csc + 2 * stride_csw, xk2.to(dt_cs), mask=mkl)
+        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cq, mkl)
+        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, ck, mkl)
 
 
 def default_config(num_programs_nh: int, head_dim: int) -> tuple[int, int]:
-    """(BV, num_warps): split V when there are too few (sequence, head) pairs to fill the GPU."""
-    if num_programs_nh >= 264 or head_dim < 64:
-        return head_dim, 8 if head_dim >= 128 else 4
-    bv = max(32, head_dim // 4)
-    return bv, 4
+    """(BV, num_warps). Measured on H200 (benchmarks/results/kernels_h200.json): a whole [128, 128] state per
+    program spills; [128, 64] or [128, 32] tiles with 4 warps stream best, the narrower ones when there are
+    too few (sequence, head) pairs to fill 132 SMs."""
+    if head_dim < 64:
+        return head_dim, 4
+    return (32 if num_programs_nh < 1024 else 64), 4
 
 
 def kda_decode(

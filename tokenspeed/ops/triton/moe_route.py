@@ -1,8 +1,9 @@
 """MoE router in one launch: scores (sigmoid or softmax), top-k of score + correction bias, renormalise, scale.
 
-One program per token holds all E scores in registers (E <= 8192) and selects the top k by k rounds of argmax
-(ties go to the lower expert id, like the reference's stable descending sort), so ids come out in descending
-order of selection score. Weights are the selected raw scores, divided by (their sum + 1e-20) when
+One program per token (one warp for E <= 1024, so every reduction stays inside the warp: no shared memory, no
+barriers) holds all E scores in registers (E <= 8192) and selects the top k by k rounds of max-with-index (ties go
+to the lower expert id, like the reference's stable descending sort), so ids come out in descending order of
+selection score. Weights are the selected raw scores, divided by (their sum + 1e-20) when
 `renormalize`, times `routed_scaling_factor`. Same contract as `tokenspeed.ops.reference.moe.moe_route`.
 """
 
@@ -35,9 +36,10 @@ def _moe_route_kernel(
     emask = cols < E
     x = tl.load(L + t64 * stride_l + cols, mask=emask, other=-float("inf")).to(tl.float32)
     if SOFTMAX:
-        e = tl.exp(x - tl.max(x, axis=0))
-        e = tl.where(emask, e, 0.0)
-        scores = e / tl.sum(e, axis=0)
+        mx = tl.max(x, axis=0)
+        e = tl.where(emask, tl.exp(x - mx), 0.0)
+        denom = tl.sum(e, axis=0)
+        scores = e / denom
     else:
         scores = 1.0 / (1.0 + tl.exp(-x))
     if HAS_BIAS:
@@ -46,21 +48,25 @@ def _moe_route_kernel(
         choice = scores
     choice = tl.where(emask, choice, -float("inf"))
     kk = tl.arange(0, BLOCK_K)
-    w = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.argmax(choice, axis=0, tie_break_left=True)
-        hit = cols == best
-        s = tl.sum(tl.where(hit, scores, 0.0), axis=0)
-        w = tl.where(kk == j, s, w)
-        ids = tl.where(kk == j, best.to(tl.int64), ids)
-        choice = tl.where(hit, -float("inf"), choice)
+        # One reduction per round: the max and its (lowest) index together.
+        _, best = tl.max(choice, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        ids = tl.where(kk == j, best, ids)
+        choice = tl.where(cols == best, -float("inf"), choice)
+    # The selected raw scores, recomputed from their logits with the same formula (bitwise the same values).
+    kmask = kk < TOP_K
+    xs = tl.load(L + t64 * stride_l + ids, mask=kmask, other=0.0).to(tl.float32)
+    if SOFTMAX:
+        w = tl.exp(xs - mx) / denom
+    else:
+        w = 1.0 / (1.0 + tl.exp(-xs))
+    w = tl.where(kmask, w, 0.0)
     if RENORM:
         w = w / (tl.sum(w, axis=0) + 1e-20)
     w = w * scaling
-    kmask = kk < TOP_K
     tl.store(Wout + t64 * TOP_K + kk, w, mask=kmask)
-    tl.store(Iout + t64 * TOP_K + kk, ids, mask=kmask)
+    tl.store(Iout + t64 * TOP_K + kk, ids.to(tl.int64), mask=kmask)
 
 
 def moe_route(
@@ -96,6 +102,6 @@ def moe_route(
         E, logits.stride(0), float(routed_scaling_factor),
         BLOCK_E=block_e, TOP_K=top_k, BLOCK_K=next_pow2(top_k), SOFTMAX=scoring == "softmax",
         HAS_BIAS=correction_bias is not None, RENORM=bool(renormalize),
-        num_warps=4 if block_e <= 2048 else 8,
+        num_warps=1 if block_e <= 1024 else (2 if block_e <= 4096 else 4),
     )
     return weights, ids
