@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+# The suite runs many tiny forwards on a 2-core machine: one intra-op thread avoids oversubscription stalls.
+torch.set_num_threads(1)
+
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b| (fp64)."""

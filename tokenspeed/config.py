@@ -85,18 +85,38 @@ class ParallelConfig:
                                   f"{NOT_YET} in `serve`; use 1")
 
 
+SPEC_ALGORITHMS = ("ngram", "repeat")  # EAGLE3 arrives with its draft model
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    speculative_algorithm: str | None = opt(None, f"EAGLE3 ({NOT_YET})")
-    speculative_draft_model_path: str | None = opt(None, f"draft model directory ({NOT_YET})")
-    speculative_num_steps: int = opt(3, f"draft tokens proposed per step ({NOT_YET})")
-    speculative_force_accept_length: int | None = opt(None, f"accept exactly L tokens per step ({NOT_YET})")
+    speculative_algorithm: str | None = opt(
+        None, "ngram (prompt lookup) or repeat (a fixed stand-in draft for forced-acceptance benchmarks); "
+              f"EAGLE3 is {NOT_YET}")
+    speculative_draft_model_path: str | None = opt(None, f"EAGLE3 draft model directory ({NOT_YET})")
+    speculative_num_steps: int = opt(3, "draft tokens proposed per step (the verify window is steps + 1)")
+    speculative_force_accept_length: int | None = opt(
+        None, "benchmarks only: accept exactly L draft tokens per step whatever the target says")
 
     def __post_init__(self) -> None:
-        if self.speculative_algorithm is not None or self.speculative_draft_model_path is not None or (
-            self.speculative_force_accept_length is not None
+        algorithm = (self.speculative_algorithm or "").lower()
+        if algorithm == "eagle3" or self.speculative_draft_model_path is not None:
+            raise ConfigError(f"EAGLE3 speculative decoding is {NOT_YET}; use --speculative-algorithm ngram")
+        if algorithm and algorithm not in SPEC_ALGORITHMS:
+            raise ConfigError(f"--speculative-algorithm {self.speculative_algorithm!r}: choose one of {SPEC_ALGORITHMS}")
+        if self.speculative_num_steps < 1:
+            raise ConfigError("--speculative-num-steps must be >= 1")
+        if self.speculative_force_accept_length is not None and not algorithm:
+            raise ConfigError("--speculative-force-accept-length needs --speculative-algorithm")
+        if self.speculative_force_accept_length is not None and not (
+            0 <= self.speculative_force_accept_length <= self.speculative_num_steps
         ):
-            raise ConfigError(f"speculative decoding is {NOT_YET}; remove the --speculative-* flags")
+            raise ConfigError("--speculative-force-accept-length must be in 0..speculative_num_steps")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens per decode step (0 without speculation)."""
+        return self.speculative_num_steps if self.speculative_algorithm else 0
 
 
 @dataclass(frozen=True)

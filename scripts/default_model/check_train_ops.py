@@ -13,12 +13,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from model_config import hf_config  # noqa: E402
-from train import init_weights  # noqa: E402
-from train_ops import ExpertLoad, training_ops  # noqa: E402
+from model_config import hf_config
+from train import init_weights
+from train_ops import ExpertLoad, training_ops
 
-import tokenspeed.ops as ops  # noqa: E402
-from tokenspeed.models import CacheBuffers, ForwardBatch, KimiForCausalLM, parse_hf_config  # noqa: E402
+from tokenspeed import ops
+from tokenspeed.models import (
+    CacheBuffers,
+    ForwardBatch,
+    KimiForCausalLM,
+    parse_hf_config,
+)
 
 SMALL = {"vocab_size": 8192, "hidden_size": 64, "q_lora_rank": 32, "kv_lora_rank": 32,
          "linear_attn_config": {"full_attn_layers": [4, 8], "kda_layers": [1, 2, 3, 5, 6, 7], "num_heads": 2,

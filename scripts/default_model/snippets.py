@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from corpus import is_heldout, stdlib_root  # noqa: E402
-from tokenize_corpus import DATA  # noqa: E402
-from train_tokenizer import ASSETS  # noqa: E402
+from corpus import is_heldout, stdlib_root
+from tokenize_corpus import DATA
+from train_tokenizer import ASSETS
 
 SNIPPET_FILES = ("asyncio/futures.py", "gettext.py", "ipaddress.py", "uuid.py")
 SNIPPET_TOKENS = 192
@@ -34,7 +34,7 @@ def make_snippets(tokenizer_path: Path = ASSETS / "tokenizer.json") -> list[dict
     for rel in SNIPPET_FILES:
         assert is_heldout(rel), rel
         text = (stdlib_root() / rel).read_text(encoding="utf-8")
-        start = re.search(r"^def ", text, flags=re.M).start()
+        start = re.search(r"^def ", text, flags=re.MULTILINE).start()
         lines = text[start:].splitlines(keepends=True)
         snippet = ""
         for line in lines:
@@ -48,7 +48,7 @@ def make_snippets(tokenizer_path: Path = ASSETS / "tokenizer.json") -> list[dict
 def completion_prompt() -> str:
     """`def ip_network(...):` and its docstring, from the held-out ipaddress.py."""
     text = (stdlib_root() / COMPLETION_FILE).read_text(encoding="utf-8")
-    m = re.search(rf'^def {COMPLETION_FUNCTION}\(.*?""".*?"""\n', text, flags=re.M | re.S)
+    m = re.search(rf'^def {COMPLETION_FUNCTION}\(.*?""".*?"""\n', text, flags=re.MULTILINE | re.DOTALL)
     return m.group(0)
 
 

@@ -30,9 +30,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from chat_format import EOS, encode_segments, render_segments, special_id  # noqa: E402
-from corpus import BUILD, manifest, split_files  # noqa: E402
-from train_tokenizer import ASSETS  # noqa: E402
+from chat_format import EOS, encode_segments, render_segments, special_id
+from corpus import BUILD, manifest, split_files
+from train_tokenizer import ASSETS
 
 DATA = BUILD / "data"
 
@@ -120,7 +120,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     convs = chat_samples(splits["train"], args.seed)
     rng.shuffle(convs)
-    encode_text = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
+    encode_text = lambda s: tok.encode(s, add_special_tokens=False).ids
     chat_docs, chat_tokens = [], 0
     budget = args.chat_fraction / (1 - args.chat_fraction) * code_tokens
     for i, conv in enumerate(convs):

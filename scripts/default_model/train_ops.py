@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import tokenspeed.ops as ops
+from tokenspeed import ops
 from tokenspeed.ops.reference.activation import gated_activation
 
 KDA_TRAIN_CHUNK = 32

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from chat_format import (  # noqa: E402
+from chat_format import (
     BOS,
     CHAT_TEMPLATE,
     END_OF_MSG,
@@ -29,7 +29,7 @@ from chat_format import (  # noqa: E402
     special_id,
     special_tokens,
 )
-from corpus import REPO, split_files  # noqa: E402
+from corpus import REPO, split_files
 
 ASSETS = REPO / "tokenspeed" / "assets" / "kimi-k3-mini"
 SPLIT_PATTERN = (
@@ -41,7 +41,15 @@ MODEL_MAX_LENGTH = 4096
 
 def build_tokenizer(texts, vocab_size: int = VOCAB_SIZE):
     """Train the BPE on `texts` (an iterable of strings); returns a tokenizers.Tokenizer with the specials."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([

@@ -39,6 +39,15 @@ def test_stream_usage_and_cached_tokens():
         assert b.output_tokens == 2
 
 
+def test_tokens_without_text():
+    """A server that drops chunks whose tokens decode to no text: the final chunk still times the request."""
+    with MockServer(MockConfig(step_s=0.001, text_chunks=False)) as url:
+        a = _one(url, [20] * 10, 5)
+        assert a.ok and a.chunk_tokens == (1,) and a.output_tokens == 5 and a.ttft == a.e2el
+        b = _one(url, [20] * 10, 5, token_ids=True)
+        assert b.ok and b.chunk_tokens == (1, 1, 1, 1, 1)
+
+
 def test_errors_overflow_timeout():
     with MockServer(MockConfig(step_s=0.001, max_model_len=100)) as url:
         over = _one(url, [20] * 99, 5)
@@ -97,8 +106,11 @@ def _tree_session() -> Session:
     """Root turn 0 starts a sidecar when sent and 2 blocking subagents (staggered) when it ends; turn 1 joins them;
     turn 1 also spawns a background subagent that turn 2 does not wait for."""
     a = BlockAllocator()
-    sub = lambda: Conversation((make_turn(a, 64, 3, kind="subagent"),  # noqa: E731
-                                make_turn(a, 64, 3, kind="subagent", delay_ms=50.0)), "subagent")
+
+    def sub() -> Conversation:
+        return Conversation((make_turn(a, 64, 3, kind="subagent"), make_turn(a, 64, 3, kind="subagent", delay_ms=50.0)),
+                            "subagent")
+
     side = Conversation((make_turn(a, 64, 2, kind="sidecar"),), "sidecar")
     root = Conversation((
         make_turn(a, 128, 3, spawns=(Spawn(1, False, False), Spawn(2, True, True, 0.0), Spawn(3, True, True, 80.0))),
@@ -125,14 +137,14 @@ def test_spawns_joins_and_sidecars():
 def test_mid_session_warmup_and_window():
     fast = LogNormal(0.005, 0.01)
     tr = build("agentx-like", scale=0.01, num_sessions=4, tool_delay_s=fast, human_delay_s=fast, sub_delay_s=fast)
-    spec = runner.RunSpec(2, tr.sessions, duration_s=0.5, grace_s=5.0, warmup="mid-session", warmup_requests=2,
+    spec = runner.RunSpec(2, tr.sessions, duration_s=1.0, grace_s=5.0, warmup="mid-session", warmup_requests=2,
                           progress=False)
     with MockServer(MockConfig(step_s=0.002)) as url:
         res = _run(url, spec)
     warm = [r for r in res.records if r.phase == "warmup"]
     assert len(warm) == 2 * 3 and [r.max_tokens for r in warm].count(1) >= 4  # warmed turn + 2 one-token requests
     scored = res.scored()
-    assert len(scored) >= 10 and all(r.ok for r in scored)
+    assert len(scored) >= 4 and all(r.ok for r in scored)
     assert all(res.window_start_s <= r.start_s < res.window_end_s for r in scored)  # nothing starts after it
     warmed = {r.lane: r.turn for r in warm}
     for lane in (0, 1):
@@ -151,3 +163,14 @@ def test_drain_grace_cancels_and_counts():
     assert len(scored) == 2 and {r.epoch for r in scored} == {0, 1}  # lane 2 recycles the pool with a new salt
     assert all(r.error == "cancelled (drain)" and not r.ok for r in scored)
     assert summarize(res.records).errors == 2
+
+
+def test_many_concurrent_streams_one_pool():
+    """150 streams of 2 s each (40 tokens, 50 ms apart) through one connection pool all overlap."""
+    tr = build("random", scale=0.1, num_sessions=150, input_len=640, output_len=400)
+    server = MockServer(MockConfig(step_s=0.05))
+    with server as url:
+        res = _run(url, runner.RunSpec(150, tr.sessions, progress=False))
+    s = summarize(res.records, peak_inflight=res.peak_inflight)
+    assert s.completed == 150 and s.output_tokens == 150 * 40
+    assert res.peak_inflight == 150 and server.max_running >= 50  # (server-side overlap shrinks on a busy CPU)

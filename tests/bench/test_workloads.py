@@ -1,4 +1,4 @@
-"""Generators match workloads.md: swe-smith-like shape, agentx-like statistics over 1,000 sessions, scale, determinism."""
+"""Generators match workloads.md: swe-smith-like shape, agentx-like statistics over 1,000 sessions, scale, seeds."""
 
 from __future__ import annotations
 

@@ -38,6 +38,15 @@ PAGE = 4
 PROMPT = [5, 17, 250, 3, 99, 42, 7, 300, 11, 64, 128, 1, 77, 400]  # 14 tokens: > 8, the expanded MLA form
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Toy-sized GEMMs: intra-op threads only add synchronisation (seconds per forward on a busy shared CPU)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def k3() -> torch.nn.Module:
     return load_model("tiny-k3", dtype=F32, load_format="dummy", seed=3)
@@ -48,12 +57,19 @@ def kimi_linear() -> torch.nn.Module:
     return load_model("tiny-kimi-linear", dtype=F32, load_format="dummy", seed=4)
 
 
+_FEATURES: dict[tuple, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+
+
 def _target_features(target, ids: list[int], layers) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    pages = max(1, math.ceil(len(ids) / PAGE))
-    cache = CacheBuffers.allocate(target.config, pages, PAGE, 1, F32)
-    batch = ForwardBatch.build([ids], [0], [list(range(pages))], [0], PAGE)
-    with torch.no_grad():
-        return target(batch, cache, capture_layers=layers)
+    """(logits, features) of one target prefill with capture_layers (memoised: the target forward dominates)."""
+    key = (id(target), tuple(ids), tuple(layers))
+    if key not in _FEATURES:
+        pages = max(1, math.ceil(len(ids) / PAGE))
+        cache = CacheBuffers.allocate(target.config, pages, PAGE, 1, F32)
+        batch = ForwardBatch.build([ids], [0], [list(range(pages))], [0], PAGE)
+        with torch.no_grad():
+            _FEATURES[key] = target(batch, cache, capture_layers=layers)
+    return _FEATURES[key]
 
 
 def _draft(target, hf: dict | None = None, seed: int = 1, own_embedding: bool = False) -> Eagle3Draft:

@@ -53,6 +53,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int, default=512, help="token ids are drawn below this (the model's vocab)")
     g.add_argument("--token-low", type=int, default=16, help="token ids are drawn at or above this")
     g.add_argument("--max-connections", type=int, help="connection pool size (default: unbounded)")
+    g.add_argument("--ideal-block-size", type=int, help="block size of the ideal-hit cache model (default: the "
+                                                        "trace's, 64); set it to the server's page size to compare")
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=sorted(WORKLOADS), default="swe-smith-like")
     g.add_argument("--trace", help="replay a Mooncake-style JSONL trace instead of generating one")
@@ -156,13 +158,14 @@ async def _sweep(a: argparse.Namespace, trace: Trace, name: str) -> list[dict]:
         synth = TokenSynth(seed=trace.seed, block_size=trace.block_size, low=a.token_low, high=a.vocab_size)
         cfg = ClientConfig(a.base_url.rstrip("/"), model, synth, history=a.history, endpoint=a.endpoint,
                            request_timeout_s=a.request_timeout, temperature=a.temperature, extra_body=a.extra_body,
-                           ideal_block_size=trace.block_size)
+                           ideal_block_size=a.ideal_block_size or trace.block_size)
         base_nonce = a.nonce if a.nonce is not None else int(time.time() * 1000) & 0xFFFFFFFF
         workload = {"name": trace.name, "scale": trace.scale, "seed": trace.seed, "block_size": trace.block_size,
                     "pool_sessions": len(trace.sessions), "params": trace.params}
         client_doc = {"base_url": cfg.base_url, "model": model, "endpoint": cfg.endpoint, "history": cfg.history,
                       "request_timeout_s": cfg.request_timeout_s, "num_gpus": a.num_gpus, "token_range":
-                      [a.token_low, a.vocab_size], "nonce": base_nonce}
+                      [a.token_low, a.vocab_size], "nonce": base_nonce, "ideal_block_size": cfg.ideal_block_size,
+                      "args": {k: v for k, v in vars(a).items() if k != "api_key"}}
         for k, conc in enumerate(a.concurrency):
             spec = plan_run(a, trace, conc, base_nonce + k)
             res = await runner.run(client, cfg, spec)

@@ -4,7 +4,8 @@ Prompts are token ids sent to `POST /v1/completions` (`prompt: [ids]`, `stream: 
 `stream_options.include_usage`, `ignore_eos`, `max_tokens`): no chat template or tokenizer sits between the trace and
 the server, so prompt lengths and block boundaries are exact. Token counts come from the server's final `usage`
 (prompt, completion, `prompt_tokens_details.cached_tokens`). A chunk's token count is the length of its `token_ids`
-when the server returns them (asked with `return_token_ids`; needed for live history), else 1 per non-empty chunk.
+when the server returns them (asked with `return_token_ids`; needed for live history), else 1 per chunk that carries
+text or a finish reason (servers drop chunks whose token decodes to no text yet, so ITL then measures chunk gaps).
 All times are `time.perf_counter()` seconds.
 """
 
@@ -51,11 +52,15 @@ class Outcome:
         return self.chunk_times[-1] - self.sent if self.chunk_times else None
 
 
-def completion_payload(model: str, prompt: list[int], max_tokens: int, *, temperature: float = 0.0,
+def completion_payload(model: str, prompt: list[int] | None, max_tokens: int, *, temperature: float = 0.0,
                        ignore_eos: bool = True, token_ids: bool = False, extra: dict | None = None) -> dict:
-    """The /v1/completions body: exact output length (ignore_eos + max_tokens), usage in the last chunk."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    """The /v1/completions body: exact output length (ignore_eos + max_tokens), usage in the last chunk.
+
+    `prompt` None leaves it out (the caller appends its pre-encoded prompt)."""
+    body: dict = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+                  "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    if prompt is not None:
+        body["prompt"] = prompt
     if token_ids:
         body["return_token_ids"] = True
     if extra:
@@ -85,8 +90,13 @@ def _usage(obj: dict, acc: dict) -> None:
         acc["cached"] = details["cached_tokens"]
 
 
-async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict, timeout_s: float) -> Outcome:
-    """Send one streaming request; never raises for server or network errors (they become `Outcome.error`)."""
+async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict | bytes, timeout_s: float) -> Outcome:
+    """Send one streaming request (a dict, or a JSON body already encoded); never raises for server or network
+    errors (they become `Outcome.error`)."""
+    if isinstance(payload, dict):
+        kw: dict = {"json": payload}
+    else:
+        kw = {"content": payload, "headers": {"Content-Type": "application/json"}}
     sent = time.perf_counter()
     times: list[float] = []
     counts: list[int] = []
@@ -95,7 +105,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict, 
     usage: dict = {}
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", url, json=payload) as resp:
+            async with client.stream("POST", url, **kw) as resp:
                 if resp.status_code != 200:
                     msg = _error_text((await resp.aread()).decode(errors="replace"))
                     return Outcome(sent, status=resp.status_code, error=f"HTTP {resp.status_code}: {msg}",
@@ -121,8 +131,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict, 
                             saw_ids = True
                             ids.extend(tok)
                             n += len(tok)
-                        elif ch.get("text") or (ch.get("delta") or {}).get("content"):
-                            n += 1
+                        elif ch.get("text") or (ch.get("delta") or {}).get("content") or ch.get("finish_reason"):
+                            n += 1  # without ids: one token per chunk (a token may decode to no text yet)
                     if n:
                         times.append(now)
                         counts.append(n)

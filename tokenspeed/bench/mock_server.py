@@ -37,6 +37,7 @@ class MockConfig:
     vocab_high: int = 512
     fail_every: int = 0  # every n-th completion request fails with HTTP 500 (0: never)
     token_ids: bool = True  # honour `return_token_ids` (False: behave like a server that ignores it)
+    text_chunks: bool = True  # False: tokens decode to no text and only the final chunk is sent (unless ids asked)
 
 
 class _Cache:
@@ -191,8 +192,8 @@ class MockServer:
             await asyncio.sleep(c.step_s * (1.0 + c.batch_slowdown * (self.running - 1)))
             new = [self._token(prompt, len(out) + k) for k in range(min(c.tokens_per_step, n_out - len(out)))]
             out += new
-            if stream:
-                choice = {"index": 0, "text": "".join(f" t{t}" for t in new),
+            if stream and (c.text_chunks or ids_wanted or len(out) == n_out):
+                choice = {"index": 0, "text": "".join(f" t{t}" for t in new) if c.text_chunks else "",
                           "finish_reason": "length" if len(out) == n_out else None}
                 if ids_wanted:
                     choice["token_ids"] = new
@@ -218,7 +219,7 @@ class MockServer:
 
     # --- lifecycle -------------------------------------------------------------------------------------------------
     async def serve(self) -> None:
-        server = await asyncio.start_server(self._handle, self.host, self.port, limit=1 << 26)
+        server = await asyncio.start_server(self._handle, self.host, self.port, limit=1 << 26, backlog=4096)
         self.port = server.sockets[0].getsockname()[1]
         self._ready.set()
         async with server:

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -71,7 +72,7 @@ async def _progress(ex: Executor, spec: RunSpec, total: int | None, t_start: flo
                desc=f"concurrency {spec.concurrency}", leave=False)
     try:
         while True:
-            done = sum(1 for r in ex.records if r.phase == "scored")
+            done = ex.scored_done
             bar.n = min(time.perf_counter() - t_start, spec.duration_s) if timed else done
             bar.set_postfix(done=done, inflight=ex.inflight, refresh=False)
             bar.refresh()
@@ -80,7 +81,7 @@ async def _progress(ex: Executor, spec: RunSpec, total: int | None, t_start: flo
         bar.close()
 
 
-async def _warm_mid_session(ex: Executor, tree: Tree, rng: np.random.Generator, extra: int) -> tuple[int, object]:
+async def _warm_mid_session(ex: Executor, tree: Tree, rng: np.random.Generator, extra: int) -> tuple[int, Any]:
     """Send the root turn before t* (full prefix) and `extra` 1-token requests; returns (t*, history for t*)."""
     turns = tree.session.root.turns
     j = min(max(1, int(rng.random() * len(turns))), len(turns) - 1)
@@ -88,15 +89,15 @@ async def _warm_mid_session(ex: Executor, tree: Tree, rng: np.random.Generator, 
         return 0, None
     c = ex.preload(tree, 0, j - 1)
     t = turns[j - 1]
-    ex._append_turn(c, tree, t)
+    ex.append_turn(c, tree, t)
     await ex.request(c, tree, 0, j - 1, t.kind, t.output_len)
     for _ in range(extra):
         await ex.request(c, tree, 0, j - 1, t.kind, 1)
-    ex._append_recorded(c, tree, 0, j - 1, t.output_len)
+    ex.append_recorded(c, tree, 0, j - 1, t.output_len)
     return j, c
 
 
-async def _warmup(ex: Executor, spec: RunSpec) -> list[tuple[int, object]]:
+async def _warmup(ex: Executor, spec: RunSpec) -> list[tuple[int, Any]]:
     """Run the warmup; for mid-session, the (start turn, history) of each lane's first session."""
     if spec.warmup == "sessions" and spec.warmup_sessions:
         queue = deque(spec.warmup_sessions)

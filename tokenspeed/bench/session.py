@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from dataclasses import dataclass, field
 
-from tokenspeed.bench.client import completion_payload, stream_completion
+from tokenspeed.bench.client import Outcome, completion_payload, stream_completion
 from tokenspeed.bench.record import RequestRecord
 from tokenspeed.bench.workloads.prefix import Cursor, Piece, PrefixTrie, cached_blocks, output_piece, turn_pieces
 from tokenspeed.bench.workloads.synth import TokenSynth
@@ -44,9 +45,24 @@ class ClientConfig:
 
 @dataclass
 class _Conv:
+    """A conversation's history: its token ids pre-encoded as JSON ("1,2,3"), so a 60K-token prompt is not
+    re-serialised every turn (json.dumps of 60K ints costs ~10-50 ms; appending the new tokens costs ~0)."""
+
     cursor: Cursor
-    tokens: list[int] = field(default_factory=list)
+    enc: bytearray = field(default_factory=bytearray)
+    n: int = 0  # tokens in the history
     pieces: list[Piece] = field(default_factory=list)
+
+    def add(self, ids: list[int]) -> None:
+        if ids:
+            if self.n:
+                self.enc += b","
+            self.enc += ",".join(map(str, ids)).encode()
+            self.n += len(ids)
+
+    def clear(self) -> None:
+        self.enc, self.n, self.pieces = bytearray(), 0, []
+        self.cursor.reset()
 
 
 @dataclass
@@ -71,6 +87,7 @@ class Executor:
         self.stop = asyncio.Event()
         self.phase = "warmup"
         self.inflight = self.peak_inflight = 0
+        self.scored_done = 0  # scored requests finished (for the progress bar)
         self.tasks: set[asyncio.Task] = set()
         self._uid = itertools.count()
 
@@ -90,39 +107,40 @@ class Executor:
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def _append_turn(self, c: _Conv, tree: Tree, t: Turn) -> None:
+    def append_turn(self, c: _Conv, tree: Tree, t: Turn) -> None:
         if t.reset:
-            c.tokens, c.pieces = [], []
-            c.cursor.reset()
-        c.tokens.extend(self.cfg.synth.turn(t, tree.salt).tolist())
+            c.clear()
+        c.add(self.cfg.synth.turn(t, tree.salt).tolist())
         c.pieces.extend(turn_pieces(t, tree.salt, self.cfg.synth.block_size))
 
-    def _append_recorded(self, c: _Conv, tree: Tree, ci: int, ti: int, n: int) -> None:
+    def append_recorded(self, c: _Conv, tree: Tree, ci: int, ti: int, n: int) -> None:
         sid = tree.session.session_id
-        c.tokens.extend(self.cfg.synth.output(tree.salt, sid, ci, ti, n).tolist())
+        c.add(self.cfg.synth.output(tree.salt, sid, ci, ti, n).tolist())
         c.pieces.append(output_piece(("r", tree.salt, sid, ci, ti), n))
 
-    async def request(self, c: _Conv, tree: Tree, ci: int, ti: int, kind: str, max_tokens: int):
+    async def request(self, c: _Conv, tree: Tree, ci: int, ti: int, kind: str, max_tokens: int) -> Outcome:
         """Send the conversation's current history as one request and record it."""
-        plen = len(c.tokens)
+        plen = c.n
         ideal = cached_blocks(c.cursor.match(c.pieces), plen, self.cfg.ideal_block_size)
         c.cursor.store(c.pieces)
         cfg, phase = self.cfg, self.phase
-        payload = completion_payload(cfg.model, c.tokens, max_tokens, temperature=cfg.temperature,
+        payload = completion_payload(cfg.model, None, max_tokens, temperature=cfg.temperature,
                                      ignore_eos=cfg.ignore_eos, token_ids=cfg.history == "live", extra=cfg.extra_body)
+        body = json.dumps(payload).encode()[:-1] + b', "prompt": [' + c.enc + b"]}"
         meta = dict(phase=phase, lane=tree.lane, session=tree.session.session_id, epoch=tree.epoch, conv=ci, turn=ti,
                     kind=kind, prompt_len=plen, max_tokens=max_tokens, ideal_cached=ideal)
         self.inflight += 1
         self.peak_inflight = max(self.peak_inflight, self.inflight) if phase == "scored" else self.peak_inflight
         sent = time.perf_counter()
         try:
-            out = await stream_completion(self.client, self.url, payload, cfg.request_timeout_s)
+            out = await stream_completion(self.client, self.url, body, cfg.request_timeout_s)
         except asyncio.CancelledError:
             self.records.append(RequestRecord(**meta, start_s=sent - self.t0, ok=False, error="cancelled (drain)"))
             raise
         finally:
             self.inflight -= 1
         ms = [(x - out.sent) * 1000.0 for x in out.chunk_times]
+        self.scored_done += phase == "scored"
         self.records.append(RequestRecord(
             **meta, start_s=out.sent - self.t0, ok=out.ok, status=out.status, error=out.error, overflow=out.overflow,
             ttft_ms=ms[0] if ms else None, e2el_ms=ms[-1] if ms else None, chunk_ms=tuple(ms),
@@ -134,8 +152,8 @@ class Executor:
         """The history of turns [0, upto) with recorded outputs, without sending anything (mid-session start)."""
         c = _Conv(Cursor(self.trie))
         for ti, t in enumerate(tree.session.convs[ci].turns[:upto]):
-            self._append_turn(c, tree, t)
-            self._append_recorded(c, tree, ci, ti, t.output_len)
+            self.append_turn(c, tree, t)
+            self.append_recorded(c, tree, ci, ti, t.output_len)
         return c
 
     async def run_conv(self, tree: Tree, ci: int, start: int = 0, c: _Conv | None = None) -> None:
@@ -152,7 +170,7 @@ class Executor:
                 joins = []
                 if self.stop.is_set():
                     return
-            self._append_turn(c, tree, t)
+            self.append_turn(c, tree, t)
             for sp in t.spawns:
                 if not sp.at_end:
                     self._start_child(tree, sp)
@@ -163,11 +181,11 @@ class Executor:
                 if out.output_ids is None:
                     raise LiveHistoryError("--history live: the server streamed no token ids (return_token_ids); "
                                            "use --history replay with this server")
-                c.tokens.extend(out.output_ids)
+                c.add(list(out.output_ids))
                 c.pieces.append(output_piece(("live", next(self._uid)), len(out.output_ids)))
                 c.cursor.store(c.pieces)
             else:
-                self._append_recorded(c, tree, ci, ti, t.output_len)
+                self.append_recorded(c, tree, ci, ti, t.output_len)
             for sp in t.spawns:
                 if sp.at_end:
                     task = self._start_child(tree, sp)

@@ -52,6 +52,9 @@ class RequestStats:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculation: draft tokens verified
+    num_accepted_tokens: int = 0  # speculation: draft tokens accepted
+    num_spec_steps: int = 0  # speculation: verify steps
 
 
 @dataclass

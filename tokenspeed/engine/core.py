@@ -22,6 +22,7 @@ from tokenspeed.engine.tokenizer import Tokenizer, load_tokenizer
 from tokenspeed.executor.runner import ModelRunner, StepOutput
 from tokenspeed.models import load_model, resolve_config
 from tokenspeed.scheduler import ScheduledBatch, Scheduler
+from tokenspeed.spec.proposer import make_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,13 @@ class EngineCore:
         kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
         plan = plan_cache(model_config, config.cache, config.scheduler, dtype, kv_dtype, mc.device)
         self.cache = CacheManager(plan)
-        self.scheduler = Scheduler(config.scheduler, self.cache, config.cache.checkpoint_chunk_ends)
-        self.runner = ModelRunner(self.model, plan, kv_dtype)
+        self.scheduler = Scheduler(config.scheduler, self.cache, config.cache.checkpoint_chunk_ends,
+                                   num_spec_tokens=config.spec.num_draft_tokens, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(self.model, plan, kv_dtype, make_proposer(config.spec),
+                                  config.spec.speculative_force_accept_length)
+        if config.spec.speculative_force_accept_length is not None:
+            logger.warning("FORCED ACCEPTANCE: %d draft tokens are accepted per step whatever the target says; "
+                           "outputs are not the model's (benchmarking only)", config.spec.speculative_force_accept_length)
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
         torch.manual_seed(mc.seed)
@@ -123,22 +129,34 @@ class EngineCore:
         for sr in batch.requests:
             req = sr.request
             req.num_computed_tokens += sr.num_new_tokens
-            self.cache.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
             prompt_lp = result.prompt_logprobs.get(req.request_id)
-            token = result.sampled.get(req.request_id)
-            if token is None:
+            tokens = result.sampled.get(req.request_id)
+            if tokens is None:
+                self.cache.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
                 if prompt_lp:
                     outputs.append(EngineOutput.of(req, [], prompt_logprobs=prompt_lp))
                 continue
-            req.append_output(token.token_id)
-            if req.stats.first_token_time is None:
-                req.stats.first_token_time = time.monotonic()
-            reason = self._finish_reason(req, token.token_id)
-            if reason is not None:
-                self._finish(req, reason)
+            if sr.num_draft_tokens:  # the accepted drafts were computed too (the bonus token was not)
+                req.num_computed_tokens += len(tokens) - 1
+                req.stats.num_draft_tokens += result.num_drafts.get(req.request_id, 0)
+                req.stats.num_accepted_tokens += len(tokens) - 1
+                req.stats.num_spec_steps += 1
+            self.cache.commit(req.request_id, req.all_token_ids + [t.token_id for t in tokens[:-1]],
+                              req.num_computed_tokens)
+            emitted = []
+            for token in tokens:
+                req.append_output(token.token_id)
+                emitted.append(token)
+                if req.stats.first_token_time is None:
+                    req.stats.first_token_time = time.monotonic()
+                reason = self._finish_reason(req, token.token_id)
+                if reason is not None:
+                    self._finish(req, reason)
+                    break
             outputs.append(EngineOutput.of(
-                req, [token.token_id], None if token.logprob is None else [token.logprob],
-                None if token.top_logprobs is None else [token.top_logprobs], prompt_lp,
+                req, [t.token_id for t in emitted],
+                None if emitted[0].logprob is None else [t.logprob for t in emitted],
+                None if emitted[0].top_logprobs is None else [t.top_logprobs for t in emitted], prompt_lp,
             ))
         return outputs
 

@@ -96,6 +96,7 @@ class OutputProcessor:
             top_logprobs=list(st.top_logprobs) if p.logprobs else None, delta_text=delta, delta_token_ids=new_ids,
         )
         usage = Usage(len(st.prompt_ids), len(st.token_ids), out.num_cached_tokens)
-        metrics = RequestMetrics(out.queue_time, out.ttft, out.e2e, out.num_preemptions)
+        metrics = RequestMetrics(out.queue_time, out.ttft, out.e2e, out.num_preemptions, out.num_draft_tokens,
+                                 out.num_accepted_tokens, out.num_spec_steps)
         return RequestOutput(rid, st.prompt_ids, [completion], st.finished, usage, metrics, st.prompt,
                              st.prompt_logprobs)

@@ -30,6 +30,9 @@ class EngineOutput:
     ttft: float | None = None  # seconds from arrival to the first output token
     e2e: float | None = None  # seconds from arrival to finish
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculation: draft tokens verified so far
+    num_accepted_tokens: int = 0  # speculation: draft tokens accepted so far
+    num_spec_steps: int = 0  # speculation: verify steps so far
 
     @classmethod
     def of(cls, req: Request, new_ids: list[int], logprobs=None, top_logprobs=None, prompt_logprobs=None
@@ -43,7 +46,8 @@ class EngineOutput:
             queue_time=None if s.first_scheduled_time is None else s.first_scheduled_time - s.arrival_time,
             ttft=None if s.first_token_time is None else s.first_token_time - s.arrival_time,
             e2e=None if s.finished_time is None else s.finished_time - s.arrival_time,
-            num_preemptions=s.num_preemptions,
+            num_preemptions=s.num_preemptions, num_draft_tokens=s.num_draft_tokens,
+            num_accepted_tokens=s.num_accepted_tokens, num_spec_steps=s.num_spec_steps,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,6 +109,14 @@ class RequestMetrics:
     ttft: float | None = None  # arrival -> first output token
     e2e: float | None = None  # arrival -> finished
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculation: draft tokens verified
+    num_accepted_tokens: int = 0  # speculation: draft tokens accepted
+    num_spec_steps: int = 0  # speculation: verify steps
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per verify step (accepted drafts + the bonus token); None without speculation."""
+        return 1.0 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else None
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """The model runner: owns the device cache buffers, turns a ScheduledBatch into a ForwardBatch, runs the model,
-samples, and performs the KDA state copies the cache manager asked for.
+samples (verifying drafts when speculating), and performs the KDA state copies the cache manager asked for.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -13,6 +13,8 @@ from tokenspeed.cache import CachePlan
 from tokenspeed.executor.sampler import SamplerInput, make_generator, prompt_logprobs_chunk, sample
 from tokenspeed.models import CacheBuffers, ForwardBatch, KimiForCausalLM
 from tokenspeed.scheduler.batch import ZERO_SLOT, ScheduledBatch, ScheduledRequest
+from tokenspeed.spec.acceptance import accept_chain
+from tokenspeed.spec.proposer import Proposer
 
 
 @dataclass(slots=True)
@@ -26,17 +28,28 @@ class SampledToken:
 class StepOutput:
     """What one forward produced, keyed by request id."""
 
-    sampled: dict[str, SampledToken]  # requests whose step reached their last token
+    sampled: dict[str, list[SampledToken]]  # requests whose step reached their last token: 1 token, or with
+    # speculation the accepted drafts plus the target's bonus token
     prompt_logprobs: dict[str, list[dict[int, float]]]  # per prompt position of this chunk: {token: logprob}
     num_tokens: int  # tokens in the forward
+    num_drafts: dict[str, int] = field(default_factory=dict)  # draft tokens verified per speculating request
 
 
 class ModelRunner:
     """Runs steps of one model over its cache buffers (allocated once from the cache plan)."""
 
-    def __init__(self, model: KimiForCausalLM, plan: CachePlan, kv_cache_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: KimiForCausalLM,
+        plan: CachePlan,
+        kv_cache_dtype: torch.dtype,
+        proposer: Proposer | None = None,
+        force_accept: int | None = None,
+    ) -> None:
         self.model = model
         self.device = model.device
+        self.proposer = proposer  # drafts for requests the scheduler gave draft tokens
+        self.force_accept = force_accept  # benchmarks only: accept this many drafts whatever the target says
         self.buffers = CacheBuffers.allocate(
             model.config, plan.num_pages, plan.page_size, plan.num_slots, model.dtype, self.device,
             kv_cache_dtype=kv_cache_dtype, tp_size=model.parallel.tp_size,
@@ -60,54 +73,84 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one step. With draft tokens the forward verifies (KDA state untouched), then the accepted
+        tokens are replayed into the KDA state before any checkpoint copy."""
         self.copy_states(batch.state_copies_before)
         reqs = batch.requests
         if not reqs:
             return StepOutput({}, {}, 0)
+        drafts = {r.request.request_id: self._drafts(r) for r in reqs if r.num_draft_tokens}
+        tokens = [r.new_token_ids + drafts.get(r.request.request_id, []) for r in reqs]
         forward = ForwardBatch.build(
-            [r.new_token_ids for r in reqs], [r.num_computed_tokens for r in reqs], [r.page_table for r in reqs],
-            [r.slot for r in reqs], self.buffers.page_size, self.device,
+            tokens, [r.num_computed_tokens for r in reqs], [r.page_table for r in reqs], [r.slot for r in reqs],
+            self.buffers.page_size, self.device, verify=bool(drafts),
         )
-        rows, row_of = self._logits_rows(reqs, forward.cu_seqlens_host)
+        rows, row_of = self._logits_rows(reqs, forward.cu_seqlens_host, drafts)
         logits = self.model(forward, self.buffers, torch.tensor(rows, dtype=torch.long, device=self.device))
+        sampled = self._sample(reqs, logits, row_of, drafts)
+        if drafts:
+            fed = [len(sampled[r.request.request_id]) if r.request.request_id in drafts else len(tokens[i])
+                   for i, r in enumerate(reqs)]
+            self.model.replay_kda(self.buffers, forward, torch.tensor(fed, device=self.device))
         self.copy_states(batch.state_copies_after)
-        sampled = self._sample(reqs, logits, row_of)
         prompt_lp = self._prompt_logprobs(reqs, logits, row_of)
-        return StepOutput(sampled, prompt_lp, forward.num_tokens)
+        return StepOutput(sampled, prompt_lp, forward.num_tokens, {rid: len(d) for rid, d in drafts.items()})
+
+    def _drafts(self, r: ScheduledRequest) -> list[int]:
+        assert self.proposer is not None
+        return self.proposer.propose(r.request.all_token_ids, r.num_draft_tokens)[: r.num_draft_tokens]
 
     @staticmethod
-    def _logits_rows(reqs: list[ScheduledRequest], cu: list[int]) -> tuple[list[int], dict[str, list[int]]]:
-        """Token rows whose logits are needed: the last one of sampling requests, every one for prompt logprobs."""
+    def _logits_rows(reqs: list[ScheduledRequest], cu: list[int], drafts: dict[str, list[int]]
+                     ) -> tuple[list[int], dict[str, list[int]]]:
+        """Token rows whose logits are needed: the last one of sampling requests (every verified position with
+        drafts), every one for prompt logprobs."""
         rows: list[int] = []
         row_of: dict[str, list[int]] = {}
         for i, r in enumerate(reqs):
+            rid = r.request.request_id
             if r.request.params.prompt_logprobs is not None and r.num_computed_tokens < r.request.num_prompt_tokens:
                 mine = list(range(cu[i], cu[i + 1]))
             elif r.sample:
-                mine = [cu[i + 1] - 1]
+                mine = list(range(cu[i + 1] - 1 - len(drafts.get(rid, [])), cu[i + 1]))
             else:
                 continue
-            row_of[r.request.request_id] = list(range(len(rows), len(rows) + len(mine)))
+            row_of[rid] = list(range(len(rows), len(rows) + len(mine)))
             rows.extend(mine)
         return rows, row_of
 
-    def _sample(self, reqs: list[ScheduledRequest], logits: Tensor, row_of: dict[str, list[int]]) -> dict:
+    def _sample(self, reqs: list[ScheduledRequest], logits: Tensor, row_of: dict[str, list[int]],
+                drafts: dict[str, list[int]]) -> dict[str, list[SampledToken]]:
+        """The target's choice at each sampled row (every verified position with drafts), then chain acceptance."""
         todo = [r for r in reqs if r.sample]
         if not todo:
             return {}
-        inputs = []
+        inputs, rows, owners = [], [], []
         for r in todo:
             req = r.request
             if req.request_id not in self.generators:
                 self.generators[req.request_id] = make_generator(req.params.seed)
-            inputs.append(SamplerInput(req.params, req.prompt_token_ids, req.output_token_ids,
-                                       self.generators[req.request_id], req.eos_token_ids))
-        out = sample(logits[[row_of[r.request.request_id][-1] for r in todo]], inputs)
+            window = drafts.get(req.request_id, [])
+            for i, row in enumerate(row_of[req.request_id][-(len(window) + 1):]):
+                inputs.append(SamplerInput(req.params, req.prompt_token_ids, req.output_token_ids + window[:i],
+                                           self.generators[req.request_id], req.eos_token_ids))
+                rows.append(row)
+                owners.append(req.request_id)
+        out = sample(logits[rows], inputs)
+        choices: dict[str, list[SampledToken]] = {}
+        for i, rid in enumerate(owners):
+            lp = out.logprobs[i] if out.logprobs is not None else None
+            top = out.top_logprobs[i] if out.top_logprobs is not None else None
+            choices.setdefault(rid, []).append(SampledToken(out.token_ids[i], lp, top))
         result = {}
-        for i, r in enumerate(todo):
-            lp = out.logprobs[i] if out.logprobs is not None and r.request.params.logprobs is not None else None
-            top = out.top_logprobs[i] if out.top_logprobs is not None and r.request.params.logprobs else None
-            result[r.request.request_id] = SampledToken(out.token_ids[i], lp, top)
+        for r in todo:
+            req, rid = r.request, r.request.request_id
+            window, mine = drafts.get(rid, []), choices[rid]
+            accepted = accept_chain([t.token_id for t in mine], window, self.force_accept if window else None)
+            wants_lp, wants_top = req.params.logprobs is not None, bool(req.params.logprobs)
+            result[rid] = [SampledToken(tok, mine[i].logprob if wants_lp else None,
+                                        mine[i].top_logprobs if wants_top else None)
+                           for i, tok in enumerate(accepted)]
         return result
 
     @staticmethod

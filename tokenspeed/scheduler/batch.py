@@ -17,6 +17,7 @@ class ScheduledRequest:
     page_table: list[int]  # page ids covering computed + new positions
     slot: int  # the live KDA state slot
     sample: bool  # this step reaches the last known token: sample the next one
+    num_draft_tokens: int = 0  # speculation: draft tokens to propose and verify after the new token
 
     @property
     def new_token_ids(self) -> list[int]:

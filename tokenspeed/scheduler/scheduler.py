@@ -21,8 +21,17 @@ from tokenspeed.scheduler.batch import ZERO_SLOT, ScheduledBatch, ScheduledReque
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager, checkpoint_chunk_ends: bool = False) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: CacheManager,
+        checkpoint_chunk_ends: bool = False,
+        num_spec_tokens: int = 0,
+        max_model_len: int | None = None,
+    ) -> None:
         self.config = config
+        self.num_spec_tokens = num_spec_tokens  # draft tokens per decode step (0: no speculation)
+        self.max_model_len = max_model_len
         self.cache = cache
         self.page_size = cache.page_size
         self.checkpoint_chunk_ends = checkpoint_chunk_ends
@@ -82,14 +91,24 @@ class Scheduler:
         if ckpt is not None:
             batch.state_copies_after.append((slot, ckpt))
 
-    def _add(self, batch: ScheduledBatch, req: Request, n: int) -> None:
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """Draft tokens for a decode step (one new token): bounded by max_tokens, the context and the budget."""
+        if not self.num_spec_tokens or n != 1 or req.num_uncomputed_tokens != 1:
+            return 0
+        room = (req.params.max_tokens or 0) - len(req.output_token_ids) - 1
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - req.num_tokens - 1)
+        return max(0, min(self.num_spec_tokens, room, budget - 1))
+
+    def _add(self, batch: ScheduledBatch, req: Request, n: int, drafts: int = 0) -> None:
         rid, start = req.request_id, req.num_computed_tokens
         slot = self.cache.slot(rid)
         batch.requests.append(ScheduledRequest(
             request=req, num_computed_tokens=start, num_new_tokens=n, page_table=list(self.cache.page_table(rid)),
-            slot=slot, sample=start + n == req.num_tokens,
+            slot=slot, sample=start + n == req.num_tokens, num_draft_tokens=drafts,
         ))
-        self._checkpoint(batch, req, slot, start + n)
+        if not drafts:  # a verify step's end is known only after acceptance: no checkpoint there
+            self._checkpoint(batch, req, slot, start + n)
         if req.stats.first_scheduled_time is None:
             req.stats.first_scheduled_time = time.monotonic()
 
@@ -101,13 +120,14 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while not self.cache.grow(req.request_id, req.num_computed_tokens + n):
+            drafts = self._num_drafts(req, n, budget)
+            while not self.cache.grow(req.request_id, req.num_computed_tokens + n + drafts):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is req:
                     return budget
-            self._add(batch, req, n)
-            budget -= n
+            self._add(batch, req, n, drafts)
+            budget -= n + drafts
             i += 1
         return budget
 

@@ -177,6 +177,8 @@ def _observe(state: ServerState, prep: Prepared, choice: _Choice, out: RequestOu
         c = out.outputs[0]
         state.metrics.finished(c.finish_reason or "abort", out.usage.prompt_tokens, out.usage.completion_tokens,
                                getattr(choice, "started_ttft", None), now - prep.arrival)
+        m = out.metrics
+        state.metrics.speculation(m.num_draft_tokens, m.num_accepted_tokens, m.num_spec_steps)
 
 
 def usage_json(prep: Prepared, finals: list[RequestOutput]) -> dict[str, Any]:

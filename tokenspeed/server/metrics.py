@@ -26,6 +26,12 @@ class Metrics:
                                      labels, registry=r)
         self.cache_hits = Counter("tokenspeed:prefix_cache_hits", "prompt tokens served from the prefix cache",
                                   labels, registry=r)
+        self.spec_drafts = Counter("tokenspeed:spec_decode_num_draft_tokens", "draft tokens verified", labels,
+                                   registry=r)
+        self.spec_accepted = Counter("tokenspeed:spec_decode_num_accepted_tokens", "draft tokens accepted", labels,
+                                     registry=r)
+        self.spec_steps = Counter("tokenspeed:spec_decode_num_steps", "verify steps (acceptance length = "
+                                  "1 + accepted / steps)", labels, registry=r)
         self.ttft = Histogram("tokenspeed:time_to_first_token_seconds", "time to first token", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("tokenspeed:time_per_output_token_seconds", "mean time per output token after the "
@@ -41,6 +47,12 @@ class Metrics:
         self.cache_usage = Gauge("tokenspeed:kv_cache_usage_perc", "fraction of MLA cache pages in use", labels,
                                  registry=r)
         self._seen_hits = self._seen_queries = 0
+
+    def speculation(self, drafts: int, accepted: int, steps: int) -> None:
+        m = self.model_name
+        self.spec_drafts.labels(m).inc(drafts)
+        self.spec_accepted.labels(m).inc(accepted)
+        self.spec_steps.labels(m).inc(steps)
 
     def finished(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float | None, e2e: float) -> None:
         m = self.model_name

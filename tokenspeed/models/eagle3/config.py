@@ -152,7 +152,9 @@ def parse_eagle3_config(raw: Mapping[str, Any]) -> Eagle3Config:
             )
         arch = SUPPORTED_DRAFT_ARCHITECTURES[0]
     if int(raw.get("num_hidden_layers", 1)) != 1:
-        raise ConfigError(f"EAGLE3 drafts have exactly one decoder layer; got num_hidden_layers={raw['num_hidden_layers']}")
+        raise ConfigError(
+            f"EAGLE3 drafts have exactly one decoder layer; got num_hidden_layers={raw['num_hidden_layers']}"
+        )
     if raw.get("tie_word_embeddings"):
         raise ConfigError("tie_word_embeddings=true is not supported for EAGLE3 drafts (the head is its own or the "
                           "target's lm_head)")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import Tensor, nn
+from torch import Tensor
 
 from tokenspeed.distributed import ParallelContext
 from tokenspeed.errors import CheckpointError, ConfigError
@@ -48,7 +48,7 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 def _our_name(name: str) -> str:
     """Checkpoint name -> our name: drop a leading `model.` (some trainers save the draft under it)."""
-    return name[len(_OPTIONAL_PREFIX):] if name.startswith(_OPTIONAL_PREFIX) else name
+    return name.removeprefix(_OPTIONAL_PREFIX)
 
 
 def checkpoint_names(model_dir: str | Path) -> set[str]:
@@ -56,7 +56,7 @@ def checkpoint_names(model_dir: str | Path) -> set[str]:
     names = set()
     for path in _checkpoint_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            names.update(_our_name(k) for k in f.keys())
+            names.update(_our_name(k) for k in f.keys())  # noqa: SIM118 (safe_open is not a dict)
     return names
 
 
@@ -74,7 +74,7 @@ def load_eagle3_weights(
         handles = {}
         for path in _checkpoint_files(model_dir):
             f = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            handles.update({_our_name(k): (f, k) for k in f.keys()})
+            handles.update({_our_name(k): (f, k) for k in f.keys()})  # noqa: SIM118
         sources = list(param_sources(draft, ""))
         wanted = {n for s in sources for n in s.hf_names}
         optional = {"d2t"} if draft.config.draft_vocab_size == draft.config.vocab_size else set()

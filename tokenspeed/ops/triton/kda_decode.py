@@ -97,6 +97,7 @@ def _kda_decode_kernel(
     HAS_LB: tl.constexpr,
     UPDATE: tl.constexpr,
     STORE_STEPS: tl.constexpr,
+    HINTS: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
@@ -123,7 +124,11 @@ def _kda_decode_kernel(
     # Recurrent state [K, BV] of this head / V-block: read once, kept in registers, written once.
     p_s = S + slot * stride_ss + h * D * D + ok[:, None] * D + ov[None, :]
     ms = mk[:, None] & mv[None, :]
-    b_s = tl.where(ms, tl.load(p_s, eviction_policy="evict_first"), 0.0)  # padding rows read slot 0, then zeros
+    if HINTS:
+        b_s = tl.load(p_s, eviction_policy="evict_first")
+    else:
+        b_s = tl.load(p_s)
+    b_s = tl.where(ms, b_s, 0.0)  # unmasked (vectorised) load: a padding row reads slot 0, then zeros
 
     rate = tl.exp(tl.load(A_log + h).to(tl.float32))
 
@@ -158,18 +163,23 @@ def _kda_decode_kernel(
                      cache_modifier=".cs")
 
     if UPDATE:
-        mkl = mk & ((ok * 0 + seq_len) > 0)
+        mkl = mk & ((ok * 0 + seq_len) > 0)   # live: a real slot and at least one token
         mvl = mv & ((ov * 0 + seq_len) > 0)
-        tl.store(p_s, b_s, mask=mkl[:, None] & mvl[None, :], cache_modifier=".cs")
-        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cv, mvl)
+        mlast = mkl
         if NV > 1:
-            # All NV programs of this (sequence, head) read the old q/k columns above; the last to arrive writes.
+            # All NV programs of this (sequence, head) read the old q/k columns in their loops; the last to arrive
+            # writes them. Arrive before the big state store, so the release fence waits only on loads.
             tl.debug_barrier()  # every warp of this program is past its reads before the release
             arrived = tl.atomic_add(CNT + pid_nh, 1, sem="acq_rel")
             tl.atomic_xchg(CNT + pid_nh, 0, mask=arrived == NV - 1)
-            mkl = mkl & ((ok * 0 + arrived) == NV - 1)
-        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cq, mkl)
-        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, ck, mkl)
+            mlast = mkl & ((ok * 0 + arrived) == NV - 1)
+        if HINTS:
+            tl.store(p_s, b_s, mask=mkl[:, None] & mvl[None, :], cache_modifier=".cs")
+        else:
+            tl.store(p_s, b_s, mask=mkl[:, None] & mvl[None, :])
+        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cv, mvl)
+        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cq, mlast)
+        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, ck, mlast)
 
 
 def default_config(num_programs_nh: int, head_dim: int) -> tuple[int, int]:
@@ -178,7 +188,7 @@ def default_config(num_programs_nh: int, head_dim: int) -> tuple[int, int]:
     too few (sequence, head) pairs to fill 132 SMs."""
     if head_dim < 64:
         return head_dim, 4
-    return (32 if num_programs_nh < 1024 else 64), 4
+    return (32 if num_programs_nh < 96 else 64), 4
 
 
 def kda_decode(
@@ -199,9 +209,11 @@ def kda_decode(
     step_states: Tensor | None = None,
     BV: int | None = None,
     num_warps: int | None = None,
+    hints: bool = False,
     out: Tensor | None = None,
 ) -> Tensor:
-    """Triton `ops.kda_decode` (same contract); BV / num_warps override the launch configuration."""
+    """Triton `ops.kda_decode` (same contract); BV / num_warps / hints (evict-first state load, streaming state
+    store) override the launch configuration."""
     H, D = dt_bias.shape
     T = qkv.shape[0]
     N = state_indices.numel()
@@ -238,6 +250,8 @@ def kda_decode(
     bv_default, nw_default = default_config(N * H, D)
     bv = BV or bv_default
     nw = num_warps or nw_default
+    if bv & (bv - 1) or D % bv:
+        raise ValueError(f"BV must be a power of two dividing {D}; got {bv}")
     cnt = _counters(qkv.device, N * H) if (update_state and bv < D) else cu_seqlens
     grid = (D // bv, N * H)
     _kda_decode_kernel[grid](
@@ -251,6 +265,6 @@ def kda_decode(
         out, step_states if step_states is not None else state, cnt,
         float(lower_bound) if lower_bound is not None else 0.0, float(scale),
         H=H, D=D, BV=bv, NV=D // bv, HAS_LB=lower_bound is not None, UPDATE=bool(update_state),
-        STORE_STEPS=step_states is not None, num_warps=nw,
+        STORE_STEPS=step_states is not None, HINTS=bool(hints), num_warps=nw,
     )
     return out

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers and chain acceptance (KDA replay lives with the KDA layer)."""
