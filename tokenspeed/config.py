@@ -85,23 +85,23 @@ class ParallelConfig:
                                   f"{NOT_YET} in `serve`; use 1")
 
 
-SPEC_ALGORITHMS = ("ngram", "repeat")  # EAGLE3 arrives with its draft model
+SPEC_ALGORITHMS = ("eagle3", "ngram", "repeat")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     speculative_algorithm: str | None = opt(
-        None, "ngram (prompt lookup) or repeat (a fixed stand-in draft for forced-acceptance benchmarks); "
-              f"EAGLE3 is {NOT_YET}")
-    speculative_draft_model_path: str | None = opt(None, f"EAGLE3 draft model directory ({NOT_YET})")
+        None, "EAGLE3 (with --speculative-draft-model-path), ngram (prompt lookup), or repeat (a fixed stand-in "
+              "draft for forced-acceptance benchmarks)")
+    speculative_draft_model_path: str | None = opt(None, "EAGLE3 draft model directory or preset (tiny-eagle3)")
     speculative_num_steps: int = opt(3, "draft tokens proposed per step (the verify window is steps + 1)")
     speculative_force_accept_length: int | None = opt(
         None, "benchmarks only: accept exactly L draft tokens per step whatever the target says")
 
     def __post_init__(self) -> None:
         algorithm = (self.speculative_algorithm or "").lower()
-        if algorithm == "eagle3" or self.speculative_draft_model_path is not None:
-            raise ConfigError(f"EAGLE3 speculative decoding is {NOT_YET}; use --speculative-algorithm ngram")
+        if (algorithm == "eagle3") != (self.speculative_draft_model_path is not None):
+            raise ConfigError("EAGLE3 needs both --speculative-algorithm EAGLE3 and --speculative-draft-model-path")
         if algorithm and algorithm not in SPEC_ALGORITHMS:
             raise ConfigError(f"--speculative-algorithm {self.speculative_algorithm!r}: choose one of {SPEC_ALGORITHMS}")
         if self.speculative_num_steps < 1:

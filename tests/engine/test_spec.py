@@ -57,3 +57,34 @@ def test_ngram_drafts_are_accepted_on_repetitive_text() -> None:
     steps = sum(o.metrics.num_spec_steps for o in outs)
     assert steps > 0 and sum(o.metrics.num_draft_tokens for o in outs) > 0
     assert all(1.0 <= (o.metrics.mean_acceptance_length or 1.0) <= 4.0 for o in outs)
+
+
+@pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
+def test_eagle3_greedy_equals_plain(model: str) -> None:
+    prompts = _prompts(8, 11)
+    params = [GREEDY.clone(max_tokens=random.Random(i).randint(1, 16)) for i in range(8)]
+    plain = LLM(model, cache_memory_gb=0.02, page_size=8)
+    spec = LLM(model, cache_memory_gb=0.02, page_size=8, speculative_algorithm="EAGLE3",
+               speculative_draft_model_path="tiny-eagle3", speculative_num_steps=3)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    outs = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert sum(o.metrics.num_spec_steps for o in outs) > 0
+    turn2 = [p + e + [9, 10] for p, e in zip(prompts, expected)]
+    assert [o.outputs[0].token_ids for o in spec.generate(turn2, GREEDY.clone(max_tokens=5))] == [
+        o.outputs[0].token_ids for o in plain.generate(turn2, GREEDY.clone(max_tokens=5))]
+    spec.engine.cache.check_integrity()
+
+
+def test_sampled_and_greedy_requests_in_one_speculative_batch() -> None:
+    prompts = _prompts(6, 21)
+    params = [GREEDY if i % 2 else SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=12,
+                                                   ignore_eos=True) for i in range(6)]
+    plain = LLM("tiny-k3", cache_memory_gb=0.02)
+    spec = LLM("tiny-k3", cache_memory_gb=0.02, speculative_algorithm="ngram")
+    expected = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    for i, (e, g) in enumerate(zip(expected, got)):
+        assert len(g.outputs[0].token_ids) == params[i].max_tokens
+        if i % 2:
+            assert g.outputs[0].token_ids == e.outputs[0].token_ids

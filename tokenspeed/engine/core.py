@@ -44,13 +44,25 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.cache, config.cache.checkpoint_chunk_ends,
                                    num_spec_tokens=config.spec.num_draft_tokens, max_model_len=self.max_model_len)
         self.runner = ModelRunner(self.model, plan, kv_dtype, make_proposer(config.spec),
-                                  config.spec.speculative_force_accept_length)
+                                  config.spec.speculative_force_accept_length, self._drafter(plan, dtype))
         if config.spec.speculative_force_accept_length is not None:
             logger.warning("FORCED ACCEPTANCE: %d draft tokens are accepted per step whatever the target says; "
                            "outputs are not the model's (benchmarking only)", config.spec.speculative_force_accept_length)
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
         torch.manual_seed(mc.seed)
+
+    def _drafter(self, plan, dtype: torch.dtype):
+        """The EAGLE3 drafter when configured (its cache uses the target's page ids)."""
+        spec = self.config.spec
+        if (spec.speculative_algorithm or "").lower() != "eagle3":
+            return None
+        from tokenspeed.models.eagle3 import load_eagle3_draft
+        from tokenspeed.spec.eagle3 import Eagle3Drafter
+
+        draft = load_eagle3_draft(spec.speculative_draft_model_path, self.model, dtype, self.config.model.device,
+                                  seed=self.config.model.seed)
+        return Eagle3Drafter(draft, draft.capture_layers(self.model), plan.num_pages, plan.page_size)
 
     # ----- intake -----
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:

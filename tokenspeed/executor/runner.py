@@ -14,6 +14,7 @@ from tokenspeed.executor.sampler import SamplerInput, make_generator, prompt_log
 from tokenspeed.models import CacheBuffers, ForwardBatch, KimiForCausalLM
 from tokenspeed.scheduler.batch import ZERO_SLOT, ScheduledBatch, ScheduledRequest
 from tokenspeed.spec.acceptance import accept_chain
+from tokenspeed.spec.eagle3 import Eagle3Drafter
 from tokenspeed.spec.proposer import Proposer
 
 
@@ -45,8 +46,10 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype,
         proposer: Proposer | None = None,
         force_accept: int | None = None,
+        drafter: Eagle3Drafter | None = None,
     ) -> None:
         self.model = model
+        self.drafter = drafter  # EAGLE3: a draft model fed with captured target features
         self.device = model.device
         self.proposer = proposer  # drafts for requests the scheduler gave draft tokens
         self.force_accept = force_accept  # benchmarks only: accept this many drafts whatever the target says
@@ -59,6 +62,8 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request state (its random stream) once the request has ended."""
         self.generators.pop(request_id, None)
+        if self.drafter is not None:
+            self.drafter.release(request_id)
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Apply (src slot or ZERO_SLOT, dst slot) copies in order, over every KDA layer's conv and recurrent state."""
@@ -79,19 +84,32 @@ class ModelRunner:
         reqs = batch.requests
         if not reqs:
             return StepOutput({}, {}, 0)
-        drafts = {r.request.request_id: self._drafts(r) for r in reqs if r.num_draft_tokens}
+        if self.drafter is not None:
+            drafts = self.drafter.propose(reqs)
+        else:
+            drafts = {r.request.request_id: self._drafts(r) for r in reqs if r.num_draft_tokens}
         tokens = [r.new_token_ids + drafts.get(r.request.request_id, []) for r in reqs]
         forward = ForwardBatch.build(
             tokens, [r.num_computed_tokens for r in reqs], [r.page_table for r in reqs], [r.slot for r in reqs],
             self.buffers.page_size, self.device, verify=bool(drafts),
         )
         rows, row_of = self._logits_rows(reqs, forward.cu_seqlens_host, drafts)
-        logits = self.model(forward, self.buffers, torch.tensor(rows, dtype=torch.long, device=self.device))
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        features = None
+        if self.drafter is not None:
+            logits, captured = self.model(forward, self.buffers, idx, capture_layers=self.drafter.capture_layers)
+            features = torch.cat(captured, dim=-1)
+        else:
+            logits = self.model(forward, self.buffers, idx)
         sampled = self._sample(reqs, logits, row_of, drafts)
+        fed = [len(sampled[r.request.request_id]) if r.request.request_id in drafts else len(tokens[i])
+               for i, r in enumerate(reqs)]  # positions whose computation counts (accepted ones when verifying)
         if drafts:
-            fed = [len(sampled[r.request.request_id]) if r.request.request_id in drafts else len(tokens[i])
-                   for i, r in enumerate(reqs)]
             self.model.replay_kda(self.buffers, forward, torch.tensor(fed, device=self.device))
+        if features is not None:
+            cu = forward.cu_seqlens_host
+            for i, r in enumerate(reqs):
+                self.drafter.record(r.request.request_id, r.num_computed_tokens, features[cu[i] : cu[i] + fed[i]])
         self.copy_states(batch.state_copies_after)
         prompt_lp = self._prompt_logprobs(reqs, logits, row_of)
         return StepOutput(sampled, prompt_lp, forward.num_tokens, {rid: len(d) for rid, d in drafts.items()})

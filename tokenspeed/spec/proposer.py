@@ -42,7 +42,7 @@ class RepeatProposer:
 def make_proposer(spec) -> Proposer | None:
     """The proposer of a SpecConfig (None without speculation)."""
     algorithm = (spec.speculative_algorithm or "").lower()
-    if not algorithm:
+    if not algorithm or algorithm == "eagle3":  # EAGLE3 drafts in the runner (tokenspeed.spec.eagle3)
         return None
     if algorithm == "ngram":
         return NgramProposer()
