@@ -5,7 +5,8 @@ Subcommands available today:
   generate MODEL           greedy continuation of token ids through the engine-style forward (prefill + decode)
   write-checkpoint DIR     write a random checkpoint of a preset (config.json + safetensors, official names)
   plan --model MODEL       memory and capacity plan per GPU: weights, cache, KDA state, requests that fit, comm
-`serve` and `bench` are recognised and say that they are not available yet.
+  serve [MODEL]            the OpenAI-compatible server
+  bench                    agentic benchmark client against any OpenAI-compatible server
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ no running request, 64 concurrent streams with correct usage, and SIGTERM exitin
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -163,7 +164,7 @@ def test_queue_cap_gives_503_and_sigterm_exits_zero() -> None:
     srv = start_server("--max-num-seqs", "1", "--max-waiting-requests", "0")
 
     async def main() -> list[int]:
-        body = {"model": "tiny-k3", "prompt": [1, 2], "max_tokens": 2000, "ignore_eos": True}
+        body = {"model": "tiny-k3", "prompt": [1, 2], "max_tokens": 400, "ignore_eos": True}
         async with httpx.AsyncClient(timeout=120) as client:
             replies = await asyncio.gather(*(client.post(f"{srv.url}/v1/completions", json=body) for _ in range(4)))
         for r in replies:
@@ -176,3 +177,11 @@ def test_queue_cap_gives_503_and_sigterm_exits_zero() -> None:
         assert codes[0] == 200 and codes[-1] == 503, codes
     finally:
         assert stop_server(srv) == 0
+
+
+def test_stream_chunks_carry_token_ids_when_asked(server: Server) -> None:
+    body = {"model": "tiny-k3", "prompt": [4, 5, 6], "max_tokens": 6, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers()) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 6

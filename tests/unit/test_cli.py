@@ -30,7 +30,8 @@ def test_every_config_field_is_a_serve_flag() -> None:
 
 @pytest.mark.parametrize("flags, message", [
     (["--attn-tp-size", "2"], "not supported yet"),
-    (["--speculative-algorithm", "EAGLE3"], "not supported yet"),
+    (["--speculative-algorithm", "EAGLE3"], "--speculative-draft-model-path"),
+    (["--speculative-force-accept-length", "2"], "needs --speculative-algorithm"),
     (["--page-size", "0"], "page_size"),
 ])
 def test_refused_flags_exit_2_with_a_message(flags, message, capsys) -> None:

@@ -58,6 +58,7 @@ def plot_frontier(curves: Sequence[Curve], path: str | Path, x: str = "tps_user"
                         color=line.get_color())
     if at is not None:
         ax.axvline(at, color="grey", linestyle=":", linewidth=1)
+    ax.margins(x=0.08, y=0.12)  # room for the labels of the outermost points
     ax.set_xlabel(AXES.get(x, x))
     ax.set_ylabel(AXES.get(y, y))
     ax.set_title(title or "Throughput-latency frontier (labels: concurrency)")

@@ -31,6 +31,7 @@ class Prepared:
     params: SamplingParams  # n = choices per prompt
     include_usage: bool = False
     echo: bool = False
+    return_token_ids: bool = False  # completions: each stream chunk also carries its token ids
     tools_enabled: bool = False
     rendered: str = ""  # chat: the rendered prompt (decides whether the output starts in thinking)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -107,7 +108,8 @@ class ServerState:
             self._check_prompt(ids, params)
             prompts.append((ids, item if isinstance(item, str) else self.tokenizer.decode(ids)))
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Prepared("completion", prompts, params, usage, echo=body.echo)
+        return Prepared("completion", prompts, params, usage, echo=body.echo,
+                        return_token_ids=bool((body.model_extra or {}).get("return_token_ids")))
 
     def tokenize(self, body: TokenizeRequest) -> list[int]:
         if body.messages is not None:

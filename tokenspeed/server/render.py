@@ -144,9 +144,11 @@ def completion_chunks(state: ServerState, prep: Prepared, choice: _Choice, out: 
     if prep.echo and not choice.started:
         text = (prep.prompts[choice.prompt_index][1] or "") + text
     choice.started = True
-    if not text and not out.finished:
+    if not text and not out.finished and not prep.return_token_ids:
         return []
     entry: dict[str, Any] = {"index": choice.index, "text": text, "logprobs": None, "finish_reason": None}
+    if prep.return_token_ids:
+        entry["token_ids"] = list(c.delta_token_ids)
     if c.logprobs is not None and c.delta_token_ids:
         n = len(c.delta_token_ids)
         entry["logprobs"] = _completion_logprobs(state, c.delta_token_ids, c.logprobs[-n:],
