@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from collections.abc import Sequence
 
 import torch

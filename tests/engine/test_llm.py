@@ -73,6 +73,7 @@ def test_prefix_hit_from_earlier_turn(solo) -> None:
     model, prompts, _, _ = solo
     cached, fresh = _llm(model), _llm(model, enable_prefix_caching=False)
     history = prompts[2] + prompts[3]
+    prev_len = 0
     for turn in range(3):
         params = GREEDY.clone(max_tokens=6)
         out = cached.generate([history], params)[0]

@@ -54,7 +54,8 @@ def param_sources(model: nn.Module, prefix: str) -> Iterator[ParamSource]:
         yield ParamSource(name, param, names)
 
 
-def _checkpoint_files(model_dir: Path) -> list[Path]:
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (from its index when sharded)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -89,7 +90,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, prefix: str, tp_ra
     model_dir = Path(model_dir)
     with ExitStack() as stack:
         handles = {}
-        for path in _checkpoint_files(model_dir):
+        for path in checkpoint_files(model_dir):
             f = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             handles.update({key: f for key in f.keys()})
         sources = list(param_sources(model, prefix))

@@ -12,7 +12,6 @@ import os
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 import zmq.asyncio

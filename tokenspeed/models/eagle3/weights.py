@@ -8,7 +8,6 @@ Missing, unexpected and mis-shaped tensors are reported together (CheckpointErro
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import zlib
@@ -28,22 +27,13 @@ from tokenspeed.models.eagle3.preset import EAGLE3_PRESETS, eagle3_preset_hf_con
 from tokenspeed.models.kimi.model import KimiForCausalLM
 from tokenspeed.models.weights import param_sources
 
+from tokenspeed.models.weights import checkpoint_files  # noqa: E402
+
 logger = logging.getLogger(__name__)
 
 SKIPPED_TENSORS = ("t2d",)  # target -> draft mask: derivable from d2t, unused at inference
 _OPTIONAL_PREFIX = "model."
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-
-
-def _checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / f for f in sorted(set(weight_map.values()))]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {model_dir}")
-    return files
 
 
 def _our_name(name: str) -> str:
@@ -54,7 +44,7 @@ def _our_name(name: str) -> str:
 def checkpoint_names(model_dir: str | Path) -> set[str]:
     """Tensor names of a draft checkpoint directory (normalised: without a `model.` prefix)."""
     names = set()
-    for path in _checkpoint_files(Path(model_dir)):
+    for path in checkpoint_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             names.update(_our_name(k) for k in f.keys())  # noqa: SIM118 (safe_open is not a dict)
     return names
@@ -72,7 +62,7 @@ def load_eagle3_weights(
     ignored = set(ignore) | set(SKIPPED_TENSORS)
     with ExitStack() as stack:
         handles = {}
-        for path in _checkpoint_files(model_dir):
+        for path in checkpoint_files(model_dir):
             f = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             handles.update({_our_name(k): (f, k) for k in f.keys()})  # noqa: SIM118
         sources = list(param_sources(draft, ""))
