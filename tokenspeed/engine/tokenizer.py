@@ -56,6 +56,18 @@ class Tokenizer(ABC):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`."""
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of untrusted text (user content): special-token strings in it stay ordinary text."""
+        return self.encode(text)
+
+    def encode_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
+        """Ids of a rendered chat prompt given as (text, is_control) segments: control text (the template's
+        markers) may contain special tokens; the rest is encoded as plain text, so a user cannot inject them."""
+        ids: list[int] = []
+        for text, control in segments:
+            ids.extend(self.encode(text) if control else self.encode_plain(text))
+        return ids
+
     @abstractmethod
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; special tokens are dropped when `skip_special_tokens`."""
@@ -290,6 +302,13 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special-token strings in `text` become their special ids (HF semantics)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        self._tok.encode_special_tokens = True  # special-token strings are split like any text
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = False
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (unknown ids yield nothing)."""

@@ -16,7 +16,7 @@ from tokenspeed.config import ServerConfig
 from tokenspeed.core.sampling_params import RequestError, SamplingParams
 from tokenspeed.engine.outputs import RequestOutput
 from tokenspeed.server.chat.output import ChatOutputParser, detect_syntax
-from tokenspeed.server.chat.template import render_chat
+from tokenspeed.server.chat.template import render_chat_segments
 from tokenspeed.server.engine_client import EngineClient
 from tokenspeed.server.metrics import Metrics
 from tokenspeed.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
@@ -75,8 +75,10 @@ class ServerState:
                                f"{len(ids)} tokens")
         params.validate(self.client.info.vocab_size if self.client.info else None)
 
-    def render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any]) -> str:
-        return render_chat(messages, tools, self.tokenizer.chat_template, **kwargs)
+    def render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any]) -> tuple[str, list[int]]:
+        """(prompt text, token ids): template markers may be special tokens, message content never becomes one."""
+        segments = render_chat_segments(messages, tools, self.tokenizer.chat_template, **kwargs)
+        return "".join(text for text, _ in segments), self.tokenizer.encode_segments(segments)
 
     def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
         tools_enabled = bool(body.tools) and body.tool_choice != "none"
@@ -86,8 +88,7 @@ class ServerState:
                            ("response_format", extra.get("response_format"))):
             if value is not None:
                 kwargs.setdefault(key, value)
-        text = self.render(body.messages, body.tools, kwargs)  # tools stay declared even with tool_choice none
-        ids = self.tokenizer.encode(text)
+        text, ids = self.render(body.messages, body.tools, kwargs)  # tools stay declared with tool_choice none
         params = body.sampling_params().clone(skip_special_tokens=False)  # the parsers need the markers
         self._check_prompt(ids, params)
         usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -113,7 +114,7 @@ class ServerState:
 
     def tokenize(self, body: TokenizeRequest) -> list[int]:
         if body.messages is not None:
-            return self.tokenizer.encode(self.render(body.messages, None, {}))
+            return self.render(body.messages, None, {})[1]
         if body.prompt is None:
             raise RequestError("give `prompt` or `messages`")
         return self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
