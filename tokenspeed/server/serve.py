@@ -11,6 +11,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -75,7 +76,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     model_config, model_dir = resolve_config(model)
     tokenizer = load_tokenizer(model_dir, model_config.vocab_size, model_config.eos_token_ids)
-    name = server_config.served_model_name or (args.model or "default")
+    name = server_config.served_model_name or (args.model or Path(model).name)  # default: "kimi-k3-mini"
     client = EngineClient(engine_config, tokenizer, server_config.log_level)
 
     @contextlib.asynccontextmanager
