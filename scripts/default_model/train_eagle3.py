@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ["TOKENSPEED_OPS"] = "reference"  # autograd needs the torch reference ops
@@ -148,6 +147,7 @@ def main() -> None:
     ap.add_argument("--ttt-weight", type=float, default=0.5)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-windows", type=int, default=256, help="held-out windows for the agreement numbers")
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -201,9 +201,9 @@ def main() -> None:
     train_seconds = time.time() - t_start
     # held-out teacher-forced agreement (step 1 and the unrolled step 2)
     draft.eval()
-    hb = 16
+    hb = min(16, args.eval_windows)
     windows = held[: (held.numel() - 1) // args.seq_len * args.seq_len + 1]
-    count = (windows.numel() - 1) // args.seq_len
+    count = min((windows.numel() - 1) // args.seq_len, args.eval_windows)
     idx = torch.arange(count, device=device)[:, None] * args.seq_len + span
     accs, losses = [], []
     with torch.no_grad(), training_ops():
