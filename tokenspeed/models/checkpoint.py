@@ -36,10 +36,17 @@ def save_checkpoint(
     model: nn.Module, hf_config: dict[str, Any], out_dir: str | Path, prefix: str, num_shards: int = 1
 ) -> Path:
     """Write config.json and model.safetensors (or N shards + model.safetensors.index.json) to out_dir."""
+    return write_checkpoint_dir(checkpoint_tensors(model, prefix), hf_config, out_dir, num_shards)
+
+
+def write_checkpoint_dir(
+    tensors: dict[str, Tensor], hf_config: dict[str, Any], out_dir: str | Path, num_shards: int = 1
+) -> Path:
+    """Write `tensors` {hf_name: tensor} and config.json as an HF checkpoint directory (sharded with an index
+    when num_shards > 1)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
-    tensors = checkpoint_tensors(model, prefix)
     if num_shards == 1:
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         return out_dir

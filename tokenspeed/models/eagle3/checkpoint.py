@@ -6,15 +6,13 @@ Like the public EAGLE3 checkpoints it also writes `t2d` (bool [vocab]: target id
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
-from tokenspeed.models.checkpoint import checkpoint_tensors, dtype_name
+from tokenspeed.models.checkpoint import checkpoint_tensors, dtype_name, write_checkpoint_dir
 from tokenspeed.models.eagle3.config import parse_eagle3_config
 from tokenspeed.models.eagle3.model import Eagle3Draft
 from tokenspeed.models.eagle3.preset import eagle3_preset_hf_config
@@ -35,24 +33,8 @@ def save_eagle3_checkpoint(
     draft: Eagle3Draft, hf_config: dict[str, Any], out_dir: str | Path, num_shards: int = 1, *, write_t2d: bool = True
 ) -> Path:
     """Write config.json and model.safetensors (or N shards + model.safetensors.index.json) to out_dir."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
-    tensors = eagle3_checkpoint_tensors(draft, write_t2d=write_t2d)
-    if num_shards == 1:
-        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        return out_dir
-    names = sorted(tensors)
-    weight_map = {}
-    for i in range(num_shards):
-        file = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[i::num_shards]}
-        save_file(part, str(out_dir / file), metadata={"format": "pt"})
-        weight_map.update({n: file for n in part})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out_dir / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return out_dir
+    return write_checkpoint_dir(eagle3_checkpoint_tensors(draft, write_t2d=write_t2d), hf_config, out_dir,
+                                num_shards)
 
 
 def write_tiny_eagle3_checkpoint(
