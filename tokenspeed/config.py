@@ -24,8 +24,13 @@ class ModelConfig:
     load_format: str = opt("auto", "auto | safetensors | dummy (random weights of the model's geometry)")
     seed: int = opt(0, "seed of dummy weights and of unseeded sampling")
     max_model_len: int | None = opt(None, "longest prompt + output in tokens (default: the model's maximum)")
+    enforce_eager: bool = opt(False, "GPU: run decode steps eagerly instead of replaying captured CUDA graphs")
+    cuda_graph_max_bs: int | None = opt(None, "GPU: largest decode batch captured as a CUDA graph "
+                                              "(default: max_num_seqs)")
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ConfigError("cuda_graph_max_bs must be at least 1 (use --enforce-eager to disable graphs)")
         if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
             raise ConfigError(f"dtype {self.dtype!r}: choose auto, bfloat16, float32 or float16")
         if self.load_format not in ("auto", "safetensors", "dummy"):

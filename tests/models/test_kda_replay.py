@@ -49,7 +49,7 @@ def test_verify_then_replay_equals_sequential_decode(preset: str) -> None:
         assert all(torch.equal(a, b) for a, b in zip(before, _states(spec, slots)))  # nothing committed
         commit_logits = model(_batch(model, windows, cached), ref)
         assert rel_err(verify_logits, commit_logits) < 1e-6
-        model.replay_kda(spec, vb, torch.tensor([accepted[s] for s in slots]))
+        model.replay_kda(spec, vb, [accepted[s] for s in slots])
         # reference: fresh prompts, then the accepted tokens one by one
         ref = CacheBuffers.allocate(model.config, 128, PAGE, 8, torch.float32)
         model(_batch(model, prompts, {s: 0 for s in slots}), ref)
@@ -73,5 +73,5 @@ def test_replay_of_zero_tokens_keeps_the_state() -> None:
         before = _states(cache, [1])
         vb = _batch(model, {1: [8, 9]}, {1: 3}, verify=True)
         model(vb, cache)
-        model.replay_kda(cache, vb, torch.tensor([0]))
+        model.replay_kda(cache, vb, [0])
     assert all(torch.equal(a, b) for a, b in zip(before, _states(cache, [1])))

@@ -45,12 +45,23 @@ class EngineCore:
                                    num_spec_tokens=config.spec.num_draft_tokens, max_model_len=self.max_model_len)
         self.runner = ModelRunner(self.model, plan, kv_dtype, make_proposer(config.spec),
                                   config.spec.speculative_force_accept_length, self._drafter(plan, dtype))
+        if self._use_cuda_graphs():
+            self.runner.capture_decode_graphs(mc.cuda_graph_max_bs or config.scheduler.max_num_seqs,
+                                              self.max_model_len)
         if config.spec.speculative_force_accept_length is not None:
             logger.warning("FORCED ACCEPTANCE: %d draft tokens are accepted per step whatever the target says; "
                            "outputs are not the model's (benchmarking only)", config.spec.speculative_force_accept_length)
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
         torch.manual_seed(mc.seed)
+
+    def _use_cuda_graphs(self) -> bool:
+        """Graphs need a CUDA device, the Triton ops (the references synchronise) and no EAGLE3 feature capture."""
+        from tokenspeed.ops import dispatch
+
+        mc = self.config.model
+        return (str(mc.device).startswith("cuda") and not mc.enforce_eager and dispatch.mode() != "reference"
+                and dispatch.triton_available() and self.runner.drafter is None)
 
     def _drafter(self, plan, dtype: torch.dtype):
         """The EAGLE3 drafter when configured (its cache uses the target's page ids)."""

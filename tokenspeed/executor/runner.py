@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from tokenspeed.cache import CachePlan
+from tokenspeed.executor.cuda_graphs import DecodeGraphs
 from tokenspeed.executor.sampler import SamplerInput, make_generator, prompt_logprobs_chunk, sample
 from tokenspeed.models import CacheBuffers, ForwardBatch, KimiForCausalLM
 from tokenspeed.scheduler.batch import ZERO_SLOT, ScheduledBatch, ScheduledRequest
@@ -53,11 +54,19 @@ class ModelRunner:
         self.device = model.device
         self.proposer = proposer  # drafts for requests the scheduler gave draft tokens
         self.force_accept = force_accept  # benchmarks only: accept this many drafts whatever the target says
-        self.buffers = CacheBuffers.allocate(
-            model.config, plan.num_pages, plan.page_size, plan.num_slots, model.dtype, self.device,
+        self.num_pages = plan.num_pages
+        self.buffers = CacheBuffers.allocate(  # one extra page: the scratch page of CUDA-graph padding rows
+            model.config, plan.num_pages + 1, plan.page_size, plan.num_slots, model.dtype, self.device,
             kv_cache_dtype=kv_cache_dtype, tp_size=model.parallel.tp_size,
         )
         self.generators: dict[str, torch.Generator | None] = {}
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
+        """Capture the decode forward as CUDA graphs for batch sizes up to `max_batch_size` (see cuda_graphs)."""
+        pages = -(-max_model_len // self.buffers.page_size)
+        self.graphs = DecodeGraphs(self.model, self.buffers, max_batch_size, pages, scratch_page=self.num_pages)
+        self.graphs.capture()
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (its random stream) once the request has ended."""
@@ -94,18 +103,20 @@ class ModelRunner:
             self.buffers.page_size, self.device, verify=bool(drafts),
         )
         rows, row_of = self._logits_rows(reqs, forward.cu_seqlens_host, drafts)
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         features = None
-        if self.drafter is not None:
+        if self.graphs is not None and not drafts and self.graphs.can_run(forward) and rows == list(range(len(reqs))):
+            logits = self.graphs.run(forward)
+        elif self.drafter is not None:
+            idx = torch.tensor(rows, dtype=torch.long, device=self.device)
             logits, captured = self.model(forward, self.buffers, idx, capture_layers=self.drafter.capture_layers)
             features = torch.cat(captured, dim=-1)
         else:
-            logits = self.model(forward, self.buffers, idx)
+            logits = self.model(forward, self.buffers, torch.tensor(rows, dtype=torch.long, device=self.device))
         sampled = self._sample(reqs, logits, row_of, drafts)
         fed = [len(sampled[r.request.request_id]) if r.request.request_id in drafts else len(tokens[i])
                for i, r in enumerate(reqs)]  # positions whose computation counts (accepted ones when verifying)
         if drafts:
-            self.model.replay_kda(self.buffers, forward, torch.tensor(fed, device=self.device))
+            self.model.replay_kda(self.buffers, forward, fed)
         if features is not None:
             cu = forward.cu_seqlens_host
             for i, r in enumerate(reqs):

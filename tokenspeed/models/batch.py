@@ -31,6 +31,8 @@ class ForwardBatch:
     cu_seqlens_host: list[int]  # N+1 host copy of cu_seqlens
     kv_lens_host: list[int]  # N host copy of kv_lens
     verify: bool = False  # speculative verification: KDA states are read, not written (see KDAAttention.replay)
+    uniform_query_len: int | None = None  # q_len shared by every sequence (decode: 1, verify: k), else None.
+    # When set, layers take their device-only paths (no host list is read), which CUDA graphs require.
 
     @property
     def num_seqs(self) -> int:
@@ -66,6 +68,7 @@ class ForwardBatch:
             slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(cached, kv_len))
             cu.append(cu[-1] + len(toks))
             kv_lens.append(kv_len)
+        qlens = {len(toks) for toks in new_tokens}
         width = max((len(p) for p in page_tables), default=0)
         table = [list(p) + [0] * (width - len(p)) for p in page_tables]
 
@@ -83,16 +86,18 @@ class ForwardBatch:
             cu_seqlens_host=cu,
             kv_lens_host=kv_lens,
             verify=verify,
+            uniform_query_len=qlens.pop() if len(qlens) == 1 else None,
         )
 
 
 @dataclass
 class ReplayInputs:
-    """What a verify forward records per KDA layer so the accepted tokens can be replayed into the state."""
+    """What a verify forward records per KDA layer so the accepted tokens can be replayed into the state: the raw
+    projections, from which `ops.kda_decode` redoes conv, gate and recurrence (no GEMM is recomputed)."""
 
     projected: Tensor  # [T, 3 * channels] q/k/v projections before the short conv (model dtype)
-    g: Tensor  # [T, heads, head_dim] fp32 log decay
-    beta: Tensor  # [T, heads] fp32
+    f: Tensor  # [T, channels] gate logits before the K3 / softplus gate (model dtype)
+    b: Tensor  # [T, heads] beta logits before the sigmoid (model dtype)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 - `kimi-k3`: the full K3 text geometry (section 1.1 of k3-architecture.md), for planning and dummy weights.
 - `kimi-linear-48b-a3b`: the public Kimi-Linear-48B-A3B config.
+- `k3-slice`: K3's exact layer widths, 12 layers (one AttnRes block, 3 MLA), 64 experts: ~33B, fits one H200.
 - `tiny-k3`, `tiny-kimi-linear`: every feature at toy width, for tests (both layer kinds, >= 2 AttnRes blocks,
   8 experts, latent narrower than hidden).
 """
@@ -118,6 +119,23 @@ KIMI_LINEAR_48B: dict[str, Any] = {
     "pad_token_id": 163839,
 }
 
+# k3-slice: K3's exact layer widths in one AttnRes block of 12 layers (MLA at 1-based 4, 8, 12, layer 1 dense,
+# 64 experts top-16 in the 3584 latent, 2 shared): about 33B parameters, a one-H200 benchmark geometry.
+K3_SLICE: dict[str, Any] = {
+    "architectures": ["KimiK3ForConditionalGeneration"],
+    "model_type": "kimi_k3",
+    "text_config": {
+        **K3_TEXT_CONFIG,
+        "num_hidden_layers": 12,
+        "linear_attn_config": {
+            **K3_TEXT_CONFIG["linear_attn_config"],
+            "full_attn_layers": [4, 8, 12],
+            "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11],
+        },
+        "num_experts": 64,
+    },
+}
+
 # tiny-k3: 6 layers, MLA at 1-based 3, 5, 6 (two adjacent, like K3's 92/93), AttnRes blocks of 2 (3 blocks).
 TINY_K3: dict[str, Any] = {
     "architectures": ["KimiK3ForConditionalGeneration"],
@@ -190,6 +208,7 @@ TINY_KIMI_LINEAR: dict[str, Any] = {
 PRESETS: dict[str, dict[str, Any]] = {
     "kimi-k3": KIMI_K3,
     "kimi-linear-48b-a3b": KIMI_LINEAR_48B,
+    "k3-slice": K3_SLICE,
     "tiny-k3": TINY_K3,
     "tiny-kimi-linear": TINY_KIMI_LINEAR,
 }

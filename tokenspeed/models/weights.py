@@ -137,12 +137,14 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
     Linear weights ~ N(0, 1/fan_in), residual-output projections further / sqrt(2 * layers), so the random network
     behaves like a trained one (each sublayer nudges the stream) rather than a chaotic one; norm gains
-    ~ 1 + N(0, 0.1^2); KDA A_log / dt_bias in their trained ranges.
+    ~ 1 + N(0, 0.1^2); KDA A_log / dt_bias in their trained ranges. Values are drawn on the parameters' device
+    (a 98 GB geometry initialises in seconds on a GPU), so the same seed gives different weights on CPU and GPU.
     """
-    gen = torch.Generator().manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}
     num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            gen = gens.get(p.device) or gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
             value = _dummy_value(name, tuple(p.shape), gen)
             if name.rsplit(".", 2)[-2] in _RESIDUAL_OUTPUTS or name.endswith(".w2"):
                 value = value / math.sqrt(2 * num_layers)  # sublayer outputs small against the stream
@@ -155,11 +157,12 @@ _RESIDUAL_OUTPUTS = {"o_proj", "down_proj", "routed_expert_up_proj"}
 
 def _dummy_value(name: str, shape: tuple[int, ...], gen: torch.Generator) -> Tensor:
     leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
-    randn = torch.randn(shape, generator=gen)
+    dev = gen.device
+    randn = torch.randn(shape, generator=gen, device=dev)
     if leaf == "A_log":
-        return torch.log(torch.empty(shape).uniform_(1.0, 16.0, generator=gen))
+        return torch.log(torch.empty(shape, device=dev).uniform_(1.0, 16.0, generator=gen))
     if leaf == "dt_bias":
-        dt = torch.exp(torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+        dt = torch.exp(torch.empty(shape, device=dev).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
         return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
     if leaf == "e_score_correction_bias":
         return 0.1 * randn

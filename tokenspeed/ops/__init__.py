@@ -3,7 +3,7 @@
 Models import `tokenspeed.ops` only, never a concrete kernel. Each function runs its plain torch reference
 (`tokenspeed.ops.reference.*`, the ground truth and the CPU path) or, for CUDA tensors, the Triton kernel of the
 same contract in `tokenspeed.ops.triton` (`rms_norm`, `gated_rms_norm`, `attn_res_mix`, `attn_res_mix_rms_norm`,
-`moe_route`, `kda_decode`). `TOKENSPEED_OPS=reference` forces the reference; `tokenspeed.ops.dispatch` has the rule.
+`moe_route`, `kda_decode`, `moe_experts`, `mla_decode`). `TOKENSPEED_OPS=reference` forces the reference; `tokenspeed.ops.dispatch` has the rule.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ from tokenspeed.ops.reference import norm as _ref_norm
 from tokenspeed.ops.reference.activation import Activation, gated_activation
 from tokenspeed.ops.reference.conv import causal_conv1d
 from tokenspeed.ops.reference.kda import kda_chunk, kda_gate, kda_recurrent, l2_normalize
+from tokenspeed.ops.reference import mla as _ref_mla
 from tokenspeed.ops.reference.mla import (
-    mla_attention_expanded,
     mla_attention_paged,
     mla_gather_latent,
     mla_store_latent,
 )
-from tokenspeed.ops.reference.moe import moe_experts
 from tokenspeed.ops.reference.rope import apply_rope, rope_cos_sin, yarn_mscale
 
 
@@ -75,7 +74,29 @@ def moe_route(
                               routed_scaling_factor=routed_scaling_factor)
 
 
-for _fn, _ref in ((rms_norm, _ref_norm.rms_norm), (gated_rms_norm, _ref_norm.gated_rms_norm),
+def moe_experts(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                act: Activation) -> Tensor:
+    if _dispatch.use_triton(x, w1, w3, w2, topk_weights, topk_ids) and _dispatch.moe_experts_supported(x, w1, act):
+        return _dispatch.kernels("moe_experts").moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act)
+    return _ref_moe.moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act)
+
+
+def mla_attention_expanded(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: list[int], cu_seqlens_k: list[int],
+                           scale: float) -> Tensor:
+    if _dispatch.use_triton(q, k, v) and q.is_cuda:
+        return _dispatch.cuda_module("sdpa").attention_expanded(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    return _ref_mla.mla_attention_expanded(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+
+
+def mla_decode(q: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, scale: float, v_dim: int,
+               kv_scale: float = 1.0) -> Tensor:
+    if _dispatch.use_triton(q, cache, page_table, kv_lens) and _dispatch.mla_decode_supported(q, cache, v_dim):
+        return _dispatch.kernels("mla_decode").mla_decode(q, cache, page_table, kv_lens, scale, v_dim, kv_scale)
+    return _ref_mla.mla_decode(q, cache, page_table, kv_lens, scale, v_dim, kv_scale)
+
+
+for _fn, _ref in ((moe_experts, _ref_moe.moe_experts), (mla_decode, _ref_mla.mla_decode),
+                  (mla_attention_expanded, _ref_mla.mla_attention_expanded), (rms_norm, _ref_norm.rms_norm), (gated_rms_norm, _ref_norm.gated_rms_norm),
                   (attn_res_mix, _ref_attn_res.attn_res_mix),
                   (attn_res_mix_rms_norm, _ref_attn_res.attn_res_mix_rms_norm), (moe_route, _ref_moe.moe_route)):
     _fn.__doc__ = _ref.__doc__
@@ -193,12 +214,16 @@ def kda_scan(
 
     q, k: [T, H, K] L2-normalised; v: [T, H, V]; g: [T, H, K] fp32 log decay; beta: [T, H] fp32;
     state: [S, H, K, V] fp32 pool, rows `state_indices` [N] are read and then overwritten with the final
-    states (mutated in place); cu_seqlens: [N+1]. form: "auto" | "chunk" | "recurrent".
+    states (mutated in place); cu_seqlens: [N+1]. form: "auto" | "chunk" | "recurrent". On CUDA the chunked form
+    runs fla-core's `chunk_kda` when it is installed.
     Returns o [T, H, V] in v.dtype.
     """
     if form == "auto":
         lens = cu_seqlens[1:] - cu_seqlens[:-1]
         form = "chunk" if lens.numel() and int(lens.max()) > KDA_CHUNK_MIN_TOKENS else "recurrent"
+    if form == "chunk" and _dispatch.use_triton(q, k, v, state) and q.is_cuda and _dispatch.fla_available():
+        return _dispatch.cuda_module("kda_chunk").kda_chunk_scan(q, k, v, g, beta, scale=scale, state=state,
+                                                                 state_indices=state_indices, cu_seqlens=cu_seqlens)
     fn = {"chunk": kda_chunk, "recurrent": kda_recurrent}[form]
     o, final = fn(q, k, v, g, beta, scale=scale, initial_state=state[state_indices], cu_seqlens=cu_seqlens)
     state[state_indices] = final
@@ -221,6 +246,7 @@ __all__ = [
     "l2_normalize",
     "mla_attention_expanded",
     "mla_attention_paged",
+    "mla_decode",
     "mla_gather_latent",
     "mla_store_latent",
     "moe_experts",

@@ -17,6 +17,7 @@ import importlib
 import os
 from types import ModuleType
 
+import torch
 from torch import Tensor
 
 ENV_VAR = "TOKENSPEED_OPS"
@@ -65,6 +66,26 @@ def kernels(name: str) -> ModuleType:
     return mod
 
 
+def cuda_module(name: str) -> ModuleType:
+    """The non-Triton CUDA path `tokenspeed.ops.cuda.<name>` (fla-core, fused SDPA), imported on first use."""
+    key = f"cuda.{name}"
+    mod = _modules.get(key)
+    if mod is None:
+        mod = importlib.import_module(f"tokenspeed.ops.cuda.{name}")
+        _modules[key] = mod
+    return mod
+
+
+_fla_ok: bool | None = None
+
+
+def fla_available() -> bool:
+    global _fla_ok
+    if _fla_ok is None:
+        _fla_ok = cuda_module("kda_chunk").available()
+    return _fla_ok
+
+
 # Supported regions: calls outside them fall back to the reference even on CUDA.
 MAX_NORM_DIM = 32768
 MAX_EXPERTS = 8192
@@ -88,3 +109,12 @@ def kda_decode_supported(qkv: Tensor, conv_weight: Tensor, dt_bias: Tensor) -> b
     d = dt_bias.shape[-1]
     return conv_weight.dim() == 2 and conv_weight.shape[1] == 4 and d & (d - 1) == 0 and 16 <= d <= 128 \
         and qkv.stride(-1) == 1
+
+
+def moe_experts_supported(x: Tensor, w1: Tensor, act) -> bool:
+    return x.dim() == 2 and w1.dim() == 3 and act.kind in ("silu", "situ") and x.dtype in (
+        torch.bfloat16, torch.float16, torch.float32)
+
+
+def mla_decode_supported(q: Tensor, cache: Tensor, v_dim: int) -> bool:
+    return q.dim() == 4 and cache.dim() == 3 and 0 < v_dim < cache.shape[-1] <= 1024 and q.shape[-1] == cache.shape[-1]

@@ -30,6 +30,10 @@ def _a_log_to_heads(num_heads: int):
     return transform
 
 
+# Batches whose sequences all have this many new tokens or fewer (decode, verify windows) take the fused path.
+FUSED_MAX_QUERY_LEN = 16
+
+
 class KDAAttention(nn.Module):
     """One KDA layer. `cache_index` is this layer's ordinal among the model's KDA layers."""
 
@@ -76,42 +80,48 @@ class KDAAttention(nn.Module):
         """x: [T, hidden] normed input -> [T, hidden].
 
         Commit mode (default): advances the KDA state of batch.kda_slots in place. Verify mode
-        (`batch.verify`): reads the states but leaves them untouched (scratch copies), and records in
-        `cache.replay[cache_index]` what `replay` needs to advance them later by the accepted tokens only.
+        (`batch.verify`): reads the states but leaves them untouched, and records in `cache.replay[cache_index]`
+        what `replay` needs to advance them later by the accepted tokens only. Batches where every sequence has
+        the same few new tokens (decode, verify) run the fused `ops.kda_decode` (one launch, graph-safe); others
+        (prefill chunks, mixed steps) compose conv, gate and `ops.kda_scan`.
         """
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
-        conv_state, rec_state = cache.kda_conv[self.cache_index], cache.kda_recurrent[self.cache_index]
-        slots = batch.kda_slots
-        if batch.verify:  # scratch copies: the committed state is never written by a verification
-            conv_state, rec_state = conv_state[slots], rec_state[slots]
-            slots = torch.arange(batch.num_seqs, device=x.device)
         projected = self.qkv_proj(x)
-        mixed = ops.causal_conv1d(projected, self.conv_weight, conv_state, slots, batch.cu_seqlens, activation="silu")
-        q, k, v = mixed.view(t, 3, h, hd).unbind(1)
-        g = ops.kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, hd), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        f = self.f_b_proj(self.f_a_proj(x))
+        b = self.b_proj(x)
         if batch.verify:
-            cache.replay[self.cache_index] = ReplayInputs(projected, g, beta)
-        o = ops.kda_scan(
-            ops.l2_normalize(q), ops.l2_normalize(k), v, g, beta, scale=1.0 / math.sqrt(hd),
-            state=rec_state, state_indices=slots, cu_seqlens=batch.cu_seqlens,
-        )
+            cache.replay[self.cache_index] = ReplayInputs(projected, f, b)
+        conv_state, rec_state = cache.kda_conv[self.cache_index], cache.kda_recurrent[self.cache_index]
+        ql = batch.uniform_query_len
+        if ql is not None and 1 <= ql <= FUSED_MAX_QUERY_LEN:
+            o = ops.kda_decode(projected, f, b, self.conv_weight, conv_state, self.A_log, self.dt_bias, rec_state,
+                               batch.kda_slots, batch.cu_seqlens, lower_bound=self.lower_bound,
+                               scale=1.0 / math.sqrt(hd), update_state=not batch.verify)
+        else:
+            slots = batch.kda_slots
+            if batch.verify:  # scratch copies: the committed state is never written by a verification
+                conv_state, rec_state = conv_state[slots], rec_state[slots]
+                slots = torch.arange(batch.num_seqs, device=x.device)
+            mixed = ops.causal_conv1d(projected, self.conv_weight, conv_state, slots, batch.cu_seqlens,
+                                      activation="silu")
+            q, k, v = mixed.view(t, 3, h, hd).unbind(1)
+            g = ops.kda_gate(f.view(t, h, hd), self.A_log, self.dt_bias, self.lower_bound)
+            o = ops.kda_scan(
+                ops.l2_normalize(q), ops.l2_normalize(k), v, g, torch.sigmoid(b.float()), scale=1.0 / math.sqrt(hd),
+                state=rec_state, state_indices=slots, cu_seqlens=batch.cu_seqlens,
+            )
         o = ops.gated_rms_norm(o, self.output_gate(x).view(t, h, hd), self.o_norm.weight, self.eps)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
 
-    def replay(self, cache: CacheBuffers, batch: ForwardBatch, num_accepted: Tensor) -> None:
-        """Advance the committed state of each sequence of a verified `batch` by its first num_accepted[n] tokens.
+    def replay(self, cache: CacheBuffers, batch: ForwardBatch, keep: Tensor, cu_accepted: Tensor) -> None:
+        """Advance the committed state of each sequence of a verified `batch` by its accepted tokens.
 
-        Uses the inputs recorded by the verify forward (no projection is recomputed); mutates the conv and
-        recurrent state of batch.kda_slots. num_accepted: [N] int64, 0 <= a_n <= q_len_n.
+        keep: [A] int64 rows of the verified batch that were accepted (each sequence's first a_n tokens, in order);
+        cu_accepted: [N+1] int64 offsets of each sequence's accepted rows in `keep`. Uses the inputs recorded by
+        the verify forward (no projection is recomputed); mutates the conv and recurrent state of batch.kda_slots.
         """
         rec = cache.replay.pop(self.cache_index)
-        starts = batch.cu_seqlens[:-1]
-        keep = torch.cat([torch.arange(int(a), device=starts.device) + int(s) for s, a in zip(starts, num_accepted)])
-        cu = torch.nn.functional.pad(torch.cumsum(num_accepted, 0), (1, 0))
-        t, h, hd = keep.numel(), self.num_heads, self.head_dim
-        mixed = ops.causal_conv1d(rec.projected[keep], self.conv_weight, cache.kda_conv[self.cache_index],
-                                  batch.kda_slots, cu, activation="silu")
-        q, k, v = mixed.view(t, 3, h, hd).unbind(1)
-        ops.kda_scan(ops.l2_normalize(q), ops.l2_normalize(k), v, rec.g[keep], rec.beta[keep], scale=1.0,
-                     state=cache.kda_recurrent[self.cache_index], state_indices=batch.kda_slots, cu_seqlens=cu)
+        ops.kda_decode(rec.projected[keep], rec.f[keep], rec.b[keep], self.conv_weight,
+                       cache.kda_conv[self.cache_index], self.A_log, self.dt_bias,
+                       cache.kda_recurrent[self.cache_index], batch.kda_slots, cu_accepted,
+                       lower_bound=self.lower_bound, scale=1.0, update_state=True)

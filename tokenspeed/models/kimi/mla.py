@@ -82,11 +82,30 @@ class MLAAttention(nn.Module):
             k_pe = ops.apply_rope(k_pe.unsqueeze(1), cos, sin).squeeze(1)
         latent_cache = cache.mla_latent[self.cache_index]
         ops.mla_store_latent(torch.cat([c_kv, k_pe], dim=-1), latent_cache, batch.slot_mapping, cache.mla_kv_scale)
-        o = self._attend(q, batch, latent_cache, cache.mla_kv_scale)  # [T, H, v]
+        ql = batch.uniform_query_len
+        if ql is not None and 1 <= ql <= ABSORBED_MAX_QUERY_LEN:
+            o = self._attend_uniform(q, batch, latent_cache, cache.mla_kv_scale)
+        else:
+            o = self._attend(q, batch, latent_cache, cache.mla_kv_scale)  # [T, H, v]
         o = o.reshape(t, h * self.v_dim)
         if hasattr(self, "g_proj"):
             o = o * torch.sigmoid(self.g_proj(x))
         return self.parallel.all_reduce(self.o_proj(o))
+
+    def _attend_uniform(self, q: Tensor, batch: ForwardBatch, latent_cache: Tensor, kv_scale: float) -> Tensor:
+        """Absorbed attention when every sequence has the same q_len (decode, verify): device values only, so it
+        can be captured in a CUDA graph. On CUDA the absorption runs in the model dtype (tensor cores); elsewhere
+        in fp32 like `_attend_absorbed`, so CPU results do not depend on which path a batch took."""
+        t, h, r = q.shape[0], self.num_heads, self.kv_lora_rank
+        cdt = q.dtype if q.is_cuda else torch.float32
+        w = self.kv_b_proj.weight.to(cdt).view(h, self.nope + self.v_dim, r)
+        q_lat = torch.bmm(q[..., : self.nope].to(cdt).transpose(0, 1), w[:, : self.nope])  # [H, T, r]
+        q_abs = torch.cat([q_lat.transpose(0, 1), q[..., self.nope :].to(cdt)], dim=-1)
+        n = batch.kv_lens.shape[0]
+        o_lat = ops.mla_decode(q_abs.view(n, t // n, h, -1), latent_cache, batch.page_table, batch.kv_lens,
+                               self.scale, r, kv_scale)
+        o = torch.bmm(o_lat.view(t, h, r).transpose(0, 1), w[:, self.nope :].transpose(1, 2))  # [H, T, v]
+        return o.transpose(0, 1).to(self.kv_b_proj.weight.dtype)
 
     def _attend(self, q: Tensor, batch: ForwardBatch, latent_cache: Tensor, kv_scale: float) -> Tensor:
         """Attention of every sequence, each routed to the absorbed or the expanded form by its query length."""
@@ -113,14 +132,17 @@ class MLAAttention(nn.Module):
         return torch.einsum("thr,hvr->thv", o_latent, w_uv).to(self.kv_b_proj.weight.dtype)
 
     def _attend_expanded(self, q, subset, batch, latent_cache, kv_scale) -> Tensor:
+        """Keys/values expanded per head from the cached latent rows; fp32 on the CPU (the reference numerics),
+        the model dtype on CUDA (tensor cores, fused SDPA with an fp32 softmax)."""
+        cdt = q.dtype if q.is_cuda else torch.float32
         kv_lens = [batch.kv_lens_host[n] for n in subset]
-        latent = ops.mla_gather_latent(latent_cache, batch.page_table[subset], kv_lens, torch.float32, kv_scale)
-        kv = nn.functional.linear(latent[:, : self.kv_lora_rank], self.kv_b_proj.weight.float())
+        latent = ops.mla_gather_latent(latent_cache, batch.page_table[subset], kv_lens, cdt, kv_scale)
+        kv = nn.functional.linear(latent[:, : self.kv_lora_rank], self.kv_b_proj.weight.to(cdt))
         kv = kv.view(-1, self.num_heads, self.nope + self.v_dim)
         k_pe = latent[:, None, self.kv_lora_rank :].expand(-1, self.num_heads, -1)
         k = torch.cat([kv[..., : self.nope], k_pe], dim=-1)
         return ops.mla_attention_expanded(
-            q.float(), k, kv[..., self.nope :], _cumsum([batch.query_lens_host[n] for n in subset]),
+            q.to(cdt), k, kv[..., self.nope :], _cumsum([batch.query_lens_host[n] for n in subset]),
             _cumsum(kv_lens), self.scale,
         ).to(q.dtype)
 

@@ -113,3 +113,30 @@ def _paged_decode(
     scores = scores.masked_fill((pos[None, :] >= lens[:, None])[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("nhl,nld->nhd", probs, kv[..., :v_dim]).to(q.dtype)
+
+
+def mla_decode(
+    q: Tensor,
+    cache: Tensor,
+    page_table: Tensor,
+    kv_lens: Tensor,
+    scale: float,
+    v_dim: int,
+    kv_scale: float = 1.0,
+) -> Tensor:
+    """`mla_attention_paged` for a batch where every sequence has the same Q new tokens (decode: 1, verify: k).
+
+    q: [N, Q, H, Dl] absorbed queries; kv_lens: [N] (device) context lengths after this step; a sequence with
+    kv_lens[n] <= 0 is a padding row and gets zeros. Returns [N, Q, H, v_dim] in q.dtype. The Triton kernel of the
+    same contract takes only device values (graph-safe); this reference reads kv_lens on the host.
+    """
+    n, ql, h, dl = q.shape
+    lens = kv_lens.tolist()
+    out = q.new_zeros(n, ql, h, v_dim)
+    live = [i for i, kv_len in enumerate(lens) if kv_len > 0]
+    if live:
+        idx = torch.tensor(live, device=q.device)
+        o = mla_attention_paged(q[idx].reshape(-1, h, dl), cache, page_table[idx], list(range(0, ql * len(live) + 1, ql)),
+                                [lens[i] for i in live], scale, v_dim, kv_scale)
+        out[idx] = o.view(len(live), ql, h, v_dim)
+    return out

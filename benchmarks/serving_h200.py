@@ -1,0 +1,449 @@
+"""Issue 8 on one H200: the GPU runner (Triton ops + decode CUDA graphs) on the benchmark geometries.
+
+    PYTHONPATH=. python benchmarks/serving_h200.py --out benchmarks/results
+
+In one run, per geometry (`kimi-linear-48b-a3b` ~98 GB bf16, `k3-slice` ~66 GB bf16, dummy weights on the GPU):
+- parity: GPU-path logits (Triton ops; decode through the captured graph) against the same model through the
+  torch reference ops (`TOKENSPEED_OPS=reference`) on short prompts: prefill and one decode step;
+- decode: step time (graph replay, CUDA events, median after warm-up) and output tok/s for batch 1/4/16/64 at
+  4K and 32K context, against the streaming roofline: (weights touched + KDA state read/write + MLA rows read)
+  / 4.27 TB/s, where routed-expert bytes count the expected distinct experts E (1 - (1 - k/E)^B) of B tokens;
+- eager vs graph at batch 1 (what the graphs buy);
+- prefill: one 8K-token chunk from an empty cache (eager), FLOPs = 2 x active params x tokens + attention,
+  against the bf16 matmul rate measured in this run;
+- engine: `LLM` with the dummy geometry, 64 requests decoding together: per-step wall time vs the graph's GPU
+  time (the CPU work not hidden behind the GPU);
+- reference implementation: Hugging Face `transformers` KimiLinearForCausalLM.generate on the same geometry
+  (its own random weights), batch 1 and 16, decode tok/s against ours at the same context.
+Also the tiny-model check: greedy tokens of the trained default model on the GPU (fp32) equal the CPU's.
+Writes serving_h200.json + serving_h200.png to --out; prints as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from tokenspeed.executor.cuda_graphs import DecodeGraphs
+from tokenspeed.models import CacheBuffers, ForwardBatch
+from tokenspeed.models.loader import load_model, resolve_config
+
+HBM = 4.27e12
+RESULT: dict = {"sections": {}, "errors": {}}
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def section(name):
+    """Run a section, record its result or its error (a failing section does not stop the run)."""
+    def wrap(fn):
+        def run(*args, **kw):
+            t = time.perf_counter()
+            try:
+                out = fn(*args, **kw)
+                RESULT["sections"].setdefault(name, []).append(out)
+                log(f"== {name} done in {time.perf_counter() - t:.1f} s")
+                return out
+            except Exception as e:  # noqa: BLE001 - recorded and reported
+                RESULT["errors"][f"{name}:{len(RESULT['errors'])}"] = traceback.format_exc()
+                log(f"== {name} FAILED: {e!r}\n{traceback.format_exc()}")
+                return None
+        return run
+    return wrap
+
+
+def cuda_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median device time of fn() in ms (CUDA events around each call)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+@section("ceilings")
+def ceilings() -> dict:
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_ms(lambda: x @ y, iters=10)
+    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = cuda_ms(lambda: dst.copy_(src), iters=10)
+    del x, y, src, dst
+    out = {"matmul_bf16_tflops": 2 * 8192**3 / ms / 1e9, "copy_tb_s": 2 * 2**31 / copy_ms / 1e9}
+    log(out)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------- bytes
+def byte_model(model, batch: int, ctx: int) -> dict:
+    """Bytes a decode step must move at this batch and context (the roofline's numerator)."""
+    cfg = model.config
+    expert_bytes, other = 0, 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if name.endswith((".w1", ".w2", ".w3")):
+            expert_bytes += nbytes
+        elif "embed_tokens" not in name:
+            other += nbytes
+    e, k = cfg.num_experts or 1, cfg.num_experts_per_token or 1
+    touched = e * (1 - (1 - k / e) ** batch) / e
+    kda_state = len(cfg.kda_layers) * cfg.kda_num_heads * cfg.kda_head_dim**2 * 4 * 2 * batch
+    mla_rows = len(cfg.mla_layers) * cfg.mla_latent_dim * 2 * ctx * batch
+    total = other + expert_bytes * touched + kda_state + mla_rows
+    return {"dense_weights": other, "experts_touched": expert_bytes * touched, "kda_state_rw": kda_state,
+            "mla_rows": mla_rows, "total": total}
+
+
+def decode_setup(model, max_batch: int, max_ctx: int, page_size: int = 64) -> tuple[CacheBuffers, int]:
+    cfg = model.config
+    pages_per_seq = max_ctx // page_size
+    num_pages = max_batch * pages_per_seq
+    buf = CacheBuffers.allocate(cfg, num_pages + 1, page_size, max_batch + 1, model.dtype, "cuda")
+    for t in buf.mla_latent:
+        t.normal_(0, 1)
+    for t in buf.kda_recurrent:
+        t.normal_(0, 0.05)
+    return buf, pages_per_seq
+
+
+def decode_batch(batch: int, ctx: int, pages_per_seq: int, page_size: int, q_len: int = 1) -> ForwardBatch:
+    tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(batch)]
+    return ForwardBatch.build([[7 + i] * q_len for i in range(batch)], [ctx - q_len] * batch, tables,
+                              list(range(batch)), page_size, "cuda")
+
+
+@section("decode")
+def decode_sweep(model, name: str, batches: list[int], contexts: list[int]) -> dict:
+    page_size = 64
+    buf, pps = decode_setup(model, max(batches), max(contexts), page_size)
+    graphs = DecodeGraphs(model, buf, max(batches), pps, scratch_page=max(batches) * pps)
+    t = time.perf_counter()
+    graphs.capture()
+    capture_s = time.perf_counter() - t
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            fb = decode_batch(b, ctx, pps, page_size)
+            ms = cuda_ms(lambda: graphs.run(fb))
+            bytes_ = byte_model(model, b, ctx)
+            roof_ms = bytes_["total"] / HBM * 1e3
+            row = {"geometry": name, "ctx": ctx, "batch": b, "step_ms": ms, "tok_s": b / ms * 1e3,
+                   "tok_s_per_user": 1e3 / ms, "roofline_ms": roof_ms, "fraction_of_roofline": roof_ms / ms,
+                   "bytes": bytes_}
+            rows.append(row)
+            log(f"{name} ctx {ctx:6d} batch {b:3d}: {ms:7.3f} ms  {row['tok_s']:8.1f} tok/s  "
+                f"roofline {roof_ms:6.3f} ms  = {100 * roof_ms / ms:5.1f}%")
+    fb = decode_batch(1, contexts[0], pps, page_size)
+    eager_ms = cuda_ms(lambda: model(fb, buf, torch.arange(1, device="cuda")), iters=10)
+    graph_ms = cuda_ms(lambda: graphs.run(fb))
+    log(f"{name} batch 1 ctx {contexts[0]}: eager {eager_ms:.3f} ms vs graph {graph_ms:.3f} ms")
+    del graphs, buf
+    torch.cuda.empty_cache()
+    return {"geometry": name, "rows": rows, "capture_s": capture_s, "eager_ms_b1": eager_ms, "graph_ms_b1": graph_ms}
+
+
+@section("parity")
+def parity(model, name: str) -> dict:
+    """Triton/graph path vs the reference ops on the same GPU and weights: prefill and one decode step."""
+    page_size, n, prompt = 16, 2, 40
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.config.vocab_size, (prompt,), generator=gen).tolist() for _ in range(n)]
+    pages = [list(range(i * 8, (i + 1) * 8)) for i in range(n)]
+
+    def fresh():
+        return CacheBuffers.allocate(model.config, 8 * n + 1, page_size, n + 1, model.dtype, "cuda")
+
+    def run(mode: str, graph: bool):
+        os.environ["TOKENSPEED_OPS"] = mode
+        buf = fresh()
+        pre = ForwardBatch.build(prompts, [0] * n, pages, list(range(n)), page_size, "cuda")
+        last = torch.tensor([prompt - 1, 2 * prompt - 1], device="cuda")
+        lp = model(pre, buf, last)
+        nxt = lp.argmax(-1).tolist()
+        dec = ForwardBatch.build([[t] for t in nxt], [prompt] * n, pages, list(range(n)), page_size, "cuda")
+        if graph:
+            g = DecodeGraphs(model, buf, n, 8, scratch_page=8 * n)
+            snapshot = [t.clone() for t in buf.kda_recurrent], [t.clone() for t in buf.kda_conv]
+            g.capture()  # warm-up runs advance the states: restore them
+            for dst, src in zip(buf.kda_recurrent + buf.kda_conv, snapshot[0] + snapshot[1], strict=True):
+                dst.copy_(src)
+            ld = g.run(dec).clone()
+        else:
+            ld = model(dec, buf, torch.arange(n, device="cuda"))
+        return lp.float(), ld.float()
+
+    ref_p, ref_d = run("reference", False)
+    fast_p, fast_d = run("auto", True)
+    os.environ["TOKENSPEED_OPS"] = "auto"
+
+    def rel(a, b):
+        return ((a - b).norm(dim=-1) / b.norm(dim=-1)).tolist()
+
+    out = {"geometry": name, "prefill_rel_l2": rel(fast_p, ref_p), "decode_rel_l2": rel(fast_d, ref_d),
+           "prefill_argmax_equal": (fast_p.argmax(-1) == ref_p.argmax(-1)).tolist(),
+           "decode_argmax_equal": (fast_d.argmax(-1) == ref_d.argmax(-1)).tolist()}
+    log(out)
+    return out
+
+
+@section("prefill")
+def prefill(model, name: str, tokens: int, matmul_tflops: float | None) -> dict:
+    cfg = model.config
+    page_size = 64
+    pages = tokens // page_size + 1
+    buf = CacheBuffers.allocate(cfg, pages + 1, page_size, 2, model.dtype, "cuda")
+    ids = torch.randint(0, cfg.vocab_size, (tokens,)).tolist()
+    fb = ForwardBatch.build([ids], [0], [list(range(pages))], [0], page_size, "cuda")
+    last = torch.tensor([tokens - 1], device="cuda")
+
+    def step():
+        buf.reset_slots([0])
+        model(fb, buf, last)
+
+    ms = cuda_ms(step, iters=5, warmup=2)
+    active = active_params(model)
+    attn = sum(4 * tokens * tokens / 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+               for _ in cfg.mla_layers)
+    flops = 2 * active * tokens + attn
+    rate = flops / ms / 1e9
+    out = {"geometry": name, "tokens": tokens, "ms": ms, "tok_s": tokens / ms * 1e3, "tflops": rate,
+           "active_params": active, "fraction_of_matmul": rate / matmul_tflops if matmul_tflops else None}
+    log(out)
+    del buf
+    torch.cuda.empty_cache()
+    return out
+
+
+def active_params(model) -> int:
+    cfg = model.config
+    total = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        if name.endswith((".w1", ".w2", ".w3")):
+            total += p.numel() * cfg.num_experts_per_token // cfg.num_experts
+        else:
+            total += p.numel()
+    return total
+
+
+@section("engine")
+def engine_overhead(name: str, batch: int, prompt: int, output: int) -> dict:
+    """LLM on the dummy geometry: per-step wall time against the graph replay's GPU time at `batch`."""
+    from tokenspeed import LLM, SamplingParams
+
+    llm = LLM(name, device="cuda", load_format="dummy", max_num_seqs=batch, max_model_len=prompt + output + 64,
+              max_num_batched_tokens=8192, chunked_prefill_size=8192, gpu_memory_utilization=0.92)
+    graphs = llm.engine.runner.graphs
+    gpu_ms: list[float] = []
+    orig = graphs.run
+
+    def timed(fb):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = orig(fb)
+        b.record()
+        timed.events.append((a, b, fb.num_seqs))
+        return out
+
+    timed.events = []
+    graphs.run = timed
+    for i in range(batch):
+        llm.add_request(list(range(100 + i, 100 + i + prompt)), SamplingParams(max_tokens=output, ignore_eos=True))
+    walls = []
+    t0 = time.perf_counter()
+    while llm.engine.has_work:
+        before = len(timed.events)
+        llm.engine.step()
+        if len(timed.events) > before and timed.events[-1][2] == batch:
+            walls.append(llm.engine.last_step.duration * 1e3)
+    total_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    gpu_ms = [a.elapsed_time(b) for a, b, n in timed.events if n == batch]
+    wall, gpu = statistics.median(walls[3:]), statistics.median(gpu_ms[3:])
+    out = {"geometry": name, "batch": batch, "decode_steps": len(walls), "step_wall_ms": wall, "graph_gpu_ms": gpu,
+           "cpu_overhead_fraction": (wall - gpu) / wall, "total_s": total_s,
+           "output_tok_s": batch * output / total_s}
+    log(out)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+@section("tiny_greedy")
+def tiny_greedy() -> dict:
+    """The trained default model: greedy tokens of a mixed batch on the GPU (fp32, graphs) == on the CPU."""
+    from tokenspeed import LLM, SamplingParams
+
+    prompts = ["The quick brown fox", "Once upon a time", "def fibonacci(n):", "In 1905, Einstein", "Hello"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for dev, dtype in (("cpu", "float32"), ("cuda", "float32"), ("cuda", "bfloat16")):
+        llm = LLM("kimi-k3-mini", device=dev, dtype=dtype, max_num_seqs=8)
+        outs[f"{dev}-{dtype}"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+    ref = outs["cpu-float32"]
+    res = {k: sum(a == b for a, b in zip(v, ref)) for k, v in outs.items()}
+    out = {"prompts": len(prompts), "equal_to_cpu_fp32": res,
+           "bf16_token_agreement": sum(x == y for a, b in zip(outs["cuda-bfloat16"], ref) for x, y in zip(a, b))
+           / sum(len(a) for a in ref)}
+    log(out)
+    return out
+
+
+@section("transformers")
+def hf_reference(name: str, batches: list[int], prompt: int, new_tokens: int) -> dict:
+    """transformers' KimiLinearForCausalLM.generate on the same geometry (random weights), decode tok/s."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tokenspeed.models.presets import preset_hf_config
+
+    cfg_dict = preset_hf_config(name)
+    cfg_dict.pop("architectures", None)
+    model_type = cfg_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg_dict)
+    t = time.perf_counter()
+    with torch.device("cuda"):
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        except TypeError:
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model.eval()
+    init_s = time.perf_counter() - t
+    rows = []
+    for b in batches:
+        ids = torch.randint(0, config.vocab_size, (b, prompt), device="cuda")
+
+        def gen(n):
+            torch.cuda.synchronize()
+            s = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            torch.cuda.synchronize()
+            return time.perf_counter() - s
+
+        gen(2)
+        t1, tn = gen(1), gen(1 + new_tokens)
+        decode_s = (tn - t1) / new_tokens
+        rows.append({"batch": b, "decode_step_ms": decode_s * 1e3, "tok_s": b / decode_s, "prefill_s": t1})
+        log(f"transformers {transformers.__version__} {name} batch {b}: {decode_s * 1e3:.1f} ms/step, "
+            f"{b / decode_s:.1f} tok/s")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"geometry": name, "version": transformers.__version__, "init_s": init_s, "prompt": prompt,
+            "new_tokens": new_tokens, "rows": rows}
+
+
+@section("ours_short_ctx")
+def ours_short(model, name: str, batches: list[int], ctx: int) -> dict:
+    page_size = 64
+    buf, pps = decode_setup(model, max(batches), max(ctx, page_size), page_size)
+    graphs = DecodeGraphs(model, buf, max(batches), pps, scratch_page=max(batches) * pps)
+    graphs.capture()
+    rows = []
+    for b in batches:
+        fb = decode_batch(b, ctx, pps, page_size)
+        ms = cuda_ms(lambda: graphs.run(fb))
+        rows.append({"batch": b, "ctx": ctx, "step_ms": ms, "tok_s": b / ms * 1e3})
+        log(f"ours {name} batch {b} ctx {ctx}: {ms:.3f} ms/step {b / ms * 1e3:.1f} tok/s")
+    del graphs, buf
+    torch.cuda.empty_cache()
+    return {"geometry": name, "rows": rows}
+
+
+def plot(path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = RESULT["sections"].get("decode", [])
+    if not runs:
+        return
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        for ctx in sorted({r["ctx"] for r in run["rows"]}):
+            rs = [r for r in run["rows"] if r["ctx"] == ctx]
+            ax.plot([r["batch"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"measured, ctx {ctx}")
+            ax.plot([r["batch"] for r in rs], [r["batch"] / r["roofline_ms"] * 1e3 for r in rs], "--",
+                    label=f"roofline, ctx {ctx}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("decode batch")
+        ax.set_ylabel("output tok/s")
+        ax.set_title(f"{run['geometry']} decode on 1x H200 (bf16, CUDA graphs)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--geometries", default="kimi-linear-48b-a3b,k3-slice")
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--contexts", default="4096,32768")
+    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--skip", default="", help="comma list of sections to skip")
+    args = ap.parse_args()
+    skip = set(args.skip.split(","))
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    RESULT["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+                     "commit": os.environ.get("BENCH_COMMIT", "unknown"), "argv": sys.argv,
+                     "date": time.strftime("%Y-%m-%d")}
+    ceil = ceilings() or {}
+    if "tiny" not in skip:
+        tiny_greedy()
+    for name in args.geometries.split(","):
+        cfg, _ = resolve_config(name)
+        t = time.perf_counter()
+        model = load_model(name, torch.bfloat16, "cuda", load_format="dummy", seed=0)
+        log(f"{name}: built + dummy-initialised in {time.perf_counter() - t:.1f} s, "
+            f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+        with torch.no_grad():
+            if "parity" not in skip:
+                parity(model, name)
+            if "decode" not in skip:
+                decode_sweep(model, name, batches, contexts)
+            if "prefill" not in skip:
+                prefill(model, name, args.prefill_tokens, ceil.get("matmul_bf16_tflops"))
+            if "transformers" not in skip and cfg.attn_res_block_size is None:
+                ours_short(model, name, [1, 16], 256)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        if "engine" not in skip and cfg.attn_res_block_size is None:
+            engine_overhead(name, 64, 256, 64)
+        if "transformers" not in skip and cfg.attn_res_block_size is None:
+            hf_reference(name, [1, 16], 128, 32)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "serving_h200.json"), "w") as f:
+        json.dump(RESULT, f, indent=1, default=str)
+    plot(os.path.join(args.out, "serving_h200.png"))
+    log(f"errors: {list(RESULT['errors'])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Decode CUDA graphs: the batch-size ladder (CPU) and, on a GPU, that replaying graphs changes no greedy token.
+
+The GPU tests use the trained default model (kimi-k3-mini) in fp32, so a token can only differ through a bug, not
+through bf16 rounding: graphs vs eager on the GPU, and GPU vs the CPU reference path, for a mixed batch whose
+requests finish at different steps (the graph bucket shrinks and pads as they leave).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenspeed import LLM, SamplingParams
+from tokenspeed.executor.cuda_graphs import batch_size_ladder
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+PROMPTS = ["The quick brown fox", "Once upon a time there was", "def fibonacci(n):", "In 1905,", "Hello", "A"]
+
+
+def test_ladder_covers_every_batch_size() -> None:
+    assert batch_size_ladder(1) == [1]
+    assert batch_size_ladder(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    sizes = batch_size_ladder(100)
+    assert sizes[-1] == 100 and sizes == sorted(set(sizes))
+    assert all(b - a <= 32 for a, b in zip(sizes, sizes[1:]))
+
+
+def _greedy(device: str, **options) -> list[list[int]]:
+    llm = LLM("kimi-k3-mini", device=device, dtype="float32", max_num_seqs=8, **options)
+    params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@needs_cuda
+def test_graphs_capture_and_equal_eager_and_cpu() -> None:
+    llm = LLM("kimi-k3-mini", device="cuda", dtype="float32", max_num_seqs=8)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.sizes == [1, 2, 4, 8]
+    graphs = _greedy("cuda")
+    assert graphs == _greedy("cuda", enforce_eager=True)
+    assert graphs == _greedy("cpu")

@@ -1,0 +1,4 @@
+"""CUDA paths that are not our own Triton kernels: fla-core's chunked KDA and PyTorch's fused SDPA.
+
+Imported on first use by `tokenspeed.ops` for CUDA tensors only (same dispatch rule as `tokenspeed.ops.triton`).
+"""
