@@ -1,0 +1,308 @@
+"""Routed experts (fused MoE): sort the (token, slot) pairs by expert, then two grouped-GEMM launches.
+
+Same contract as `tokenspeed.ops.reference.moe.moe_experts`:
+
+    out_t = cast(sum_j w_tj * cast(W2_e act(W1_e x_t, W3_e x_t), x.dtype), x.dtype),   e = topk_ids[t, j]
+
+x: [T, D]; w1, w3: [E, I, D] (gate, up; I is `DI` in the code); w2: [E, D, I] (all x.dtype); topk_weights: [T, k]
+fp32; topk_ids: [T, k] int64. Ids outside [0, E) contribute nothing. Rounding follows the reference: the gate and
+up GEMMs accumulate in fp32 and are rounded to x.dtype (as the reference's `x @ w.t()` is), the activation is fp32
+and rounded to x.dtype, the down GEMM accumulates in fp32 and is rounded to x.dtype, the routing weight and the sum
+over the k slots are fp32, and the sum is rounded to x.dtype. fp32 inputs use IEEE fp32 dots (no TF32).
+
+Alignment (plain torch, no host synchronisation, every shape a function of (T, k, E) and BLOCK_M only):
+the P = T*k pairs (pair p = t*k + j) are bucketed by expert (bucket E collects the invalid ids), stably sorted,
+and each bucket's run is padded to a multiple of BLOCK_M. `sorted_pair_ids` [max_blocks * BLOCK_M] holds the
+pair of each padded row (P for padding) and `block_expert` [max_blocks] the bucket of each BLOCK_M-row block
+(-1 for unused blocks at the end), with max_blocks = P // BLOCK_M + min(E + 1, P): sum_b ceil(c_b / BLOCK_M)
+<= sum_b (floor(c_b / BLOCK_M) + 1) over the non-empty buckets (a bound at least as tight as ceil(P/BM) + E).
+
+Kernel 1 (grid max_blocks x cdiv(I, BLOCK_N)): for an expert block, gathers the BLOCK_M x rows (token = p // k),
+accumulates the x @ W1[e]^T and x @ W3[e]^T tiles in fp32 with tl.dot over D, applies SiLU or SiTU and writes
+the intermediate h [max_blocks * BLOCK_M, I] (x.dtype). Blocks of the invalid bucket and unused blocks exit.
+Kernel 2 (grid max_blocks x cdiv(D, BLOCK_N)): h rows @ W2[e]^T in fp32, rounded to x.dtype, times the pair's
+routing weight (fp32), stored at the pair's row of a per-pair buffer [P, D] fp32; blocks of the invalid bucket
+store zeros, so every row of the buffer is written (it is allocated with torch.empty). The combine is
+buf.view(T, k, D).sum(1).to(x.dtype). Program id 0 (the M-block) varies fastest, so the blocks of one expert run
+side by side and share each weight tile through L2.
+
+Bytes per call (elt = x.element_size(), c_e = pairs routed to expert e, touched = experts with c_e > 0):
+  weights  sum_e ceil(c_e / BLOCK_M) * 3 * I * D * elt from L2, at least touched * 3 * I * D * elt from HBM
+  h        2 * (number of non-empty expert blocks) * BLOCK_M * I * elt (write + read)
+  buffer   2 * P * D * 4 (write + read by the combine), x gathers (L2-resident) and T * D * elt out.
+Weights dominate: at Kimi-Linear-48B decode (E=256, k=8, D=2304, I=1024, bf16) one expert is 14.16 MB, so
+T=1 touches 8 experts (113 MB, ~24 us at 4.8 TB/s) and T=64 about 222 on average (~3.1 GB, ~0.66 ms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from tokenspeed.ops.reference.activation import Activation
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """Launch configuration: the M-block (rows per expert block) and each kernel's tiles, warps and stages."""
+
+    block_m: int = 16
+    block_n1: int = 64
+    block_k1: int = 128
+    num_warps1: int = 4
+    num_stages1: int = 4
+    block_n2: int = 64
+    block_k2: int = 128
+    num_warps2: int = 4
+    num_stages2: int = 4
+
+
+def default_config(T: int, k: int, E: int, D: int, DI: int, elt_size: int = 2) -> ExpertsConfig:
+    """Pick tiles from the average rows per expert (T * k / E) and the grid size.
+
+    Decode (<= 16 rows per expert, e.g. T <= 64 at E=256, k=8): BLOCK_M=16 so every touched expert streams its
+    weights once; [16 x 64] tiles, BLOCK_K=128, 4 stages (3 buffers, ~110 KB of shared memory for kernel 1,
+    two programs per SM). When fewer than ~264 programs would run (T=1 at k=8) on a wide layer, a narrower BLOCK_N=32
+    doubles the programs streaming weights. Prefill: BLOCK_M 32 / 64 / 128 as the expert runs grow (the GEMMs stay
+    memory-bound up to ~300 rows per expert on H100/H200). fp32 (validation only) drops to 2 stages so the
+    tiles fit in shared memory. Compiled for sm_90 without spills; not yet tuned on hardware.
+    """
+    rows = T * k / max(E, 1)
+    if rows <= 16:
+        cfg = ExpertsConfig(16, 64, 128, 4, 4, 64, 128, 4, 4)
+    elif rows <= 32:
+        cfg = ExpertsConfig(32, 64, 128, 4, 4, 64, 128, 4, 4)
+    elif rows <= 256:
+        cfg = ExpertsConfig(64, 128, 64, 8, 3, 128, 64, 4, 4)
+    else:
+        cfg = ExpertsConfig(128, 64, 64, 8, 3, 128, 64, 8, 3)
+    P = T * k
+    max_blocks = P // cfg.block_m + min(E + 1, P)
+    if DI >= 512 and max_blocks * triton.cdiv(DI, cfg.block_n1) < 264:
+        cfg = replace(cfg, block_n1=32)
+    if D >= 512 and max_blocks * triton.cdiv(D, cfg.block_n2) < 264:
+        cfg = replace(cfg, block_n2=32)
+    if elt_size > 2:
+        cfg = replace(cfg, num_stages1=min(cfg.num_stages1, 2), num_stages2=min(cfg.num_stages2, 2))
+    return cfg
+
+
+@triton.jit
+def _tanh(x):
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x >= 0, y, -y)
+
+
+@triton.jit
+def _gate_up_kernel(
+    X, W1, W3, H, SortedPair, BlockExpert,
+    P, D, DI, E,
+    stride_xt,
+    stride_w1e, stride_w1i, stride_w1d,
+    stride_w3e, stride_w3i, stride_w3d,
+    beta, linear_beta,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SITU: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(BlockExpert + pid_m)
+    if (e < 0) | (e >= E):  # unused block, or the block of invalid ids
+        return
+    e64 = e.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedPair + offs_m)
+    mvalid = pair < P
+    tok = (pair // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ld = (offs_n % DI).to(tl.int64)  # wrapped rows for the ragged last tile: loads need no mask
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + tok[:, None] * stride_xt + offs_k[None, :]
+    w1_ptrs = W1 + e64 * stride_w1e + n_ld[None, :] * stride_w1i + offs_k[:, None] * stride_w1d
+    w3_ptrs = W3 + e64 * stride_w3e + n_ld[None, :] * stride_w3i + offs_k[:, None] * stride_w3d
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kk in range(tl.cdiv(D, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=mvalid[:, None], other=0.0)
+            b1 = tl.load(w1_ptrs)
+            b3 = tl.load(w3_ptrs)
+        else:
+            kmask = offs_k < D - kk * BLOCK_K
+            a = tl.load(x_ptrs, mask=mvalid[:, None] & kmask[None, :], other=0.0)
+            b1 = tl.load(w1_ptrs, mask=kmask[:, None], other=0.0)
+            b3 = tl.load(w3_ptrs, mask=kmask[:, None], other=0.0)
+        if IEEE:
+            acc1 = tl.dot(a, b1, acc1, input_precision="ieee")
+            acc3 = tl.dot(a, b3, acc3, input_precision="ieee")
+        else:
+            acc1 = tl.dot(a, b1, acc1)
+            acc3 = tl.dot(a, b3, acc3)
+        x_ptrs += BLOCK_K
+        w1_ptrs += BLOCK_K * stride_w1d
+        w3_ptrs += BLOCK_K * stride_w3d
+    # The reference rounds the gate / up GEMM outputs to x.dtype before the fp32 activation.
+    g = acc1.to(H.dtype.element_ty).to(tl.float32)
+    u = acc3.to(H.dtype.element_ty).to(tl.float32)
+    if SITU:
+        h = beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
+    else:
+        h = g * tl.sigmoid(g) * u
+    rows = offs_m.to(tl.int64)
+    tl.store(H + rows[:, None] * DI + offs_n[None, :], h.to(H.dtype.element_ty), mask=(offs_n < DI)[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    H, W2, TopkW, Buf, SortedPair, BlockExpert,
+    P, D, DI, E,
+    stride_w2e, stride_w2d, stride_w2i,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(BlockExpert + pid_m)
+    if e < 0:  # unused block
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedPair + offs_m)
+    mvalid = pair < P
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ptrs = Buf + pair.to(tl.int64)[:, None] * D + offs_n[None, :]
+    out_mask = mvalid[:, None] & (offs_n < D)[None, :]
+    if e >= E:  # pairs with invalid ids contribute zeros
+        tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=out_mask)
+        return
+    e64 = e.to(tl.int64)
+    n_ld = (offs_n % D).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = H + offs_m.to(tl.int64)[:, None] * DI + offs_k[None, :]
+    w_ptrs = W2 + e64 * stride_w2e + n_ld[None, :] * stride_w2d + offs_k[:, None] * stride_w2i
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kk in range(tl.cdiv(DI, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(h_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            kmask = offs_k < DI - kk * BLOCK_K
+            a = tl.load(h_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_w2i
+    y = acc.to(H.dtype.element_ty).to(tl.float32)  # each expert output is rounded to x.dtype
+    w = tl.load(TopkW + pair, mask=mvalid, other=0.0)
+    tl.store(out_ptrs, y * w[:, None], mask=out_mask)
+
+
+def align_pairs(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """(sorted_pair_ids [max_blocks * block_m] int32, block_expert [max_blocks] int32), no host sync.
+
+    Pair p = t * k + j. Bucket b = topk_ids[t, j] if it is in [0, E) else E (invalid ids). Each bucket's pairs
+    (in pair order) fill ceil(c_b / block_m) consecutive blocks, buckets in increasing order; padding rows hold
+    P = T * k; blocks past the last bucket have block_expert -1.
+    """
+    E = num_experts
+    ids = topk_ids.reshape(-1)
+    P = ids.numel()
+    dev = ids.device
+    max_blocks = P // block_m + min(E + 1, P)
+    if ids.dtype != torch.int64:
+        ids = ids.long()
+    bucket = torch.where((ids >= 0) & (ids < E), ids, E)
+    sorted_bucket, order = torch.sort(bucket, stable=True)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, bucket, torch.ones_like(bucket))
+    raw_start = torch.cumsum(counts, 0) - counts
+    blocks = (counts + (block_m - 1)) // block_m
+    blk_end = torch.cumsum(blocks, 0)
+    blk_start = blk_end - blocks
+    rank = torch.arange(P, device=dev) - raw_start[sorted_bucket]
+    dest = blk_start[sorted_bucket] * block_m + rank
+    sorted_pair_ids = torch.full((max_blocks * block_m,), P, dtype=torch.int32, device=dev)
+    sorted_pair_ids.scatter_(0, dest, order.to(torch.int32))
+    block_expert = torch.searchsorted(blk_end, torch.arange(max_blocks, device=dev), right=True)
+    block_expert = torch.where(block_expert <= E, block_expert, -1).to(torch.int32)
+    return sorted_pair_ids, block_expert
+
+
+def moe_experts(
+    x: Tensor,
+    w1: Tensor,
+    w3: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    act: Activation,
+    *,
+    config: ExpertsConfig | None = None,
+) -> Tensor:
+    """Triton `ops.moe_experts` (same contract): returns [T, D] in x.dtype. `config` overrides the tiles."""
+    if act.kind not in ("silu", "situ"):
+        raise ValueError(f"unknown gated activation {act.kind!r}; supported: 'silu', 'situ'")
+    T, D = x.shape
+    E, DI, D1 = w1.shape
+    if D1 != D or w3.shape != w1.shape or w2.shape != (E, D, DI):
+        raise ValueError(f"need w1, w3 [E, I, {D}] and w2 [E, {D}, I]; got {tuple(w1.shape)}, {tuple(w3.shape)}, "
+                         f"{tuple(w2.shape)}")
+    if not (w1.dtype == w3.dtype == w2.dtype == x.dtype):
+        raise ValueError(f"x and the expert weights must share a dtype; got {x.dtype}, {w1.dtype}, {w3.dtype}, "
+                         f"{w2.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights and topk_ids must both be [{T}, k]; got {tuple(topk_weights.shape)}, "
+                         f"{tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    P = T * k
+    if P == 0 or D == 0:
+        return torch.zeros(T, D, dtype=x.dtype, device=x.device)
+    cfg = config or default_config(T, k, E, D, DI, x.element_size())
+    bm = cfg.block_m
+    tiles = (bm, cfg.block_n1, cfg.block_k1, cfg.block_n2, cfg.block_k2)
+    if any(b < 16 or b & (b - 1) for b in tiles):
+        raise ValueError(f"block sizes must be powers of two >= 16 (tl.dot); got {cfg}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    tw = topk_weights.reshape(-1)
+    if tw.dtype != torch.float32:
+        tw = tw.float()
+    if not tw.is_contiguous():
+        tw = tw.contiguous()
+    sorted_pair_ids, block_expert = align_pairs(topk_ids, E, bm)
+    max_blocks = block_expert.numel()
+    h = torch.empty(max_blocks * bm, DI, dtype=x.dtype, device=x.device)
+    buf = torch.empty(P, D, dtype=torch.float32, device=x.device)
+    ieee = x.dtype == torch.float32
+    _gate_up_kernel[(max_blocks, triton.cdiv(DI, cfg.block_n1))](
+        x, w1, w3, h, sorted_pair_ids, block_expert,
+        P, D, DI, E,
+        x.stride(0),
+        w1.stride(0), w1.stride(1), w1.stride(2),
+        w3.stride(0), w3.stride(1), w3.stride(2),
+        float(act.beta), float(act.linear_beta),
+        TOP_K=k, BLOCK_M=bm, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, SITU=act.kind == "situ",
+        EVEN_K=D % cfg.block_k1 == 0, IEEE=ieee, num_warps=cfg.num_warps1, num_stages=cfg.num_stages1,
+    )
+    _down_kernel[(max_blocks, triton.cdiv(D, cfg.block_n2))](
+        h, w2, tw, buf, sorted_pair_ids, block_expert,
+        P, D, DI, E,
+        w2.stride(0), w2.stride(1), w2.stride(2),
+        BLOCK_M=bm, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
+        EVEN_K=DI % cfg.block_k2 == 0, IEEE=ieee, num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
+    )
+    return buf.view(T, k, D).sum(1).to(x.dtype)
