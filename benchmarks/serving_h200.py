@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import platform
 import statistics
@@ -94,8 +93,29 @@ def ceilings() -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------- bytes
-def byte_model(model, batch: int, ctx: int) -> dict:
-    """Bytes a decode step must move at this batch and context (the roofline's numerator)."""
+def distinct_experts(model, fb: ForwardBatch, buf: CacheBuffers) -> list[int]:
+    """Distinct routed experts per MoE layer in one eager forward of `fb` (advances its states once)."""
+    from tokenspeed import ops
+
+    seen: list[int] = []
+    orig = ops.moe_route
+
+    def spy(*a, **kw):
+        w, ids = orig(*a, **kw)
+        seen.append(int(ids.unique().numel()))
+        return w, ids
+
+    ops.moe_route = spy
+    try:
+        model(fb, buf, torch.arange(fb.num_seqs, device="cuda"))
+    finally:
+        ops.moe_route = orig
+    return seen
+
+
+def byte_model(model, batch: int, ctx: int, experts: list[int] | None = None) -> dict:
+    """Bytes a decode step must move at this batch and context (the roofline's numerator). `experts`: measured
+    distinct experts per MoE layer (else the uniform-routing expectation E (1 - (1 - k/E)^B))."""
     cfg = model.config
     expert_bytes, other = 0, 0
     for name, p in model.named_parameters():
@@ -105,7 +125,7 @@ def byte_model(model, batch: int, ctx: int) -> dict:
         elif "embed_tokens" not in name:
             other += nbytes
     e, k = cfg.num_experts or 1, cfg.num_experts_per_token or 1
-    touched = e * (1 - (1 - k / e) ** batch) / e
+    touched = (1 - (1 - k / e) ** batch) if experts is None else sum(experts) / (len(experts) * e)
     kda_state = len(cfg.kda_layers) * cfg.kda_num_heads * cfg.kda_head_dim**2 * 4 * 2 * batch
     mla_rows = len(cfg.mla_layers) * cfg.mla_latent_dim * 2 * ctx * batch
     total = other + expert_bytes * touched + kda_state + mla_rows
@@ -143,10 +163,12 @@ def decode_sweep(model, name: str, batches: list[int], contexts: list[int]) -> d
     for ctx in contexts:
         for b in batches:
             fb = decode_batch(b, ctx, pps, page_size)
+            experts = distinct_experts(model, fb, buf)
             ms = cuda_ms(lambda: graphs.run(fb))
-            bytes_ = byte_model(model, b, ctx)
+            bytes_ = byte_model(model, b, ctx, experts)
             roof_ms = bytes_["total"] / HBM * 1e3
-            row = {"geometry": name, "ctx": ctx, "batch": b, "step_ms": ms, "tok_s": b / ms * 1e3,
+            row = {"geometry": name, "ctx": ctx, "batch": b, "step_ms": ms, "distinct_experts_mean":
+                   statistics.mean(experts) if experts else None, "tok_s": b / ms * 1e3,
                    "tok_s_per_user": 1e3 / ms, "roofline_ms": roof_ms, "fraction_of_roofline": roof_ms / ms,
                    "bytes": bytes_}
             rows.append(row)
@@ -163,45 +185,91 @@ def decode_sweep(model, name: str, batches: list[int], contexts: list[int]) -> d
 
 @section("parity")
 def parity(model, name: str) -> dict:
-    """Triton/graph path vs the reference ops on the same GPU and weights: prefill and one decode step."""
+    """GPU fast path vs the reference ops on the same GPU and weights.
+
+    prefill: Triton/fla/SDPA eager vs reference ops, from empty caches; the bf16 noise floor of this geometry is the
+    reference path itself run on each prompt alone vs both batched (only the rounding order differs).
+    decode: from one shared post-prefill state, the captured graph vs the reference ops.
+    """
     page_size, n, prompt = 16, 2, 40
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, model.config.vocab_size, (prompt,), generator=gen).tolist() for _ in range(n)]
     pages = [list(range(i * 8, (i + 1) * 8)) for i in range(n)]
+    last = torch.tensor([prompt - 1, 2 * prompt - 1], device="cuda")
 
     def fresh():
         return CacheBuffers.allocate(model.config, 8 * n + 1, page_size, n + 1, model.dtype, "cuda")
 
-    def run(mode: str, graph: bool):
+    def prefill_logits(mode: str, seqs: list[int]):
         os.environ["TOKENSPEED_OPS"] = mode
         buf = fresh()
-        pre = ForwardBatch.build(prompts, [0] * n, pages, list(range(n)), page_size, "cuda")
-        last = torch.tensor([prompt - 1, 2 * prompt - 1], device="cuda")
-        lp = model(pre, buf, last)
-        nxt = lp.argmax(-1).tolist()
-        dec = ForwardBatch.build([[t] for t in nxt], [prompt] * n, pages, list(range(n)), page_size, "cuda")
-        if graph:
-            g = DecodeGraphs(model, buf, n, 8, scratch_page=8 * n)
-            snapshot = [t.clone() for t in buf.kda_recurrent], [t.clone() for t in buf.kda_conv]
-            g.capture()  # warm-up runs advance the states: restore them
-            for dst, src in zip(buf.kda_recurrent + buf.kda_conv, snapshot[0] + snapshot[1], strict=True):
-                dst.copy_(src)
-            ld = g.run(dec).clone()
-        else:
-            ld = model(dec, buf, torch.arange(n, device="cuda"))
-        return lp.float(), ld.float()
+        fb = ForwardBatch.build([prompts[i] for i in seqs], [0] * len(seqs), [pages[i] for i in seqs], seqs,
+                                page_size, "cuda")
+        rows = torch.arange(1, len(seqs) + 1, device="cuda") * prompt - 1
+        return model(fb, buf, rows).float(), buf
 
-    ref_p, ref_d = run("reference", False)
-    fast_p, fast_d = run("auto", True)
-    os.environ["TOKENSPEED_OPS"] = "auto"
+    try:
+        ref_p, buf = prefill_logits("reference", [0, 1])
+        solo = torch.cat([prefill_logits("reference", [i])[0] for i in range(n)])
+        fast_p, _ = prefill_logits("auto", [0, 1])
+        nxt = ref_p.argmax(-1).tolist()
+        dec = ForwardBatch.build([[t] for t in nxt], [prompt] * n, pages, list(range(n)), page_size, "cuda")
+        snap = [t.clone() for t in buf.kda_recurrent + buf.kda_conv + buf.mla_latent]
+        os.environ["TOKENSPEED_OPS"] = "reference"
+        ref_d = model(dec, buf, torch.arange(n, device="cuda")).float()
+        for dst, src in zip(buf.kda_recurrent + buf.kda_conv + buf.mla_latent, snap, strict=True):
+            dst.copy_(src)
+        os.environ["TOKENSPEED_OPS"] = "auto"
+        g = DecodeGraphs(model, buf, n, 8, scratch_page=8 * n)
+        g.capture()
+        fast_d = g.run(dec).float().clone()
+    finally:
+        os.environ["TOKENSPEED_OPS"] = "auto"
 
     def rel(a, b):
         return ((a - b).norm(dim=-1) / b.norm(dim=-1)).tolist()
 
-    out = {"geometry": name, "prefill_rel_l2": rel(fast_p, ref_p), "decode_rel_l2": rel(fast_d, ref_d),
+    out = {"geometry": name, "prefill_rel_l2": rel(fast_p, ref_p), "prefill_noise_floor_rel_l2": rel(solo, ref_p),
+           "decode_graph_rel_l2": rel(fast_d, ref_d),
            "prefill_argmax_equal": (fast_p.argmax(-1) == ref_p.argmax(-1)).tolist(),
            "decode_argmax_equal": (fast_d.argmax(-1) == ref_d.argmax(-1)).tolist()}
     log(out)
+    return out
+
+
+@section("profile")
+def profile(model, name: str, batches: list[int], ctx: int, prefill_tokens: int) -> dict:
+    """Kernel time by name of one eager decode step per batch and of one prefill chunk (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    page_size = 64
+    out = {}
+    buf, pps = decode_setup(model, max(batches), ctx, page_size)
+    cases = [(f"decode_b{b}", decode_batch(b, ctx, pps, page_size)) for b in batches]
+    ids = torch.randint(0, model.config.vocab_size, (prefill_tokens,)).tolist()
+    pages = prefill_tokens // page_size + 1
+    cases.append(("prefill", ForwardBatch.build([ids], [0], [list(range(pages))], [0], page_size, "cuda")))
+    for label, fb in cases:
+        rows = torch.arange(1, device="cuda") if label == "prefill" else torch.arange(fb.num_seqs, device="cuda")
+        model(fb, buf, rows)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(fb, buf, rows)
+            torch.cuda.synchronize()
+        table = []
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if t > 0:
+                table.append((ev.key[:90], t / 1e3, ev.count))
+        table.sort(key=lambda r: -r[1])
+        total = sum(r[1] for r in table)
+        out[label] = {"kernel_ms_total": total, "top": table[:25]}
+        log(f"--- {name} {label}: kernels {total:.3f} ms")
+        for k, ms, c in table[:18]:
+            log(f"  {ms:8.3f} ms  x{c:4d}  {k}")
+    del buf
+    torch.cuda.empty_cache()
     return out
 
 
@@ -425,6 +493,8 @@ def main() -> None:
         with torch.no_grad():
             if "parity" not in skip:
                 parity(model, name)
+            if "profile" not in skip:
+                profile(model, name, [1, 64], 4096, args.prefill_tokens)
             if "decode" not in skip:
                 decode_sweep(model, name, batches, contexts)
             if "prefill" not in skip:

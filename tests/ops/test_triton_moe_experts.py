@@ -15,6 +15,8 @@ import functools
 import os
 import sys
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -263,6 +265,8 @@ def test_configs_gpu(block_m):
     base = default_config(512, 8, 256, KIMI["D"], KIMI["I"])
     cfg = ExpertsConfig(block_m, *[getattr(base, f) for f in ("block_n1", "block_k1", "num_warps1", "num_stages1",
                                                               "block_n2", "block_k2", "num_warps2", "num_stages2")])
+    if block_m >= 64:  # the decode tiles with deeper M need fewer stages to fit in shared memory
+        cfg = replace(cfg, num_stages1=2, num_stages2=2)
     check(512, KIMI["k"], KIMI["E"], KIMI["D"], KIMI["I"], SILU, torch.bfloat16, "cuda", weights=w, config=cfg)
 
 
