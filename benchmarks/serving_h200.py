@@ -362,12 +362,13 @@ def engine_overhead(name: str, batch: int, prompt: int, output: int) -> dict:
 def tiny_greedy() -> dict:
     """The trained default model: greedy tokens of a mixed batch on the GPU (fp32, graphs) == on the CPU."""
     from tokenspeed import LLM, SamplingParams
+    from tokenspeed.models.default_model import default_model_path
 
     prompts = ["The quick brown fox", "Once upon a time", "def fibonacci(n):", "In 1905, Einstein", "Hello"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = {}
     for dev, dtype in (("cpu", "float32"), ("cuda", "float32"), ("cuda", "bfloat16")):
-        llm = LLM("kimi-k3-mini", device=dev, dtype=dtype, max_num_seqs=8)
+        llm = LLM(default_model_path(), device=dev, dtype=dtype, max_num_seqs=8)
         outs[f"{dev}-{dtype}"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
     ref = outs["cpu-float32"]

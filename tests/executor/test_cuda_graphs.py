@@ -12,6 +12,7 @@ import torch
 
 from tokenspeed import LLM, SamplingParams
 from tokenspeed.executor.cuda_graphs import batch_size_ladder
+from tokenspeed.models.default_model import default_model_path
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -27,14 +28,14 @@ def test_ladder_covers_every_batch_size() -> None:
 
 
 def _greedy(device: str, **options) -> list[list[int]]:
-    llm = LLM("kimi-k3-mini", device=device, dtype="float32", max_num_seqs=8, **options)
+    llm = LLM(default_model_path(), device=device, dtype="float32", max_num_seqs=8, **options)
     params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
 @needs_cuda
 def test_graphs_capture_and_equal_eager_and_cpu() -> None:
-    llm = LLM("kimi-k3-mini", device="cuda", dtype="float32", max_num_seqs=8)
+    llm = LLM(default_model_path(), device="cuda", dtype="float32", max_num_seqs=8)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.sizes == [1, 2, 4, 8]
     graphs = _greedy("cuda")
     assert graphs == _greedy("cuda", enforce_eager=True)

@@ -34,6 +34,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def make(kv_lens, Q, H, Dl, page_size, q_dtype, cache_dtype, device, kv_scale=1.0, seed=0, spare_pages=3):
+    # A live sequence always holds its Q new tokens (kv_len >= Q); shorter ones would give queries no keys at all.
+    kv_lens = [max(k, Q) if k > 0 else k for k in kv_lens]
     """Random queries, a cache whose pages are handed out in random order (unused rows NaN), a page table."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     N = len(kv_lens)

@@ -75,7 +75,8 @@ def sample(logits: Tensor, rows: Sequence[SamplerInput]) -> SampleOutput:
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [B, V] with B = {len(rows)} rows, got {tuple(logits.shape)}")
     logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    wants_logprobs = any(row.params.logprobs is not None for row in rows)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else logits  # unused unless asked
     processed = apply_penalties(logits, rows)
     processed = mask_min_tokens(processed, rows)
 
@@ -92,15 +93,16 @@ def sample(logits: Tensor, rows: Sequence[SamplerInput]) -> SampleOutput:
 
 
 def apply_penalties(logits: Tensor, rows: Sequence[SamplerInput]) -> Tensor:
-    """Return a copy of `logits` [B, V] with the repetition, frequency and presence penalties of `rows` applied.
+    """`logits` [B, V] with the repetition, frequency and presence penalties of `rows` applied, as a copy; when no
+    row has a penalty, `logits` itself (a copy if some row still masks min_tokens, which writes in place).
 
     repetition r: for tokens in prompt or output, l > 0 -> l / r, else l * r. frequency f / presence p (output
     tokens only): l -= f * count + p * [count > 0]. Rows with default penalties are returned unchanged.
     """
-    out = logits.clone()
     idx = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
     if not idx:
-        return out
+        return logits.clone() if any(r.params.min_tokens > len(r.output_token_ids) for r in rows) else logits
+    out = logits.clone()
     vocab, device = logits.shape[1], logits.device
     counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, device)
     prompt_counts = _token_counts([rows[i].prompt_token_ids for i in idx], vocab, device)

@@ -30,8 +30,15 @@ class Router(nn.Module):
         if config.topk_method == "noaux_tc":
             self.e_score_correction_bias = weight((config.num_experts,), torch.float32, device)
 
+        self._weight32: tuple[int, Tensor] | None = None  # fp32 copy of `weight`, keyed by its version counter
+
     def forward(self, x: Tensor) -> Tensor:
-        return nn.functional.linear(x.float(), self.weight.float())
+        w = self.weight
+        if w.dtype != torch.float32:  # keep one fp32 copy instead of converting on every call
+            if self._weight32 is None or self._weight32[0] != w._version or self._weight32[1].shape != w.shape:
+                self._weight32 = (w._version, w.detach().float())
+            w = self._weight32[1]
+        return nn.functional.linear(x.float(), w)
 
 
 class SparseMoE(nn.Module):

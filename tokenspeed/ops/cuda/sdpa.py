@@ -18,7 +18,8 @@ def attention_expanded(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: list[int],
         qs, qe, ks, ke = cu_seqlens_q[n], cu_seqlens_q[n + 1], cu_seqlens_k[n], cu_seqlens_k[n + 1]
         if qe == qs:
             continue
-        qn, kn, vn = (t.transpose(0, 1).to(q.dtype) for t in (q[qs:qe], k[ks:ke], v[ks:ke]))  # [H, L, D]
+        # [1, H, L, D]: the fused (flash / memory-efficient) kernels take 4-D inputs only
+        qn, kn, vn = (t.transpose(0, 1).unsqueeze(0).to(q.dtype) for t in (q[qs:qe], k[ks:ke], v[ks:ke]))
         ql, kl = qe - qs, ke - ks
         if ql == kl:
             o = F.scaled_dot_product_attention(qn, kn, vn, is_causal=True, scale=scale)
@@ -26,5 +27,5 @@ def attention_expanded(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: list[int],
             pos = torch.arange(ql, device=q.device)[:, None] + (kl - ql)
             mask = torch.arange(kl, device=q.device)[None, :] <= pos
             o = F.scaled_dot_product_attention(qn, kn, vn, attn_mask=mask, scale=scale)
-        out[qs:qe] = o.transpose(0, 1)
+        out[qs:qe] = o.squeeze(0).transpose(0, 1)
     return out

@@ -56,7 +56,7 @@ from torch import Tensor
 from tokenspeed.ops.triton._utils import next_pow2
 
 LOG2E = 1.4426950408889634
-MIN_CHUNK = 256  # rows: shorter balanced splits cost more in partials (Q*H*v_dim*8 bytes) than they save
+MIN_CHUNK = 64  # rows: shorter balanced splits cost more in partials (Q*H*v_dim*8 bytes) than they save
 
 
 @triton.jit
