@@ -16,7 +16,7 @@ fi
 export PYTHONUNBUFFERED=1 BENCH_COMMIT=${BENCH_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 if [[ $what == all || $what == tests ]]; then
-  timeout 300 python3 -m pytest -q -x --timeout 240 -p no:cacheprovider \
+  timeout 300 python3 -m pytest -q --timeout 240 -p no:cacheprovider \
     tests/ops/test_triton_moe_experts.py tests/ops/test_triton_mla_decode.py tests/executor \
     tests/ops/test_triton_kda_decode.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
 fi

@@ -1,8 +1,9 @@
 """Decode CUDA graphs: the batch-size ladder (CPU) and, on a GPU, that replaying graphs changes no greedy token.
 
-The GPU tests use the trained default model (kimi-k3-mini) in fp32, so a token can only differ through a bug, not
-through bf16 rounding: graphs vs eager on the GPU, and GPU vs the CPU reference path, for a mixed batch whose
-requests finish at different steps (the graph bucket shrinks and pads as they leave).
+The GPU tests use a tiny-k3 checkpoint in fp32 (KDA head dim 16, inside the fused kernel's region), so a token can
+only differ through a bug, not through bf16 rounding: graphs vs eager on the GPU, and GPU vs the CPU reference path,
+for a mixed batch whose requests finish at different steps (the graph bucket shrinks and pads as they leave). The
+default model (KDA head dim 48, outside it) must still serve on the GPU: capture fails and decode runs eagerly.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from tokenspeed import LLM, SamplingParams
 from tokenspeed.executor.cuda_graphs import batch_size_ladder
 from tokenspeed.models.default_model import default_model_path
+from tokenspeed.models.loader import write_tiny_checkpoint
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -27,16 +29,30 @@ def test_ladder_covers_every_batch_size() -> None:
     assert all(b - a <= 32 for a, b in zip(sizes, sizes[1:]))
 
 
-def _greedy(device: str, **options) -> list[list[int]]:
-    llm = LLM(default_model_path(), device=device, dtype="float32", max_num_seqs=8, **options)
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-k3")
+    write_tiny_checkpoint(path, "tiny-k3", seed=3)
+    return str(path)
+
+
+def _greedy(model: str, device: str, **options) -> list[list[int]]:
+    llm = LLM(model, device=device, dtype="float32", max_num_seqs=8, **options)
     params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
 @needs_cuda
-def test_graphs_capture_and_equal_eager_and_cpu() -> None:
-    llm = LLM(default_model_path(), device="cuda", dtype="float32", max_num_seqs=8)
+def test_graphs_capture_and_equal_eager_and_cpu(tiny_dir: str) -> None:
+    llm = LLM(tiny_dir, device="cuda", dtype="float32", max_num_seqs=8)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.sizes == [1, 2, 4, 8]
-    graphs = _greedy("cuda")
-    assert graphs == _greedy("cuda", enforce_eager=True)
-    assert graphs == _greedy("cpu")
+    graphs = _greedy(tiny_dir, "cuda")
+    assert graphs == _greedy(tiny_dir, "cuda", enforce_eager=True)
+    assert graphs == _greedy(tiny_dir, "cpu")
+
+
+@needs_cuda
+def test_default_model_decodes_eagerly_when_capture_fails() -> None:
+    llm = LLM(default_model_path(), device="cuda", dtype="float32", max_num_seqs=4)
+    assert llm.engine.runner.graphs is None
+    assert _greedy(default_model_path(), "cuda") == _greedy(default_model_path(), "cpu")

@@ -4,6 +4,7 @@ samples (verifying drafts when speculating), and performs the KDA state copies t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,8 @@ from tokenspeed.scheduler.batch import ZERO_SLOT, ScheduledBatch, ScheduledReque
 from tokenspeed.spec.acceptance import accept_chain
 from tokenspeed.spec.eagle3 import Eagle3Drafter
 from tokenspeed.spec.proposer import Proposer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -65,8 +68,14 @@ class ModelRunner:
     def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Capture the decode forward as CUDA graphs for batch sizes up to `max_batch_size` (see cuda_graphs)."""
         pages = -(-max_model_len // self.buffers.page_size)
-        self.graphs = DecodeGraphs(self.model, self.buffers, max_batch_size, pages, scratch_page=self.num_pages)
-        self.graphs.capture()
+        graphs = DecodeGraphs(self.model, self.buffers, max_batch_size, pages, scratch_page=self.num_pages)
+        try:
+            graphs.capture()
+        except RuntimeError as e:  # an op outside its kernel's region fell back to a synchronising reference
+            logger.warning("decode CUDA graphs disabled, decoding eagerly: capture failed (%s)", str(e).splitlines()[0])
+            torch.cuda.synchronize()
+            return
+        self.graphs = graphs
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (its random stream) once the request has ended."""
