@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.
 if [[ $what == all || $what == tests ]]; then
   timeout 300 python3 -m pytest -q --timeout 240 -p no:cacheprovider \
     tests/ops/test_triton_moe_experts.py tests/ops/test_triton_mla_decode.py tests/executor \
-    tests/ops/test_triton_kda_decode.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+    tests/ops/test_triton_kda_decode.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 fi
 if [[ $what == all || $what == mla ]]; then
   timeout 120 python3 benchmarks/mla_decode_h200.py --out "$OUT/mla_decode_h200.json" 2>&1 | tail -40
