@@ -8,6 +8,8 @@ default model (KDA head dim 48, outside it) must still serve on the GPU: capture
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -41,7 +43,17 @@ def _greedy(model: str, device: str, **options) -> list[list[int]]:
         torch.cuda.empty_cache()  # the budget is a fraction of the device: free what earlier tests cached
     llm = LLM(model, device=device, dtype="float32", max_num_seqs=8, **options)
     params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    _release(llm)
+    return out
+
+
+def _release(llm: LLM) -> None:
+    """Give the engine's device memory back (each LLM sizes its cache from what the device has free)."""
+    del llm.engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @needs_cuda
@@ -49,6 +61,7 @@ def test_graphs_capture_and_equal_eager_and_cpu(tiny_dir: str) -> None:
     torch.cuda.empty_cache()
     llm = LLM(tiny_dir, device="cuda", dtype="float32", max_num_seqs=8)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.sizes == [1, 2, 4, 8]
+    _release(llm)
     graphs = _greedy(tiny_dir, "cuda")
     assert graphs == _greedy(tiny_dir, "cuda", enforce_eager=True)
     assert graphs == _greedy(tiny_dir, "cpu")
@@ -59,4 +72,5 @@ def test_default_model_decodes_eagerly_when_capture_fails() -> None:
     torch.cuda.empty_cache()
     llm = LLM(default_model_path(), device="cuda", dtype="float32", max_num_seqs=4)
     assert llm.engine.runner.graphs is None
+    _release(llm)
     assert _greedy(default_model_path(), "cuda") == _greedy(default_model_path(), "cpu")
