@@ -30,7 +30,11 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip
         flag = "--" + f.name.replace("_", "-")
         kind, _ = _base_type(f.type)
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        text = f.metadata.get("help", "")
+        if "default" not in text:
+            text = f"{text} (default: {default})"
+        # "%(default).0s" prints nothing; its presence stops argparse appending the unset None default again.
+        help_text = text.replace("%", "%%") + "%(default).0s"
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
