@@ -321,7 +321,7 @@ def engine_overhead(name: str, batch: int, prompt: int, output: int) -> dict:
 
     llm = LLM(name, device="cuda", load_format="dummy", max_num_seqs=batch, max_model_len=prompt + output + 64,
               max_num_batched_tokens=8192, chunked_prefill_size=8192, gpu_memory_utilization=0.92)
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.runner.graphs[1]
     gpu_ms: list[float] = []
     orig = graphs.run
 

@@ -38,6 +38,32 @@ def tiny_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+def _outputs(llm: LLM) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "repeat", "speculative_num_steps": 3}])
+def test_padded_static_batches_equal_plain_steps(spec: dict) -> None:
+    """The graphs' padded static batches, run eagerly on the CPU: padding rows (slot -1, kv_len 0, scratch page)
+    change no token, for decode and for 4-token verify steps with KDA replay, as requests leave the batch."""
+    plain = _outputs(LLM("tiny-k3", max_num_seqs=8, cache_memory_gb=0.05, **spec))
+    llm = LLM("tiny-k3", max_num_seqs=8, cache_memory_gb=0.05, **spec)
+    query_lens = (1, 4) if spec else (1,)
+    llm.engine.runner.capture_graphs(8, llm.engine.max_model_len, query_lens, use_graphs=False)
+    used = {q: 0 for q in query_lens}
+    for q, graphs in llm.engine.runner.graphs.items():
+        run = graphs.run
+
+        def counted(batch, run=run, q=q):
+            used[q] += 1
+            return run(batch)
+
+        graphs.run = counted
+    assert _outputs(llm) == plain
+    assert all(n > 0 for n in used.values()), used
+
+
 def _greedy(model: str, device: str, **options) -> list[list[int]]:
     if device == "cuda":
         torch.cuda.empty_cache()  # the budget is a fraction of the device: free what earlier tests cached
@@ -60,7 +86,7 @@ def _release(llm: LLM) -> None:
 def test_graphs_capture_and_equal_eager_and_cpu(tiny_dir: str) -> None:
     torch.cuda.empty_cache()
     llm = LLM(tiny_dir, device="cuda", dtype="float32", max_num_seqs=8)
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.sizes == [1, 2, 4, 8]
+    assert llm.engine.runner.graphs[1].sizes == [1, 2, 4, 8]
     _release(llm)
     graphs = _greedy(tiny_dir, "cuda")
     assert graphs == _greedy(tiny_dir, "cuda", enforce_eager=True)
@@ -71,6 +97,6 @@ def test_graphs_capture_and_equal_eager_and_cpu(tiny_dir: str) -> None:
 def test_default_model_decodes_eagerly_when_capture_fails() -> None:
     torch.cuda.empty_cache()
     llm = LLM(default_model_path(), device="cuda", dtype="float32", max_num_seqs=4)
-    assert llm.engine.runner.graphs is None
+    assert 1 not in llm.engine.runner.graphs
     _release(llm)
     assert _greedy(default_model_path(), "cuda") == _greedy(default_model_path(), "cpu")

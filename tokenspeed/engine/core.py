@@ -46,8 +46,9 @@ class EngineCore:
         self.runner = ModelRunner(self.model, plan, kv_dtype, make_proposer(config.spec),
                                   config.spec.speculative_force_accept_length, self._drafter(plan, dtype))
         if self._use_cuda_graphs():
-            self.runner.capture_decode_graphs(mc.cuda_graph_max_bs or config.scheduler.max_num_seqs,
-                                              self.max_model_len)
+            k = config.spec.num_draft_tokens
+            self.runner.capture_graphs(mc.cuda_graph_max_bs or config.scheduler.max_num_seqs, self.max_model_len,
+                                       (1, k + 1) if k else (1,))
         if config.spec.speculative_force_accept_length is not None:
             logger.warning("FORCED ACCEPTANCE: %d draft tokens are accepted per step whatever the target says; "
                            "outputs are not the model's (benchmarking only)", config.spec.speculative_force_accept_length)

@@ -1,7 +1,9 @@
-"""CUDA graphs of the decode forward: captured once per batch size of a ladder, replayed every decode step.
+"""CUDA graphs of decode and verify forwards: captured once per batch size of a ladder, replayed every step.
 
-A decode step (every sequence has exactly one new token, no verification) has shapes that depend only on the
-number of sequences, and every layer's decode path reads device values only (`ForwardBatch.uniform_query_len`).
+A decode step (every sequence has exactly one new token) or a verify step (every sequence has the same k + 1
+tokens: its last token and k drafts) has shapes that depend only on the number of sequences, and every layer's
+path for such a batch reads device values only (`ForwardBatch.uniform_query_len`). One `DecodeGraphs` holds the
+graphs of one query length.
 So the whole forward, embedding to logits, is captured for batch sizes 1, 2, 4, 8, 16, 24, 32, ... up to
 `max_batch_size`, into one shared memory pool (largest first). A step of N sequences copies its inputs into the
 static tensors of the smallest size B >= N and replays that graph; rows N..B-1 are padding:
@@ -11,7 +13,10 @@ static tensors of the smallest size B >= N and replays that graph; rows N..B-1 a
 - `slot_mapping` points at a scratch page that no sequence owns (the runner allocates one extra page), so their
   new latent rows land nowhere that matters.
 
-The logits of a replay live in the graph pool and are valid until the next replay: consume them first.
+The logits of a replay live in the graph pool and are valid until the next replay: consume them first. A verify
+graph also re-registers the KDA replay inputs its capture recorded (`CacheBuffers.replay`), so the runner's
+`replay_kda` after acceptance reads this replay's projections. `use_graphs=False` runs the same padded static
+batch eagerly (the CPU tests check the padding semantics with it).
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ class DecodeGraphs:
     """Decode-step graphs of one model over its cache buffers.
 
     max_pages_per_seq: page-table width of the static batch (ceil(max_model_len / page_size));
-    scratch_page: a page id no sequence is given (padding rows write their latent rows there).
+    scratch_page: a page id no sequence is given (padding rows write their latent rows there);
+    query_len: new tokens per sequence (1: decode; k + 1: verify, KDA states read but not written).
     """
 
     def __init__(
@@ -52,6 +58,8 @@ class DecodeGraphs:
         max_batch_size: int,
         max_pages_per_seq: int,
         scratch_page: int,
+        query_len: int = 1,
+        use_graphs: bool = True,
     ) -> None:
         self.model = model
         self.buffers = buffers
@@ -59,68 +67,85 @@ class DecodeGraphs:
         self.max_batch_size = max_batch_size
         self.max_pages_per_seq = max_pages_per_seq
         self.scratch_row = scratch_page * buffers.page_size
+        self.query_len = q = query_len
+        self.verify = query_len > 1
+        self.use_graphs = use_graphs
         dev, b = model.device, max_batch_size
         i64 = {"dtype": torch.int64, "device": dev}
-        self.input_ids = torch.zeros(b, **i64)
-        self.positions = torch.zeros(b, **i64)
-        self.cu_seqlens = torch.arange(b + 1, **i64)
+        self.input_ids = torch.zeros(b * q, **i64)
+        self.positions = torch.zeros(b * q, **i64)
+        self.cu_seqlens = torch.arange(b + 1, **i64) * q
         self.kv_lens = torch.zeros(b, **i64)
         self.page_table = torch.zeros(b, max_pages_per_seq, dtype=torch.int32, device=dev)
-        self.slot_mapping = torch.full((b,), self.scratch_row, **i64)
+        self.slot_mapping = torch.full((b * q,), self.scratch_row, **i64)
         self.kda_slots = torch.full((b,), -1, **i64)
-        self.logits_indices = torch.arange(b, **i64)
+        self.logits_indices = torch.arange(b * q, **i64)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
+        self.replay_inputs: dict[int, dict] = {}  # verify: the KDA replay inputs each size's capture recorded
 
     def _static_batch(self, bs: int) -> ForwardBatch:
+        q = self.query_len
         return ForwardBatch(
-            input_ids=self.input_ids[:bs], positions=self.positions[:bs], cu_seqlens=self.cu_seqlens[: bs + 1],
-            kv_lens=self.kv_lens[:bs], page_table=self.page_table[:bs], slot_mapping=self.slot_mapping[:bs],
-            kda_slots=self.kda_slots[:bs], cu_seqlens_host=list(range(bs + 1)), kv_lens_host=[0] * bs,
-            uniform_query_len=1,
+            input_ids=self.input_ids[: bs * q], positions=self.positions[: bs * q],
+            cu_seqlens=self.cu_seqlens[: bs + 1], kv_lens=self.kv_lens[:bs], page_table=self.page_table[:bs],
+            slot_mapping=self.slot_mapping[: bs * q], kda_slots=self.kda_slots[:bs],
+            cu_seqlens_host=[i * q for i in range(bs + 1)], kv_lens_host=[0] * bs, verify=self.verify,
+            uniform_query_len=q,
         )
+
+    def _forward(self, bs: int) -> Tensor:
+        return self.model(self._static_batch(bs), self.buffers, self.logits_indices[: bs * self.query_len])
 
     @torch.no_grad()
     def capture(self) -> None:
         """Warm up (compiles the Triton kernels) and capture every size, largest first, in one memory pool."""
+        if not self.use_graphs:
+            return
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         for bs in reversed(self.sizes):
-            batch = self._static_batch(bs)
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.model(batch, self.buffers, self.logits_indices[:bs])
+                    self._forward(bs)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            self.buffers.replay.clear()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self.model(batch, self.buffers, self.logits_indices[:bs])
+                self.outputs[bs] = self._forward(bs)
+            self.replay_inputs[bs] = dict(self.buffers.replay)
+            self.buffers.replay.clear()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-        logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.sizes,
-                    time.perf_counter() - start)
+        logger.info("captured %s CUDA graphs (%d tokens per sequence) for batch sizes %s in %.1f s",
+                    "verify" if self.verify else "decode", self.query_len, self.sizes, time.perf_counter() - start)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """True for a pure decode step that fits the captured shapes."""
-        return (batch.uniform_query_len == 1 and not batch.verify and 0 < batch.num_seqs <= self.max_batch_size
-                and batch.page_table.shape[1] <= self.max_pages_per_seq)
+        """True for a step of this query length (decode, or verify) that fits the captured shapes."""
+        return (batch.uniform_query_len == self.query_len and batch.verify == self.verify
+                and 0 < batch.num_seqs <= self.max_batch_size and batch.page_table.shape[1] <= self.max_pages_per_seq)
 
     def run(self, batch: ForwardBatch) -> Tensor:
-        """Logits [N, vocab] fp32 of the decode `batch` (row n: sequence n). Mutates the cache like the eager
-        forward would; the result is a view into the graph's pool (valid until the next replay)."""
-        n = batch.num_seqs
+        """Logits [N * query_len, vocab] fp32 of `batch` (the rows of its tokens, in order). Mutates the cache
+        like the eager forward would (verify: new MLA rows only, and the KDA replay inputs are registered); the
+        result is a view into the graph's pool (valid until the next replay)."""
+        n, q = batch.num_seqs, self.query_len
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         width = batch.page_table.shape[1]
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
+        self.input_ids[: n * q].copy_(batch.input_ids)
+        self.positions[: n * q].copy_(batch.positions)
         self.kv_lens[:n].copy_(batch.kv_lens)
         self.page_table[:n, :width].copy_(batch.page_table)
-        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.slot_mapping[: n * q].copy_(batch.slot_mapping)
         self.kda_slots[:n].copy_(batch.kda_slots)
         if bs > n:
             self.kv_lens[n:bs].zero_()
-            self.slot_mapping[n:bs].fill_(self.scratch_row)
+            self.slot_mapping[n * q : bs * q].fill_(self.scratch_row)
             self.kda_slots[n:bs].fill_(-1)
+        if not self.use_graphs:
+            return self._forward(bs)[: n * q]
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        self.buffers.replay.update(self.replay_inputs[bs])
+        return self.outputs[bs][: n * q]

@@ -63,19 +63,26 @@ class ModelRunner:
             kv_cache_dtype=kv_cache_dtype, tp_size=model.parallel.tp_size,
         )
         self.generators: dict[str, torch.Generator | None] = {}
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: dict[int, DecodeGraphs] = {}  # query length (1: decode, k + 1: verify) -> its graphs
 
-    def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
-        """Capture the decode forward as CUDA graphs for batch sizes up to `max_batch_size` (see cuda_graphs)."""
+    def capture_graphs(self, max_batch_size: int, max_model_len: int, query_lens: tuple[int, ...] = (1,),
+                       use_graphs: bool = True) -> None:
+        """Capture decode (query length 1) and verify (k + 1) forwards as CUDA graphs for batch sizes up to
+        `max_batch_size` (see cuda_graphs). A capture that fails leaves that query length eager, with a warning.
+        use_graphs=False keeps the padded static batches but runs them eagerly (CPU tests)."""
         pages = -(-max_model_len // self.buffers.page_size)
-        graphs = DecodeGraphs(self.model, self.buffers, max_batch_size, pages, scratch_page=self.num_pages)
-        try:
-            graphs.capture()
-        except RuntimeError as e:  # an op outside its kernel's region fell back to a synchronising reference
-            logger.warning("decode CUDA graphs disabled, decoding eagerly: capture failed (%s)", str(e).splitlines()[0])
-            torch.cuda.synchronize()
-            return
-        self.graphs = graphs
+        for q in query_lens:
+            graphs = DecodeGraphs(self.model, self.buffers, max_batch_size, pages, scratch_page=self.num_pages,
+                                  query_len=q, use_graphs=use_graphs)
+            try:
+                graphs.capture()
+            except RuntimeError as e:  # an op outside its kernel's region fell back to a synchronising reference
+                logger.warning("CUDA graphs for %d-token steps disabled, running them eagerly: capture failed (%s)",
+                               q, str(e).splitlines()[0])
+                torch.cuda.synchronize()
+                self.buffers.replay.clear()
+                continue
+            self.graphs[q] = graphs
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (its random stream) once the request has ended."""
@@ -113,8 +120,9 @@ class ModelRunner:
         )
         rows, row_of = self._logits_rows(reqs, forward.cu_seqlens_host, drafts)
         features = None
-        if self.graphs is not None and not drafts and self.graphs.can_run(forward) and rows == list(range(len(reqs))):
-            logits = self.graphs.run(forward)
+        graphs = self.graphs.get(forward.uniform_query_len or 0)
+        if graphs is not None and graphs.can_run(forward) and rows == list(range(forward.num_tokens)):
+            logits = graphs.run(forward)
         elif self.drafter is not None:
             idx = torch.tensor(rows, dtype=torch.long, device=self.device)
             logits, captured = self.model(forward, self.buffers, idx, capture_layers=self.drafter.capture_layers)
