@@ -86,7 +86,6 @@ def ceilings() -> dict:
     src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     copy_ms = cuda_ms(lambda: dst.copy_(src), iters=10)
-    del x, y, src, dst
     out = {"matmul_bf16_tflops": 2 * 8192**3 / ms / 1e9, "copy_tb_s": 2 * 2**31 / copy_ms / 1e9}
     log(out)
     return out
@@ -178,8 +177,7 @@ def decode_sweep(model, name: str, batches: list[int], contexts: list[int]) -> d
     eager_ms = cuda_ms(lambda: model(fb, buf, torch.arange(1, device="cuda")), iters=10)
     graph_ms = cuda_ms(lambda: graphs.run(fb))
     log(f"{name} batch 1 ctx {contexts[0]}: eager {eager_ms:.3f} ms vs graph {graph_ms:.3f} ms")
-    del graphs, buf
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # the graphs and buffers are freed when this frame goes
     return {"geometry": name, "rows": rows, "capture_s": capture_s, "eager_ms_b1": eager_ms, "graph_ms_b1": graph_ms}
 
 
@@ -195,7 +193,6 @@ def parity(model, name: str) -> dict:
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, model.config.vocab_size, (prompt,), generator=gen).tolist() for _ in range(n)]
     pages = [list(range(i * 8, (i + 1) * 8)) for i in range(n)]
-    last = torch.tensor([prompt - 1, 2 * prompt - 1], device="cuda")
 
     def fresh():
         return CacheBuffers.allocate(model.config, 8 * n + 1, page_size, n + 1, model.dtype, "cuda")
@@ -268,7 +265,6 @@ def profile(model, name: str, batches: list[int], ctx: int, prefill_tokens: int)
         log(f"--- {name} {label}: kernels {total:.3f} ms")
         for k, ms, c in table[:18]:
             log(f"  {ms:8.3f} ms  x{c:4d}  {k}")
-    del buf
     torch.cuda.empty_cache()
     return out
 
@@ -296,7 +292,6 @@ def prefill(model, name: str, tokens: int, matmul_tflops: float | None) -> dict:
     out = {"geometry": name, "tokens": tokens, "ms": ms, "tok_s": tokens / ms * 1e3, "tflops": rate,
            "active_params": active, "fraction_of_matmul": rate / matmul_tflops if matmul_tflops else None}
     log(out)
-    del buf
     torch.cuda.empty_cache()
     return out
 
@@ -404,7 +399,7 @@ def hf_reference(name: str, batches: list[int], prompt: int, new_tokens: int) ->
     for b in batches:
         ids = torch.randint(0, config.vocab_size, (b, prompt), device="cuda")
 
-        def gen(n):
+        def gen(n, ids=ids, model=model):
             torch.cuda.synchronize()
             s = time.perf_counter()
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
@@ -436,8 +431,7 @@ def ours_short(model, name: str, batches: list[int], ctx: int) -> dict:
         ms = cuda_ms(lambda: graphs.run(fb))
         rows.append({"batch": b, "ctx": ctx, "step_ms": ms, "tok_s": b / ms * 1e3})
         log(f"ours {name} batch {b} ctx {ctx}: {ms:.3f} ms/step {b / ms * 1e3:.1f} tok/s")
-    del graphs, buf
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # the graphs and buffers are freed when this frame goes
     return {"geometry": name, "rows": rows}
 
 
@@ -479,8 +473,8 @@ def main() -> None:
     skip = set(args.skip.split(","))
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
-    RESULT["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-                     "commit": os.environ.get("BENCH_COMMIT", "unknown"), "argv": sys.argv,
+    RESULT["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                     "python": platform.python_version(), "commit": os.environ.get("BENCH_COMMIT", "unknown"), "argv": sys.argv,
                      "date": time.strftime("%Y-%m-%d")}
     ceil = ceilings() or {}
     if "tiny" not in skip:

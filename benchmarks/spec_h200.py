@@ -86,7 +86,8 @@ def main() -> None:
     forced = run(args.model, args.device, args.prompt, args.output,
                  {"speculative_algorithm": "repeat", "speculative_num_steps": 3,
                   "speculative_force_accept_length": 3})
-    result = {"model": args.model, "prompt": args.prompt, "output": args.output, "plain": plain, "forced_accept_3": forced,
+    result = {"model": args.model, "prompt": args.prompt, "output": args.output, "plain": plain,
+              "forced_accept_3": forced,
               "tps_user_ratio": forced["tps_user"] / plain["tps_user"],
               "commit": os.environ.get("BENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
