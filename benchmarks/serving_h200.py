@@ -474,7 +474,8 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     RESULT["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                     "python": platform.python_version(), "commit": os.environ.get("BENCH_COMMIT", "unknown"), "argv": sys.argv,
+                     "python": platform.python_version(), "commit": os.environ.get("BENCH_COMMIT", "unknown"),
+                     "argv": sys.argv,
                      "date": time.strftime("%Y-%m-%d")}
     ceil = ceilings() or {}
     if "tiny" not in skip:
