@@ -167,6 +167,40 @@ def test_public_op_reference_and_forced_triton(monkeypatch):
     assert torch.equal(outs[1][2], outs[0][2])
 
 
+def check_seq_lens(lens, accepted, H, D, dtype, device, mode=None, monkeypatch=None, **kw):
+    """seq_lens (KDA replay of accepted drafts): the first accepted[n] tokens of each sequence, read in place from
+    the full verify rows, advance the pools exactly like a run on just those rows; other output rows are zeros."""
+    from tokenspeed import ops
+
+    inp = make(lens, H, D, dtype, device)
+    scale = D ** -0.5
+    if monkeypatch is not None:
+        monkeypatch.setenv("TOKENSPEED_OPS", mode)
+    a = clone(inp)
+    acc = torch.tensor(accepted, dtype=torch.int64, device=device)
+    o = ops.kda_decode(**a, lower_bound=-5.0, scale=scale, seq_lens=acc, **kw)
+    cu = inp["cu_seqlens"].tolist()
+    used = [min(x, L) for x, L in zip(accepted, lens)]
+    rows = torch.cat([torch.arange(cu[n], cu[n] + used[n]) for n in range(len(lens))]).to(device)
+    r = clone(inp)
+    r.update(qkv=inp["qkv"][rows], f=inp["f"][rows], b=inp["b"][rows],
+             cu_seqlens=torch.tensor([0] + used).cumsum(0).to(device))
+    o_ref = composed(r, -5.0, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(a["state"], r["state"]) < tol
+    assert torch.equal(a["conv_state"], r["conv_state"])
+    assert rel_err(o[rows], o_ref) < tol
+    skipped = torch.ones(o.shape[0], dtype=torch.bool)
+    skipped[rows.cpu()] = False
+    assert torch.equal(o[skipped.to(device)], torch.zeros_like(o[skipped.to(device)]))
+
+
+@cpu_interp
+@pytest.mark.parametrize("mode", ["reference", "triton"])
+def test_seq_lens_replay_interp(mode, monkeypatch):
+    check_seq_lens([4, 4, 4, 2], [0, 4, 2, 5], 2, 16, torch.float32, "cpu", mode=mode, monkeypatch=monkeypatch)
+
+
 # ----------------------------------------------------------------------------- CUDA
 K3_TP8 = dict(H=12, D=128)
 
@@ -253,3 +287,9 @@ def test_dispatch_cuda_gpu(monkeypatch):
     o_ref = ops.kda_decode(**r, lower_bound=-5.0, scale=128 ** -0.5)
     assert calls == [1]
     assert rel_err(o, o_ref) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_seq_lens_replay_gpu():
+    check_seq_lens([4] * 9, [0, 1, 2, 3, 4, 4, 2, 7, 1], **K3_TP8, dtype=torch.bfloat16, device="cuda")

@@ -118,6 +118,7 @@ def kda_decode(
     scale: float,
     update_state: bool = True,
     step_states: Tensor | None = None,
+    seq_lens: Tensor | None = None,
 ) -> Tensor:
     """KDA decode / k-token verify from the raw projections, fused on CUDA (one launch per layer).
 
@@ -131,6 +132,8 @@ def kda_decode(
     state_indices [N] (a slot < 0 marks a padding row: zero outputs, no state touched); cu_seqlens [N+1].
     update_state=True advances conv_state and state in place (decode); False leaves both pools untouched
     (verify) and, with `step_states` [T, H, D, D] fp32, writes the state after every token there.
+    seq_lens [N] (device), if given: only the first min(seq_lens[n], q_len_n) tokens of sequence n are used (the
+    KDA replay of accepted drafts reads the verify batch in place); the other rows of o are zeros.
     Returns o [T, H, D] in qkv.dtype.
     """
     if step_states is not None and update_state:
@@ -141,25 +144,28 @@ def kda_decode(
         return _dispatch.kernels("kda_decode").kda_decode(
             qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens,
             lower_bound=lower_bound, scale=scale, update_state=update_state, step_states=step_states,
+            seq_lens=seq_lens,
         )
     return _kda_decode_reference(qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices,
                                  cu_seqlens, lower_bound=lower_bound, scale=scale, update_state=update_state,
-                                 step_states=step_states)
+                                 step_states=step_states, seq_lens=seq_lens)
 
 
 def _kda_decode_reference(qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, *,
-                          lower_bound, scale, update_state, step_states) -> Tensor:
+                          lower_bound, scale, update_state, step_states, seq_lens=None) -> Tensor:
     """The composition of the reference ops that `kda_decode` fuses (host-synchronising; the CPU path)."""
     T = qkv.shape[0]
     H, D = dt_bias.shape
     slots = state_indices.tolist()
     bounds = cu_seqlens.tolist()
+    ends = bounds[1:] if seq_lens is None else [
+        bounds[n] + max(0, min(int(m), bounds[n + 1] - bounds[n])) for n, m in enumerate(seq_lens.tolist())]
     o = torch.zeros(T, H, D, dtype=qkv.dtype, device=qkv.device)
     keep = [n for n, s in enumerate(slots) if s >= 0]  # padding rows (slot < 0) give zeros
     if not keep:
         return o
-    tok = torch.cat([torch.arange(bounds[n], bounds[n + 1]) for n in keep]).to(qkv.device)
-    lens = [bounds[n + 1] - bounds[n] for n in keep]
+    tok = torch.cat([torch.arange(bounds[n], ends[n]) for n in keep]).to(device=qkv.device, dtype=torch.int64)
+    lens = [ends[n] - bounds[n] for n in keep]
     cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(cu_seqlens.device)
     idx = torch.tensor([slots[n] for n in keep], dtype=torch.int64, device=state_indices.device)
     t = tok.numel()

@@ -113,15 +113,14 @@ class KDAAttention(nn.Module):
         o = ops.gated_rms_norm(o, self.output_gate(x).view(t, h, hd), self.o_norm.weight, self.eps)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
 
-    def replay(self, cache: CacheBuffers, batch: ForwardBatch, keep: Tensor, cu_accepted: Tensor) -> None:
-        """Advance the committed state of each sequence of a verified `batch` by its accepted tokens.
+    def replay(self, cache: CacheBuffers, batch: ForwardBatch, num_accepted: Tensor) -> None:
+        """Advance the committed state of each sequence of a verified `batch` by its first num_accepted[n] tokens.
 
-        keep: [A] int64 rows of the verified batch that were accepted (each sequence's first a_n tokens, in order);
-        cu_accepted: [N+1] int64 offsets of each sequence's accepted rows in `keep`. Uses the inputs recorded by
-        the verify forward (no projection is recomputed); mutates the conv and recurrent state of batch.kda_slots.
+        num_accepted: [N] int64 on the device (0 <= a_n <= q_len_n). Reads the inputs the verify forward recorded
+        in place (no gather, no projection recomputed): one fused `ops.kda_decode` over the verify batch's rows,
+        each sequence cut to its accepted count. Mutates the conv and recurrent state of batch.kda_slots.
         """
         rec = cache.replay.pop(self.cache_index)
-        ops.kda_decode(rec.projected[keep], rec.f[keep], rec.b[keep], self.conv_weight,
-                       cache.kda_conv[self.cache_index], self.A_log, self.dt_bias,
-                       cache.kda_recurrent[self.cache_index], batch.kda_slots, cu_accepted,
-                       lower_bound=self.lower_bound, scale=1.0, update_state=True)
+        ops.kda_decode(rec.projected, rec.f, rec.b, self.conv_weight, cache.kda_conv[self.cache_index], self.A_log,
+                       self.dt_bias, cache.kda_recurrent[self.cache_index], batch.kda_slots, batch.cu_seqlens,
+                       lower_bound=self.lower_bound, scale=1.0, update_state=True, seq_lens=num_accepted)

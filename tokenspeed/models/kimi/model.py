@@ -115,17 +115,10 @@ class KimiForCausalLM(nn.Module):
     def replay_kda(self, cache: CacheBuffers, batch: ForwardBatch, num_accepted: Sequence[int]) -> None:
         """After a verify forward of `batch`: advance every KDA layer's committed state of each sequence by its
         first num_accepted[n] tokens (N host ints), from the inputs the verification recorded."""
-        starts = batch.cu_seqlens_host
-        keep = [starts[n] + j for n, a in enumerate(num_accepted) for j in range(a)]
-        cu = [0]
-        for a in num_accepted:
-            cu.append(cu[-1] + a)
-        device = batch.cu_seqlens.device
-        keep_t = torch.tensor(keep, dtype=torch.int64, device=device)
-        cu_t = torch.tensor(cu, dtype=torch.int64, device=device)
+        accepted = torch.tensor(list(num_accepted), dtype=torch.int64, device=batch.cu_seqlens.device)
         for layer in self.model.layers:
             if hasattr(layer.self_attn, "replay"):
-                layer.self_attn.replay(cache, batch, keep_t, cu_t)
+                layer.self_attn.replay(cache, batch, accepted)
 
     def forward(
         self,

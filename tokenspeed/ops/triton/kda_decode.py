@@ -87,7 +87,7 @@ def _kda_decode_kernel(
     CW, CS, stride_css, stride_csc, stride_csw,
     A_log, DT,
     S, stride_ss,
-    SLOTS, CU,
+    SLOTS, CU, LENS,
     O, STEP, CNT,
     lower_bound, scale,
     H: tl.constexpr,
@@ -98,6 +98,7 @@ def _kda_decode_kernel(
     UPDATE: tl.constexpr,
     STORE_STEPS: tl.constexpr,
     HINTS: tl.constexpr,
+    HAS_LENS: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
@@ -108,6 +109,8 @@ def _kda_decode_kernel(
 
     bos = tl.load(CU + n).to(tl.int64)
     seq_len = tl.load(CU + n + 1).to(tl.int64) - bos
+    if HAS_LENS:  # only the first LENS[n] tokens of the sequence's rows (KDA replay of accepted drafts)
+        seq_len = tl.maximum(tl.minimum(tl.load(LENS + n).to(tl.int64), seq_len), 0)
     slot_raw = tl.load(SLOTS + n).to(tl.int64)
     slot = tl.maximum(slot_raw, 0)
 
@@ -211,6 +214,7 @@ def kda_decode(
     num_warps: int | None = None,
     hints: bool = False,
     out: Tensor | None = None,
+    seq_lens: Tensor | None = None,
 ) -> Tensor:
     """Triton `ops.kda_decode` (same contract); BV / num_warps / hints (evict-first state load, streaming state
     store) override the launch configuration."""
@@ -236,8 +240,10 @@ def kda_decode(
         else conv_weight.float().contiguous()
     if conv_state.shape[1:] != (3 * H * D, 3):
         raise ValueError(f"conv_state must be [S, {3 * H * D}, 3]; got {tuple(conv_state.shape)}")
-    if out is None:
-        out = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
+    if seq_lens is not None and seq_lens.shape != (N,):
+        raise ValueError(f"seq_lens must be [{N}]")
+    if out is None:  # with seq_lens the rows past each count are not written: zeros
+        out = (torch.zeros if seq_lens is not None else torch.empty)(T, H, D, dtype=qkv.dtype, device=qkv.device)
     elif out.shape != (T, H, D) or out.dtype != qkv.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [T, {H}, {D}] tensor of qkv's dtype")
     if step_states is not None:
@@ -261,10 +267,10 @@ def kda_decode(
         cw, conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         A_log, dt_bias.contiguous(),
         state, state.stride(0),
-        state_indices, cu_seqlens,
+        state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         out, step_states if step_states is not None else state, cnt,
         float(lower_bound) if lower_bound is not None else 0.0, float(scale),
         H=H, D=D, BV=bv, NV=D // bv, HAS_LB=lower_bound is not None, UPDATE=bool(update_state),
-        STORE_STEPS=step_states is not None, HINTS=bool(hints), num_warps=nw,
+        STORE_STEPS=step_states is not None, HINTS=bool(hints), HAS_LENS=seq_lens is not None, num_warps=nw,
     )
     return out
