@@ -11,28 +11,16 @@ Tolerances: fp32 io within 1e-5 (outputs and fp32 state), bf16 io within 1e-2 re
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
-pytest.importorskip("triton")
+from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # noqa: E402,F401 - sets up Triton first
 
 from tokenspeed.ops.reference.conv import causal_conv1d  # noqa: E402
 from tokenspeed.ops.reference.kda import kda_gate, kda_recurrent, l2_normalize  # noqa: E402
 
-INTERP = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
-cpu_interp = pytest.mark.skipif(not INTERP, reason="needs the Triton CPU interpreter (set before triton import)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any(), "element not written (NaN poison left)"
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def make(lens, H, D, dtype, device, slots=None, num_slots=None, seed=0):

@@ -12,25 +12,13 @@ on the same fp8 cache. Outputs start poisoned with NaN.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
-pytest.importorskip("triton")
-
-INTERP = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
-cpu_interp = pytest.mark.skipif(not INTERP, reason="needs the Triton CPU interpreter (set before triton import)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # noqa: E402,F401 - sets up Triton first
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any(), "element not written (NaN poison left)"
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def make(kv_lens, Q, H, Dl, page_size, q_dtype, cache_dtype, device, kv_scale=1.0, seed=0, spare_pages=3):

@@ -12,35 +12,23 @@ within 1e-2 relative (max abs err / max abs ref) at the Kimi-Linear-48B decode a
 from __future__ import annotations
 
 import functools
-import os
-import sys
 
 from dataclasses import replace
 
 import pytest
 import torch
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
-pytest.importorskip("triton")
+from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # noqa: E402,F401 - sets up Triton first
 
 from tokenspeed.ops.reference.activation import Activation
 from tokenspeed.ops.reference.moe import moe_experts as ref_experts
 
-INTERP = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
-cpu_interp = pytest.mark.skipif(not INTERP, reason="needs the Triton CPU interpreter (set before triton import)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 SILU = Activation("silu")
 SITU = Activation("situ", beta=4.0, linear_beta=25.0)
 SITU_TIGHT = Activation("situ", beta=0.5, linear_beta=0.3)  # small caps: both tanh branches saturate
 KIMI = {"E": 256, "k": 8, "D": 2304, "I": 1024}  # Kimi-Linear-48B routed experts
 
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any(), "element not written (NaN poison left)"
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 @pytest.fixture

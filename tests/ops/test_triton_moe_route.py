@@ -7,21 +7,14 @@ lower expert id. Outputs start poisoned.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
-pytest.importorskip("triton")
+from tests.ops.triton_env import cpu_interp, needs_cuda  # noqa: E402,F401 - sets up Triton first
 
 from tokenspeed.ops.reference.moe import moe_route as ref_route  # noqa: E402
 
-INTERP = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
-cpu_interp = pytest.mark.skipif(not INTERP, reason="needs the Triton CPU interpreter (set before triton import)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def route(logits, bias, k, **kw):

@@ -7,29 +7,16 @@ Every output starts poisoned (NaN) so an unwritten element fails.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
-pytest.importorskip("triton")
+from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # noqa: E402,F401 - sets up Triton first
 
 from tokenspeed.ops.reference import attn_res as ref_attn_res  # noqa: E402
 from tokenspeed.ops.reference import norm as ref_norm  # noqa: E402
 
-INTERP = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
-cpu_interp = pytest.mark.skipif(not INTERP, reason="needs the Triton CPU interpreter (set before triton import)")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| in fp64; NaN anywhere (an unwritten output) fails."""
-    assert not torch.isnan(a).any(), "output element not written (NaN poison left)"
-    a, b = a.double(), b.double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def tol(dtype: torch.dtype) -> float:
