@@ -10,15 +10,23 @@ KDA state replay after a verify step.
   time from the first to the last output token.
 - Replay cost: inside the speculative run, the GPU time of each verify graph replay vs of the KDA replay that
   follows it (CUDA events), i.e. how much slower a verify step with replay is than one that writes no state.
+- Host breakdown: a second request through the speculative engine with every phase synchronised and timed
+  (schedule, drafts, batch build, verify, sample, replay, update) and a cProfile of the host, so time that the GPU
+  does not account for is attributed.
+- Verify workspace: the bytes the verify graphs record for replay (measured from the captured tensors) next to the
+  planner's figures for replay payloads and for per-position state snapshots.
 Writes spec_h200.json to --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
 import os
+import pstats
 import statistics
 import time
 
@@ -48,10 +56,11 @@ def run(model: str, device: str, prompt: int, output: int, spec: dict) -> dict:
 
     if 4 in runner.graphs:
         runner.graphs[4].run = timed("verify", runner.graphs[4].run)
+        runner.graphs[4].replay_state = timed("replay", runner.graphs[4].replay_state)
     runner.model.replay_kda = timed("replay", runner.model.replay_kda)
     vocab = llm.engine.vocab_size
-    llm.add_request([(1000 + i) % vocab for i in range(prompt)], SamplingParams(max_tokens=output, ignore_eos=True,
-                                                                     temperature=0.0))
+    params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0)
+    llm.add_request([(1000 + i) % vocab for i in range(prompt)], params)
     stamps = []
     while llm.engine.has_work:
         outs = llm.engine.step()
@@ -62,16 +71,111 @@ def run(model: str, device: str, prompt: int, output: int, spec: dict) -> dict:
     tokens = sum(n for _, n in stamps[1:])
     tps = tokens / (stamps[-1][0] - stamps[0][0])
     out = {"spec": spec, "tps_user": tps, "steps_after_first": len(stamps) - 1, "tokens_after_first": tokens,
-           "verify_graphs": sorted(runner.graphs)}
+           "verify_graphs": sorted(runner.graphs),
+           "replay_graphs": sorted(runner.graphs[4].replay_graphs) if 4 in runner.graphs else []}
     for name, evs in events.items():
         if evs:
             out[f"{name}_gpu_ms"] = statistics.median(s.elapsed_time(e) for s, e in evs[2:] or evs)
+            out[f"{name}_count"] = len(evs)
+    out["host_breakdown"] = breakdown(llm, [(2000 + i) % vocab for i in range(prompt)], params, cuda)
+    if 4 in runner.graphs:
+        out["verify_workspace"] = workspace(llm)
     print(out, flush=True)
     del llm, runner
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def breakdown(llm: LLM, prompt_ids: list[int], params: SamplingParams, cuda: bool) -> dict:
+    """Median wall ms per phase of the decode/verify steps of one request, each phase synchronised, plus the top
+    of a cProfile of the same steps (host time by function)."""
+    from tokenspeed.executor import runner as runner_mod
+
+    engine, runner = llm.engine, llm.engine.runner
+    times: dict[str, list[float]] = {}
+    patched = []
+
+    def sync_timed(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            result = fn(*a, **kw)
+            if cuda:
+                torch.cuda.synchronize()
+            times.setdefault(label, []).append((time.perf_counter() - t) * 1e3)
+            return result
+
+        setattr(obj, name, wrapper)
+        patched.append((obj, name, fn))
+
+    sync_timed(engine.scheduler, "schedule", "schedule")
+    sync_timed(engine, "_update", "update")
+    sync_timed(runner, "execute", "execute")
+    sync_timed(runner, "_sample", "sample")
+    sync_timed(runner, "copy_states", "copy_states")
+    sync_timed(runner.model, "replay_kda", "replay_eager")
+    for q, graphs in runner.graphs.items():
+        sync_timed(graphs, "run", f"graph_run_q{q}")
+        sync_timed(graphs, "replay_state", f"replay_state_q{q}")
+    if runner.proposer is not None:
+        sync_timed(runner.proposer, "propose", "propose")
+    build = runner_mod.ForwardBatch.build
+    runner_mod.ForwardBatch.build = staticmethod(lambda *a, **kw: _timed_call(times, "build", build, cuda, *a, **kw))
+    engine.add_request("breakdown", prompt_ids, params)
+    profile = cProfile.Profile()
+    step_ms = []
+    while engine.has_work:
+        t = time.perf_counter()
+        decoding = engine.requests["breakdown"].num_computed_tokens >= len(prompt_ids)
+        if decoding:
+            profile.enable()
+        engine.step()
+        if decoding:
+            profile.disable()
+            step_ms.append((time.perf_counter() - t) * 1e3)
+    runner_mod.ForwardBatch.build = build
+    for obj, name, fn in patched:
+        setattr(obj, name, fn)
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+    result = {"step_ms_median": statistics.median(step_ms) if step_ms else None, "steps": len(step_ms),
+              "phase_ms_median": {k: statistics.median(v) for k, v in times.items()},
+              "phase_calls": {k: len(v) for k, v in times.items()},
+              "cprofile_top_tottime": text.getvalue().splitlines()[:60]}
+    print("\n".join(result["cprofile_top_tottime"]), flush=True)
+    return result
+
+
+def _timed_call(times: dict, label: str, fn, cuda: bool, *a, **kw):
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    result = fn(*a, **kw)
+    if cuda:
+        torch.cuda.synchronize()
+    times.setdefault(label, []).append((time.perf_counter() - t) * 1e3)
+    return result
+
+
+def workspace(llm: LLM) -> dict:
+    """Replay inputs the verify graphs hold (bytes, at batch 1 and at the largest size) vs the planner's replay
+    payload and per-position snapshot figures for the same batch."""
+    from tokenspeed.plan.cache import verify_workspace
+
+    graphs = llm.engine.runner.graphs[4]
+    config = llm.engine.model.config
+    rows = {}
+    for bs in (graphs.sizes[0], graphs.sizes[-1]):
+        measured = sum(t.nbytes for rec in graphs.replay_inputs[bs].values() for t in (rec.projected, rec.f, rec.b))
+        plan = verify_workspace(config, 1, bs, graphs.query_len)
+        rows[bs] = {"measured_replay_bytes": measured, "planner_replay_bytes": plan.replay_bytes,
+                    "planner_snapshot_bytes": plan.snapshot_bytes}
+    return rows
 
 
 def main() -> None:

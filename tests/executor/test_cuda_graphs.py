@@ -83,14 +83,19 @@ def _release(llm: LLM) -> None:
 
 
 @needs_cuda
-def test_graphs_capture_and_equal_eager_and_cpu(tiny_dir: str) -> None:
+@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "repeat", "speculative_num_steps": 3}])
+def test_graphs_capture_and_equal_eager_and_cpu(tiny_dir: str, spec: dict) -> None:
+    """Decode graphs, and with speculation verify graphs plus the captured KDA replay graphs."""
     torch.cuda.empty_cache()
-    llm = LLM(tiny_dir, device="cuda", dtype="float32", max_num_seqs=8)
-    assert llm.engine.runner.graphs[1].sizes == [1, 2, 4, 8]
+    llm = LLM(tiny_dir, device="cuda", dtype="float32", max_num_seqs=8, **spec)
+    graphs = llm.engine.runner.graphs
+    assert graphs[1].sizes == [1, 2, 4, 8]
+    if spec:
+        assert sorted(graphs[4].replay_graphs) == [1, 2, 4, 8]
     _release(llm)
-    graphs = _greedy(tiny_dir, "cuda")
-    assert graphs == _greedy(tiny_dir, "cuda", enforce_eager=True)
-    assert graphs == _greedy(tiny_dir, "cpu")
+    tokens = _greedy(tiny_dir, "cuda", **spec)
+    assert tokens == _greedy(tiny_dir, "cuda", enforce_eager=True, **spec)
+    assert tokens == _greedy(tiny_dir, "cpu", **spec)
 
 
 @needs_cuda

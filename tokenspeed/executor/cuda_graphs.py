@@ -15,8 +15,10 @@ static tensors of the smallest size B >= N and replays that graph; rows N..B-1 a
 
 The logits of a replay live in the graph pool and are valid until the next replay: consume them first. A verify
 graph also re-registers the KDA replay inputs its capture recorded (`CacheBuffers.replay`), so the runner's
-`replay_kda` after acceptance reads this replay's projections. `use_graphs=False` runs the same padded static
-batch eagerly (the CPU tests check the padding semantics with it).
+`replay_kda` after acceptance reads this replay's projections; `replay_state` then advances the KDA state by the
+accepted tokens through a second captured graph per size (one `ops.kda_decode` per KDA layer over the verify
+graph's own recorded rows, the accepted counts in a static device tensor). `use_graphs=False` runs the same padded
+static batches eagerly (the CPU tests check the padding semantics with it).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -80,7 +83,10 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((b * q,), self.scratch_row, **i64)
         self.kda_slots = torch.full((b,), -1, **i64)
         self.logits_indices = torch.arange(b * q, **i64)
+        self.num_accepted = torch.zeros(b, **i64)  # verify: tokens to replay per sequence (padding rows: 0)
+        self.last_size = 0  # the bucket of the last `run` (what `replay_state` continues)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replay_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # verify: KDA state replay of each size
         self.outputs: dict[int, Tensor] = {}
         self.replay_inputs: dict[int, dict] = {}  # verify: the KDA replay inputs each size's capture recorded
 
@@ -96,6 +102,24 @@ class DecodeGraphs:
 
     def _forward(self, bs: int) -> Tensor:
         return self.model(self._static_batch(bs), self.buffers, self.logits_indices[: bs * self.query_len])
+
+    def _replay(self, bs: int) -> None:
+        self.model.replay_kda(self.buffers, self._static_batch(bs), self.num_accepted[:bs])
+
+    def _capture_replay(self, bs: int, pool, stream: torch.cuda.Stream) -> None:
+        """Capture the KDA state replay that follows a verify graph of size bs (static slots are all -1 while
+        capturing, so the warm-up touches no state)."""
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.buffers.replay.update(self.replay_inputs[bs])
+                self._replay(bs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        self.buffers.replay.update(self.replay_inputs[bs])
+        with torch.cuda.graph(graph, pool=pool):
+            self._replay(bs)
+        self.buffers.replay.clear()
+        self.replay_graphs[bs] = graph
 
     @torch.no_grad()
     def capture(self) -> None:
@@ -118,6 +142,8 @@ class DecodeGraphs:
             self.replay_inputs[bs] = dict(self.buffers.replay)
             self.buffers.replay.clear()
             self.graphs[bs] = graph
+            if self.verify and self.replay_inputs[bs]:
+                self._capture_replay(bs, pool, stream)
         torch.cuda.synchronize()
         logger.info("captured %s CUDA graphs (%d tokens per sequence) for batch sizes %s in %.1f s",
                     "verify" if self.verify else "decode", self.query_len, self.sizes, time.perf_counter() - start)
@@ -132,7 +158,7 @@ class DecodeGraphs:
         like the eager forward would (verify: new MLA rows only, and the KDA replay inputs are registered); the
         result is a view into the graph's pool (valid until the next replay)."""
         n, q = batch.num_seqs, self.query_len
-        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        bs = self.last_size = self.sizes[bisect.bisect_left(self.sizes, n)]
         width = batch.page_table.shape[1]
         self.input_ids[: n * q].copy_(batch.input_ids)
         self.positions[: n * q].copy_(batch.positions)
@@ -149,3 +175,17 @@ class DecodeGraphs:
         self.graphs[bs].replay()
         self.buffers.replay.update(self.replay_inputs[bs])
         return self.outputs[bs][: n * q]
+
+    def replay_state(self, num_accepted: Sequence[int]) -> None:
+        """After `run` of a verify step of N sequences: advance each one's committed KDA state by its first
+        num_accepted[n] tokens (N host ints, 0..query_len), from the rows that replay recorded. Mutates the KDA
+        conv and recurrent state of the step's slots only (padding rows replay nothing)."""
+        n, bs = len(num_accepted), self.last_size
+        self.num_accepted[:n].copy_(torch.tensor(list(num_accepted), dtype=torch.int64), non_blocking=True)
+        self.num_accepted[n:bs].zero_()
+        graph = self.replay_graphs.get(bs) if self.use_graphs else None
+        if graph is None:  # eager: the forward registered its replay inputs (or run() re-registered the graph's)
+            self._replay(bs)
+        else:
+            graph.replay()
+        self.buffers.replay.clear()

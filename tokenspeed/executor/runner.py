@@ -121,7 +121,9 @@ class ModelRunner:
         rows, row_of = self._logits_rows(reqs, forward.cu_seqlens_host, drafts)
         features = None
         graphs = self.graphs.get(forward.uniform_query_len or 0)
-        if graphs is not None and graphs.can_run(forward) and rows == list(range(forward.num_tokens)):
+        if graphs is not None and not (graphs.can_run(forward) and rows == list(range(forward.num_tokens))):
+            graphs = None
+        if graphs is not None:
             logits = graphs.run(forward)
         elif self.drafter is not None:
             idx = torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -132,7 +134,9 @@ class ModelRunner:
         sampled = self._sample(reqs, logits, row_of, drafts)
         fed = [len(sampled[r.request.request_id]) if r.request.request_id in drafts else len(tokens[i])
                for i, r in enumerate(reqs)]  # positions whose computation counts (accepted ones when verifying)
-        if drafts:
+        if drafts and graphs is not None:
+            graphs.replay_state(fed)
+        elif drafts:
             self.model.replay_kda(self.buffers, forward, fed)
         if features is not None:
             cu = forward.cu_seqlens_host

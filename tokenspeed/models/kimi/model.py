@@ -112,10 +112,12 @@ class KimiForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def replay_kda(self, cache: CacheBuffers, batch: ForwardBatch, num_accepted: Sequence[int]) -> None:
+    def replay_kda(self, cache: CacheBuffers, batch: ForwardBatch, num_accepted: Sequence[int] | Tensor) -> None:
         """After a verify forward of `batch`: advance every KDA layer's committed state of each sequence by its
-        first num_accepted[n] tokens (N host ints), from the inputs the verification recorded."""
-        accepted = torch.tensor(list(num_accepted), dtype=torch.int64, device=batch.cu_seqlens.device)
+        first num_accepted[n] tokens (N host ints, or an [N] int64 device tensor: then no host work, graph-safe),
+        from the inputs the verification recorded (`cache.replay`, consumed)."""
+        accepted = num_accepted if isinstance(num_accepted, Tensor) else torch.tensor(
+            list(num_accepted), dtype=torch.int64, device=batch.cu_seqlens.device)
         for layer in self.model.layers:
             if hasattr(layer.self_attn, "replay"):
                 layer.self_attn.replay(cache, batch, accepted)
