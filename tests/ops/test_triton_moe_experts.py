@@ -296,3 +296,19 @@ def test_cuda_graph_replay_gpu(T):
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, ref_experts(nx, w1, w3, w2, ntw, nids, SITU)) < 1e-2
+
+
+@cpu_interp
+@pytest.mark.parametrize("T,k,E,bm", [(1, 8, 256, 16), (29, 4, 8, 16), (64, 8, 256, 16), (37, 3, 5, 32),
+                                      (300, 2, 16, 64)])
+def test_fused_align_equals_torch_align_interp(T, k, E, bm):
+    """The one-launch alignment gives the torch alignment's layout bit for bit (stable in-bucket order, padding,
+    invalid bucket, unused tail blocks), over several 128-pair chunks."""
+    from tokenspeed.ops.triton.moe_experts import align_pairs, align_pairs_fused
+
+    _, _, ids = make_routing(T, k, E, 8, torch.float32, "cpu", invalid=True, same=False)
+    ids[: T // 2] = ids[0]  # a heavy run that crosses chunks
+    ids = ids.t().contiguous().t()  # strided ids, as topk's column slices can be
+    sp, be = align_pairs(ids, E, bm)
+    sp_f, be_f = align_pairs_fused(ids, E, bm)
+    assert torch.equal(sp_f, sp) and torch.equal(be_f, be)

@@ -16,6 +16,9 @@ and each bucket's run is padded to a multiple of BLOCK_M. `sorted_pair_ids` [max
 pair of each padded row (P for padding) and `block_expert` [max_blocks] the bucket of each BLOCK_M-row block
 (-1 for unused blocks at the end), with max_blocks = P // BLOCK_M + min(E + 1, P): sum_b ceil(c_b / BLOCK_M)
 <= sum_b (floor(c_b / BLOCK_M) + 1) over the non-empty buckets (a bound at least as tight as ceil(P/BM) + E).
+Decode-sized calls (P <= 4096 pairs, E <= 2046) build the same layout in one single-program launch
+(`align_pairs_fused`: per-chunk stable ranks from a pair-by-pair comparison plus running bucket counts), instead of
+the dozen small torch kernels of the sort path, which cost more than the weight streaming at batch 1.
 
 Kernel 1 (grid max_blocks x cdiv(I, BLOCK_N)): for an expert block, gathers the BLOCK_M x rows (token = p // k),
 accumulates the x @ W1[e]^T and x @ W3[e]^T tiles in fp32 with tl.dot over D, applies SiLU or SiTU and writes
@@ -242,6 +245,93 @@ def align_pairs(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tenso
     return sorted_pair_ids, block_expert
 
 
+# The one-launch alignment serves up to this many (token, slot) pairs and this many buckets (decode and verify);
+# larger calls (prefill chunks) take the torch sort.
+FUSED_ALIGN_MAX_PAIRS = 4096
+FUSED_ALIGN_MAX_BINS = 2048
+
+
+@triton.jit
+def _align_kernel(
+    Ids, SortedPair, BlockExpert, Rank, Work,
+    P, E, n_rows, max_blocks,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    EB: tl.constexpr,
+    MB_CHUNK: tl.constexpr,
+):
+    """`align_pairs` in one program: stable in-bucket ranks chunk by chunk (a [CHUNK, CHUNK] comparison plus the
+    running per-bucket counts), then each pair's destination. Work [EB] and Rank [P] int32 are scratch; bin EB - 1
+    (> E) collects the masked lanes and is ignored."""
+    for start in range(0, n_rows, CHUNK):
+        o = start + tl.arange(0, CHUNK)
+        tl.store(SortedPair + o, tl.zeros([CHUNK], dtype=tl.int32) + P, mask=o < n_rows)
+    tl.debug_barrier()
+    ci = tl.arange(0, CHUNK)
+    bins = tl.arange(0, EB)
+    running = tl.zeros([EB], dtype=tl.int32)
+    for start in range(0, P, CHUNK):
+        o = start + ci
+        m = o < P
+        ids = tl.load(Ids + o, mask=m, other=-1)
+        b = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+        b = tl.where(m, b, EB - 1)
+        earlier_same = (b[:, None] == b[None, :]) & (ci[None, :] < ci[:, None])
+        tl.store(Work + bins, running)
+        tl.debug_barrier()
+        base = tl.load(Work + b, cache_modifier=".cg")  # written by other threads of this program
+        tl.debug_barrier()
+        tl.store(Rank + o, base + tl.sum(earlier_same.to(tl.int32), axis=1), mask=m)
+        running += tl.histogram(b, EB)
+    blocks = tl.where(bins <= E, (running + BLOCK_M - 1) // BLOCK_M, 0)
+    blk_end = tl.cumsum(blocks, 0)
+    tl.store(Work + bins, blk_end - blocks)
+    tl.debug_barrier()
+    for start in range(0, P, CHUNK):
+        o = start + ci
+        m = o < P
+        ids = tl.load(Ids + o, mask=m, other=-1)
+        b = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+        dest = (tl.load(Work + b, mask=m, other=0, cache_modifier=".cg") * BLOCK_M
+                + tl.load(Rank + o, mask=m, other=0, cache_modifier=".cg"))
+        tl.store(SortedPair + dest, o.to(tl.int32), mask=m)
+    end_real = tl.where(bins <= E, blk_end, 2**30)  # block i belongs to bucket #{b <= E : blk_end[b] <= i}
+    for start in range(0, max_blocks, MB_CHUNK):
+        i = start + tl.arange(0, MB_CHUNK)
+        owner = tl.sum((end_real[None, :] <= i[:, None]).to(tl.int32), axis=1)
+        tl.store(BlockExpert + i, tl.where(owner <= E, owner, -1), mask=i < max_blocks)
+
+
+def align_pairs_fused(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """`align_pairs` (same outputs, bit for bit) in a single launch, for P <= FUSED_ALIGN_MAX_PAIRS pairs and
+    E + 2 <= FUSED_ALIGN_MAX_BINS: the decode path, where the torch version's dozen small kernels cost more than
+    the GEMMs' launch."""
+    E = num_experts
+    ids = topk_ids.reshape(-1).contiguous()
+    P = ids.numel()
+    eb = triton.next_power_of_2(E + 2)
+    if P > FUSED_ALIGN_MAX_PAIRS or eb > FUSED_ALIGN_MAX_BINS:
+        raise ValueError(f"the fused alignment takes <= {FUSED_ALIGN_MAX_PAIRS} pairs and <= "
+                         f"{FUSED_ALIGN_MAX_BINS - 2} experts; got {P}, {E}")
+    max_blocks = P // block_m + min(E + 1, P)
+    dev = ids.device
+    sorted_pair_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    rank = torch.empty(max(P, 1), dtype=torch.int32, device=dev)
+    work = torch.empty(eb, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](
+        ids, sorted_pair_ids, block_expert, rank, work, P, E, max_blocks * block_m, max_blocks,
+        BLOCK_M=block_m, CHUNK=128, EB=eb, MB_CHUNK=max(1, 16384 // eb), num_warps=4,
+    )
+    return sorted_pair_ids, block_expert
+
+
+def _align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    if topk_ids.numel() <= FUSED_ALIGN_MAX_PAIRS and triton.next_power_of_2(num_experts + 2) <= FUSED_ALIGN_MAX_BINS:
+        return align_pairs_fused(topk_ids, num_experts, block_m)
+    return align_pairs(topk_ids, num_experts, block_m)
+
+
 def moe_experts(
     x: Tensor,
     w1: Tensor,
@@ -283,7 +373,7 @@ def moe_experts(
         tw = tw.float()
     if not tw.is_contiguous():
         tw = tw.contiguous()
-    sorted_pair_ids, block_expert = align_pairs(topk_ids, E, bm)
+    sorted_pair_ids, block_expert = _align(topk_ids, E, bm)
     max_blocks = block_expert.numel()
     h = torch.empty(max_blocks * bm, DI, dtype=x.dtype, device=x.device)
     buf = torch.empty(P, D, dtype=torch.float32, device=x.device)
