@@ -5,26 +5,38 @@
 
 Checked: outputs, the recurrent-state pool and the conv-state pool (slots not in the batch untouched), both gate
 forms, the V split (and its last-arriver conv-state write), strided qkv / b read from a merged projection,
-zero-length sequences, padding slots (-1), verify mode with per-token states, and CUDA-graph replay.
+zero-length sequences, padding slots (-1), verify mode with per-token states, and CUDA-graph replay; head dims
+that are not powers of two (padded, masked tiles; V split with and without a masked tail).
 Tolerances: fp32 io within 1e-5 (outputs and fp32 state), bf16 io within 1e-2 relative. Outputs start poisoned.
+Out-of-bounds guards: the memory just past qkv's columns, f, dt_bias, the conv weight, the pools and the outputs
+is NaN, so a stray read shows up as NaN and a stray write as a changed tail (`tails_intact`).
 """
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # noqa: E402,F401 - sets up Triton first
+from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # sets up Triton first
+from tokenspeed.ops.reference.conv import causal_conv1d
+from tokenspeed.ops.reference.kda import kda_gate, kda_recurrent, l2_normalize
 
-from tokenspeed.ops.reference.conv import causal_conv1d  # noqa: E402
-from tokenspeed.ops.reference.kda import kda_gate, kda_recurrent, l2_normalize  # noqa: E402
+
+def tailed(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of x that is the head of a buffer twice its size, the rest NaN (see `tails_intact`)."""
+    buf = torch.full((2 * x.numel(),), float("nan"), dtype=x.dtype, device=x.device)
+    buf[: x.numel()] = x.reshape(-1)
+    return buf[: x.numel()].view(x.shape)
 
 
+def tails_intact(*xs: torch.Tensor) -> bool:
+    """True when the NaN tail of every `tailed` tensor is still all NaN (nothing was written past its end)."""
+    return all(bool(x._base.view(-1)[x.numel():].isnan().all()) for x in xs)
 
 
 def make(lens, H, D, dtype, device, slots=None, num_slots=None, seed=0):
-    """Inputs of one KDA layer step: strided qkv / b slices of a merged projection, pools with random state."""
+    """Inputs of one KDA layer step: strided qkv / b slices of a merged projection (the columns right after qkv
+    NaN), f a strided slice followed by NaN, pools and dt_bias / conv weight `tailed`, random state."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     T, N = sum(lens), len(lens)
     S = num_slots or (2 * N + 3)
@@ -36,13 +48,15 @@ def make(lens, H, D, dtype, device, slots=None, num_slots=None, seed=0):
         return (torch.randn(*shape, generator=g) * s).to(device)
 
     merged = r(T, C + 2 * D + H + 5).to(dtype)  # [q | k | v | f_a-ish | b | pad] as the merged GEMM writes it
-    return dict(
-        qkv=merged[:, :C], f=r(T, H * D).to(dtype), b=merged[:, C + 2 * D:C + 2 * D + H],
-        conv_weight=r(C, 4, s=0.5), conv_state=r(S, C, 3).to(dtype),
-        A_log=r(H, s=0.5), dt_bias=r(H, D, s=0.5), state=r(S, H, D, D, s=0.3),
-        state_indices=torch.tensor(slots, dtype=torch.int64, device=device),
-        cu_seqlens=torch.tensor([0] + list(lens), dtype=torch.int64).cumsum(0).to(device),
-    )
+    merged[:, C:C + 2 * D] = float("nan")  # never read: padded lanes past the last head's v must be masked
+    f = torch.cat([r(T, H * D), torch.full((T, D), float("nan"), device=device)], 1).to(dtype)[:, :H * D]
+    return {
+        "qkv": merged[:, :C], "f": f, "b": merged[:, C + 2 * D:C + 2 * D + H],
+        "conv_weight": tailed(r(C, 4, s=0.5)), "conv_state": tailed(r(S, C, 3).to(dtype)),
+        "A_log": r(H, s=0.5), "dt_bias": tailed(r(H, D, s=0.5)), "state": tailed(r(S, H, D, D, s=0.3)),
+        "state_indices": torch.tensor(slots, dtype=torch.int64, device=device),
+        "cu_seqlens": torch.tensor([0] + list(lens), dtype=torch.int64).cumsum(0).to(device),
+    }
 
 
 def composed(inp, lower_bound, scale):
@@ -69,7 +83,8 @@ def composed(inp, lower_bound, scale):
 
 
 def clone(inp):
-    return {k: (v.clone() if k in ("conv_state", "state") else v) for k, v in inp.items()}
+    """The inputs with fresh (`tailed`) copies of the two pools, which the kernel mutates."""
+    return {k: (tailed(v) if k in ("conv_state", "state") else v) for k, v in inp.items()}
 
 
 def run_fused(inp, lower_bound, scale, **kw):
@@ -77,13 +92,15 @@ def run_fused(inp, lower_bound, scale, **kw):
 
     H, D = inp["dt_bias"].shape
     T = inp["qkv"].shape[0]
-    out = torch.full((T, H, D), float("nan"), dtype=inp["qkv"].dtype, device=inp["qkv"].device)
+    out = tailed(torch.full((T, H, D), float("nan"), dtype=inp["qkv"].dtype, device=inp["qkv"].device))
     y = kda_decode(**inp, lower_bound=lower_bound, scale=scale, out=out, **kw)
     assert y is out
+    assert tails_intact(out, inp["state"], inp["conv_state"])
     return y
 
 
 def check(lens, H, D, dtype, device, lower_bound=-5.0, slots=None, **kw):
+    """One fused decode step vs the composition: outputs, both pools; slots outside the batch bit-identical."""
     inp = make(lens, H, D, dtype, device, slots=slots)
     scale = D ** -0.5
     a, r = clone(inp), clone(inp)
@@ -93,17 +110,22 @@ def check(lens, H, D, dtype, device, lower_bound=-5.0, slots=None, **kw):
     errs = (rel_err(o, o_ref), rel_err(a["state"], r["state"]))
     assert errs[0] < tol and errs[1] < tol, errs
     assert torch.equal(a["conv_state"], r["conv_state"])
+    used = {s for s in inp["state_indices"].tolist() if s >= 0}
+    idle = [s for s in range(inp["state"].shape[0]) if s not in used]
+    assert torch.equal(a["state"][idle], inp["state"][idle])
     return errs
 
 
-def check_verify(lens, H, D, dtype, device, lower_bound=-5.0, **kw):
-    """update_state=False: pools untouched; step_states[t] = the state after token t (prefix runs)."""
-    inp = make(lens, H, D, dtype, device)
+def check_verify(lens, H, D, dtype, device, lower_bound=-5.0, slots=None, **kw):
+    """update_state=False: pools untouched; step_states[t] = the state after token t (prefix runs); the
+    step_states rows of padding sequences (slot -1) are not written."""
+    inp = make(lens, H, D, dtype, device, slots=slots)
     scale = D ** -0.5
     T = sum(lens)
     a = clone(inp)
-    steps = torch.full((T, H, D, D), float("nan"), device=device)
+    steps = tailed(torch.full((T, H, D, D), float("nan"), device=device))
     o = run_fused(a, lower_bound, scale, update_state=False, step_states=steps, **kw)
+    assert tails_intact(steps)
     assert torch.equal(a["state"], inp["state"]) and torch.equal(a["conv_state"], inp["conv_state"])
     r = clone(inp)
     o_ref = composed(r, lower_bound, scale)
@@ -118,8 +140,10 @@ def check_verify(lens, H, D, dtype, device, lower_bound=-5.0, **kw):
                    state=inp["state"].clone(), cu_seqlens=torch.tensor([0] + pre).cumsum(0).to(device))
         composed(sub, lower_bound, scale)
         for n, L in enumerate(lens):
-            if L > j:
-                slot = inp["state_indices"][n]
+            slot = inp["state_indices"][n]
+            if L > j and slot < 0:
+                assert steps[cu[n] + j].isnan().all()
+            elif L > j:
                 assert rel_err(steps[cu[n] + j], sub["state"][slot]) < tol
 
 
@@ -155,12 +179,12 @@ def test_public_op_reference_and_forced_triton(monkeypatch):
     assert torch.equal(outs[1][2], outs[0][2])
 
 
-def check_seq_lens(lens, accepted, H, D, dtype, device, mode=None, monkeypatch=None, **kw):
+def check_seq_lens(lens, accepted, H, D, dtype, device, mode=None, monkeypatch=None, slots=None, **kw):
     """seq_lens (KDA replay of accepted drafts): the first accepted[n] tokens of each sequence, read in place from
     the full verify rows, advance the pools exactly like a run on just those rows; other output rows are zeros."""
     from tokenspeed import ops
 
-    inp = make(lens, H, D, dtype, device)
+    inp = make(lens, H, D, dtype, device, slots=slots)
     scale = D ** -0.5
     if monkeypatch is not None:
         monkeypatch.setenv("TOKENSPEED_OPS", mode)
@@ -189,8 +213,89 @@ def test_seq_lens_replay_interp(mode, monkeypatch):
     check_seq_lens([4, 4, 4, 2], [0, 4, 2, 5], 2, 16, torch.float32, "cpu", mode=mode, monkeypatch=monkeypatch)
 
 
+# ----------------------------------------------------------------------------- head dims not a power of two
+# (D, BV, lower_bound): D=48 pads K and V to 64 (default BV 64, NV=1), BV 32 leaves a masked tail block (NV=2);
+# D=80 pads K to 128 and takes the default BV 16 (NV=5, no tail); D=24 with BV 16 has a tail block of 8 real lanes
+# out of 16. (BV 16 for D=48, an even split NV=3, is in the verify test.) One head each: the interpreter is slow.
+PAD_CASES = [(48, None, -5.0), (48, 32, None), (80, None, -5.0), (24, 16, None)]
+
+
+def count_kernel_calls(monkeypatch) -> list:
+    """Record every call of the Triton wrapper (to tell the kernel from the reference fallback)."""
+    from tokenspeed.ops.triton import kda_decode as mod
+
+    calls: list = []
+    real = mod.kda_decode
+    monkeypatch.setattr(mod, "kda_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@cpu_interp
+@pytest.mark.parametrize("D,BV,lower_bound", PAD_CASES)
+def test_pad_decode_interp(D, BV, lower_bound):
+    """Decode with padded tiles: several sequences, a zero-length one, a padding row (slot -1); slots outside the
+    batch untouched; the V-split counters are back at zero after the launch."""
+    from tokenspeed.ops.triton.kda_decode import _counters
+
+    check([1, 2, 0, 1], 1, D, torch.float32, "cpu", lower_bound=lower_bound, slots=[5, 1, 0, -1], BV=BV)
+    assert not _counters(torch.device("cpu"), 16)[:16].any()
+
+
+@cpu_interp
+def test_pad_two_decode_steps_interp():
+    """Two launches on the same pools equal two reference steps: the last arriver of the V split leaves the counter
+    at zero for the next launch (a stale count would skip the q/k conv-state write of the second step)."""
+    D, BV, lens, slots = 48, 32, [1, 1, 1], [3, -1, 6]
+    scale = D ** -0.5
+    inp = make(lens, 1, D, torch.float32, "cpu", slots=slots)
+    a, r = clone(inp), clone(inp)
+    for step in range(2):
+        new = make(lens, 1, D, torch.float32, "cpu", slots=slots, seed=10 + step)
+        for key in ("qkv", "f", "b"):
+            a[key] = r[key] = new[key]
+        o = run_fused(a, -5.0, scale, BV=BV)
+        o_ref = composed(r, -5.0, scale)
+        assert rel_err(o, o_ref) < 1e-5 and rel_err(a["state"], r["state"]) < 1e-5
+        assert torch.equal(a["conv_state"], r["conv_state"])
+
+
+@cpu_interp
+@pytest.mark.parametrize("D,BV", [(48, 16), (80, 64)])
+def test_pad_verify_interp(D, BV):
+    check_verify([3, 1, 2], 1, D, torch.float32, "cpu", slots=[4, -1, 0], BV=BV)
+
+
+@cpu_interp
+@pytest.mark.parametrize("D", [48, 80])
+def test_pad_seq_lens_replay_interp(D, monkeypatch):
+    """Replay (seq_lens) through ops.kda_decode with TOKENSPEED_OPS=triton: dispatch takes the kernel for these
+    head dims (no silent reference fallback)."""
+    calls = count_kernel_calls(monkeypatch)
+    check_seq_lens([3, 3, 3, 2], [0, 3, 2, 5], 1, D, torch.float32, "cpu", mode="triton", monkeypatch=monkeypatch,
+                   slots=[2, 7, -1, 0])
+    assert calls == [1]
+
+
+def test_pad_config_and_dispatch_region():
+    """Default V blocks for any head dim (power-of-two choices unchanged), BV validation, dispatch region."""
+    from tokenspeed.ops import dispatch
+    from tokenspeed.ops.triton.kda_decode import default_config, kda_decode
+
+    assert [default_config(8, d)[0] for d in (16, 32, 64, 128)] == [16, 32, 32, 32]
+    assert [default_config(200, d)[0] for d in (16, 32, 64, 128)] == [16, 32, 64, 64]
+    assert [default_config(8, d)[0] for d in (24, 48, 80, 96, 100)] == [32, 64, 16, 32, 32]
+    assert [default_config(200, d)[0] for d in (48, 80, 96, 192)] == [64, 16, 32, 64]
+    inp = make([1], 1, 48, torch.float32, "cpu")
+    for bv in (24, 128):
+        with pytest.raises(ValueError, match="BV must be a power of two"):
+            kda_decode(**inp, lower_bound=-5.0, scale=1.0, BV=bv)
+    for d in (16, 24, 48, 80, 96, 128):
+        x = make([1], 1, d, torch.float32, "cpu")
+        assert dispatch.kda_decode_supported(x["qkv"], x["conv_weight"], x["dt_bias"])
+
+
 # ----------------------------------------------------------------------------- CUDA
-K3_TP8 = dict(H=12, D=128)
+K3_TP8 = {"H": 12, "D": 128}
 
 
 @pytest.mark.gpu

@@ -3,7 +3,8 @@
 Models import `tokenspeed.ops` only, never a concrete kernel. Each function runs its plain torch reference
 (`tokenspeed.ops.reference.*`, the ground truth and the CPU path) or, for CUDA tensors, the Triton kernel of the
 same contract in `tokenspeed.ops.triton` (`rms_norm`, `gated_rms_norm`, `attn_res_mix`, `attn_res_mix_rms_norm`,
-`moe_route`, `kda_decode`, `moe_experts`, `mla_decode`). `TOKENSPEED_OPS=reference` forces the reference; `tokenspeed.ops.dispatch` has the rule.
+`moe_route`, `kda_decode`, `moe_experts`, `mla_decode`, and `linear` where the GEMV routing table picks it).
+`TOKENSPEED_OPS=reference` forces the reference; `tokenspeed.ops.dispatch` has the rule.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tokenspeed.ops.reference import attn_res as _ref_attn_res
 from tokenspeed.ops.reference import moe as _ref_moe
 from tokenspeed.ops.reference import norm as _ref_norm
 from tokenspeed.ops.reference.activation import Activation, gated_activation
-from tokenspeed.ops.reference.conv import causal_conv1d
+from tokenspeed.ops.reference import conv as _ref_conv
 from tokenspeed.ops.reference.kda import kda_chunk, kda_gate, kda_recurrent, l2_normalize
 from tokenspeed.ops.reference import mla as _ref_mla
 from tokenspeed.ops.reference.mla import (
@@ -25,6 +26,42 @@ from tokenspeed.ops.reference.mla import (
     mla_store_latent,
 )
 from tokenspeed.ops.reference.rope import apply_rope, rope_cos_sin, yarn_mscale
+
+
+def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Tensor, state_indices: Tensor, cu_seqlens: Tensor,
+                  activation: str | None = "silu") -> Tensor:
+    """Causal depthwise conv1d over a flat variable-length batch, carrying per-slot state (KDA's short conv).
+
+    Contract: `tokenspeed.ops.reference.conv.causal_conv1d` (x [T, C], weight [C, W], conv_state [S, C, W-1]
+    updated in place for sequences with >= 1 token, state_indices [N], cu_seqlens [N+1]; y [T, C] in x.dtype,
+    computed in fp32). The Triton path (`_dispatch.conv_supported`: 2-D x with unit column stride, W <= 4,
+    silu / None, index tensors on x's device) never synchronises with the host (CUDA-graph safe), does not
+    validate cu_seqlens, and also accepts state_indices[n] < 0 as "no state: zero history, nothing stored"
+    (padding rows); the reference requires valid slots.
+    """
+    if _dispatch.use_triton(x, weight, conv_state, state_indices, cu_seqlens) and _dispatch.conv_supported(
+        x, weight, conv_state, state_indices, cu_seqlens, activation
+    ):
+        return _dispatch.kernels("conv").causal_conv1d(x, weight, conv_state, state_indices, cu_seqlens, activation)
+    return _ref_conv.causal_conv1d(x, weight, conv_state, state_indices, cu_seqlens, activation)
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """y = x @ weight^T, the function of `torch.nn.functional.linear(x, weight)` (no bias): x [..., K],
+    weight [N, K] -> [..., N] in x.dtype.
+
+    Small-M projections (M = rows of x, 1..16) on CUDA run the Triton GEMV (fp32 accumulation, one rounding) when
+    the routing table (`tokenspeed/ops/gemv_table.json`, measured with a cold L2 by benchmarks/gemv_h200.py) says
+    it beats torch for that (M bucket, N, K) and dtype; everything else is F.linear (CPU calls too, unless
+    TOKENSPEED_OPS=triton forces the kernel in the interpreter where the table has an entry). The
+    choice is made on the host from shapes and dtypes only (safe inside CUDA-graph capture).
+    """
+    cfg = _dispatch.linear_config(x, weight)
+    if cfg is None:
+        return torch.nn.functional.linear(x, weight)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    y = _dispatch.kernels("gemv").gemv(x2, weight, **cfg)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -236,6 +273,45 @@ def kda_scan(
     return o
 
 
+def kda_prefill(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    f: Tensor,
+    b: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    lower_bound: float | None,
+    *,
+    scale: float,
+    state: Tensor,
+    state_indices: Tensor,
+    cu_seqlens: Tensor,
+    cu_seqlens_host: list[int],
+) -> Tensor:
+    """KDA over a varlen batch from the conv outputs and the raw gate / beta logits, continuing each sequence
+    from its state slot: `kda_scan(l2_normalize(q), l2_normalize(k), v, kda_gate(f, A_log, dt_bias, lower_bound),
+    sigmoid(b))`, the form chosen from the host copy of the lengths (no device sync).
+
+    q, k: [T, H, K] (not normalised); v: [T, H, V]; f: [T, H, K] gate logits; b: [T, H] beta logits (any float
+    dtype); A_log [H], dt_bias [H, K] fp32; state [S, H, K, V] fp32 pool, rows `state_indices` [N] are read and
+    overwritten with the final states; cu_seqlens [N+1] on the device, cu_seqlens_host its host copy. On CUDA with
+    fla-core, bf16/fp16 chunked forms run fla's `chunk_kda` with the L2 norm, gate and beta sigmoid inside its
+    kernels (`dispatch.kda_fused_chunk_supported`); fp32 (validation) keeps the composed path.
+    Returns o [T, H, V] in v.dtype.
+    """
+    lens = [e - s for s, e in zip(cu_seqlens_host, cu_seqlens_host[1:], strict=False)]
+    form = "chunk" if lens and max(lens) > KDA_CHUNK_MIN_TOKENS else "recurrent"
+    if (form == "chunk" and _dispatch.use_triton(q, k, v, state) and q.is_cuda and _dispatch.fla_available()
+            and _dispatch.kda_fused_chunk_supported(v, lower_bound)):
+        return _dispatch.cuda_module("kda_chunk").kda_chunk_fused(
+            q, k, v, f, b, A_log, dt_bias, lower_bound, scale=scale, state=state, state_indices=state_indices,
+            cu_seqlens=cu_seqlens, cu_seqlens_host=cu_seqlens_host)
+    return kda_scan(l2_normalize(q), l2_normalize(k), v, kda_gate(f, A_log, dt_bias, lower_bound),
+                    torch.sigmoid(b.float()), scale=scale, state=state, state_indices=state_indices,
+                    cu_seqlens=cu_seqlens, form=form)
+
+
 __all__ = [
     "Activation",
     "apply_rope",
@@ -247,9 +323,11 @@ __all__ = [
     "kda_chunk",
     "kda_decode",
     "kda_gate",
+    "kda_prefill",
     "kda_recurrent",
     "kda_scan",
     "l2_normalize",
+    "linear",
     "mla_attention_expanded",
     "mla_attention_paged",
     "mla_decode",

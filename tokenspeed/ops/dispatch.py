@@ -14,8 +14,12 @@ Kernel modules are imported on first use, so CPU-only processes never import Tri
 from __future__ import annotations
 
 import importlib
+import json
 import os
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -107,7 +111,7 @@ def moe_route_supported(router_logits: Tensor, top_k: int, scoring: str) -> bool
 
 def kda_decode_supported(qkv: Tensor, conv_weight: Tensor, dt_bias: Tensor) -> bool:
     d = dt_bias.shape[-1]
-    return conv_weight.dim() == 2 and conv_weight.shape[1] == 4 and d & (d - 1) == 0 and 16 <= d <= 128 \
+    return conv_weight.dim() == 2 and conv_weight.shape[1] == 4 and 16 <= d <= 128 \
         and qkv.stride(-1) == 1
 
 
@@ -118,3 +122,110 @@ def moe_experts_supported(x: Tensor, w1: Tensor, act) -> bool:
 
 def mla_decode_supported(q: Tensor, cache: Tensor, v_dim: int) -> bool:
     return q.dim() == 4 and cache.dim() == 3 and 0 < v_dim < cache.shape[-1] <= 1024 and q.shape[-1] == cache.shape[-1]
+
+
+# Projections (`ops.linear`): the Triton GEMV (`tokenspeed.ops.triton.gemv`) only where the committed routing table
+# says it beat torch (F.linear -> cuBLAS) on that shape; written by benchmarks/gemv_h200.py from cold-L2 timings.
+LINEAR_TABLE_PATH = Path(__file__).with_name("gemv_table.json")
+LINEAR_MAX_M = 16  # the GEMV kernel's limit (tokenspeed.ops.triton.gemv.MAX_M)
+_LINEAR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class LinearTable:
+    """The parsed routing table. routes[(N, K)]: ((m_bucket, launch config, or None for torch), ...) by m_bucket.
+
+    An M is served by the smallest bucket >= M of its (N, K); no such bucket, or no (N, K) entry: torch.
+    The table applies to the dtypes it was measured for (`dtypes`), other dtypes take torch.
+    """
+
+    dtypes: frozenset = frozenset()
+    routes: dict = field(default_factory=dict)
+
+    @property
+    def max_m(self) -> int:
+        return max((b[-1][0] for b in self.routes.values() if b), default=0)
+
+
+def parse_linear_table(raw: dict[str, Any]) -> LinearTable:
+    """Parse the JSON form: {"dtypes": [...], "entries": {"N,K": {"M": {"kernel": "triton"|"torch", ...}}}}.
+
+    A "triton" entry's launch fields (kind, block_n, block_k, split_k, num_warps, num_stages) become the config;
+    other fields (timings) are ignored. Raises ValueError on a malformed key or kernel name.
+    """
+    launch = ("kind", "block_n", "block_k", "split_k", "num_warps", "num_stages")
+    routes: dict[tuple[int, int], tuple] = {}
+    for nk, per_m in raw.get("entries", {}).items():
+        n, k = (int(v) for v in nk.split(","))
+        buckets = []
+        for m, e in per_m.items():
+            if e.get("kernel") not in ("triton", "torch"):
+                raise ValueError(f"gemv table {nk} M={m}: kernel must be 'triton' or 'torch'; got {e.get('kernel')!r}")
+            cfg = {f: e[f] for f in launch if f in e} if e["kernel"] == "triton" else None
+            buckets.append((int(m), cfg))
+        routes[(n, k)] = tuple(sorted(buckets, key=lambda b: b[0]))
+    dtypes = frozenset(_LINEAR_DTYPES[d] for d in raw.get("dtypes", ("bfloat16", "float16")))
+    return LinearTable(dtypes, routes)
+
+
+_linear_table: LinearTable | None = None
+
+
+def linear_table() -> LinearTable:
+    """The routing table, read once from LINEAR_TABLE_PATH (missing file: empty table, i.e. always torch)."""
+    global _linear_table
+    if _linear_table is None:
+        raw = json.loads(LINEAR_TABLE_PATH.read_text()) if LINEAR_TABLE_PATH.is_file() else {}
+        _linear_table = parse_linear_table(raw)
+    return _linear_table
+
+
+def set_linear_table(table: LinearTable | dict[str, Any] | None) -> None:
+    """Replace the routing table in this process (a dict is parsed); None re-reads the packaged file on next use."""
+    global _linear_table
+    _linear_table = parse_linear_table(table) if isinstance(table, dict) else table
+
+
+def linear_route(M: int, N: int, K: int, dtype: torch.dtype, table: LinearTable | None = None
+                 ) -> dict[str, Any] | None:
+    """The Triton launch config for an [M, K] x [N, K]^T projection, or None for torch (host-only lookup)."""
+    table = linear_table() if table is None else table
+    if dtype not in table.dtypes:
+        return None
+    for bucket, cfg in table.routes.get((N, K), ()):
+        if M <= bucket:
+            return cfg
+    return None
+
+
+def linear_supported(x: Tensor, weight: Tensor) -> bool:
+    return x.dim() >= 2 and weight.dim() == 2 and x.shape[-1] == weight.shape[1] > 0 and weight.shape[0] > 0 \
+        and x.dtype == weight.dtype and weight.stride(1) == 1 and x.device == weight.device
+
+
+def linear_config(x: Tensor, weight: Tensor) -> dict[str, Any] | None:
+    """The launch config when `ops.linear(x, weight)` should run the Triton GEMV, else None (host-only)."""
+    if not (use_triton(x, weight) and linear_supported(x, weight)):
+        return None
+    M = x.numel() // x.shape[-1]
+    if not 1 <= M <= LINEAR_MAX_M:
+        return None
+    return linear_route(M, weight.shape[0], weight.shape[1], x.dtype)
+
+
+def conv_supported(x: Tensor, weight: Tensor, conv_state: Tensor, state_indices: Tensor, cu_seqlens: Tensor,
+                   activation: str | None) -> bool:
+    """Triton `causal_conv1d` region: 2-D float x with unit column stride, 1 <= W <= 4, activation silu / None,
+    and the index tensors on x's device (the kernel reads them there)."""
+    return x.dim() == 2 and x.stride(1) == 1 and x.is_floating_point() and weight.dim() == 2 \
+        and 1 <= weight.shape[1] <= 4 and conv_state.dim() == 3 and activation in ("silu", None) \
+        and state_indices.device == x.device and cu_seqlens.device == x.device
+
+
+def kda_fused_chunk_supported(v: Tensor, lower_bound: float | None) -> bool:
+    """fla's fused-gate chunk path: half-precision serving dtypes only (fp32 runs are for validation and keep the
+    composed fp32 path), head dims fla's fused kernels were checked at (32..256, multiples of 16), and a bounded
+    gate inside fla's safe range [-5, 0)."""
+    d = v.shape[-1]
+    return (v.dtype in (torch.bfloat16, torch.float16) and 32 <= d <= 256 and d % 16 == 0
+            and (lower_bound is None or -5.0 <= lower_bound < 0.0))

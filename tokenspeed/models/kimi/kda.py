@@ -105,11 +105,9 @@ class KDAAttention(nn.Module):
             mixed = ops.causal_conv1d(projected, self.conv_weight, conv_state, slots, batch.cu_seqlens,
                                       activation="silu")
             q, k, v = mixed.view(t, 3, h, hd).unbind(1)
-            g = ops.kda_gate(f.view(t, h, hd), self.A_log, self.dt_bias, self.lower_bound)
-            o = ops.kda_scan(
-                ops.l2_normalize(q), ops.l2_normalize(k), v, g, torch.sigmoid(b.float()), scale=1.0 / math.sqrt(hd),
-                state=rec_state, state_indices=slots, cu_seqlens=batch.cu_seqlens,
-            )
+            o = ops.kda_prefill(q, k, v, f.view(t, h, hd), b, self.A_log, self.dt_bias, self.lower_bound,
+                                scale=1.0 / math.sqrt(hd), state=rec_state, state_indices=slots,
+                                cu_seqlens=batch.cu_seqlens, cu_seqlens_host=batch.cu_seqlens_host)
         o = ops.gated_rms_norm(o, self.output_gate(x).view(t, h, hd), self.o_norm.weight, self.eps)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
 

@@ -1,8 +1,15 @@
 """Chunked KDA prefill on CUDA through fla-core's `chunk_kda` (varlen, from and into a state pool).
 
-Same contract as `tokenspeed.ops.kda_scan` with form="chunk": q, k [T, H, K] L2-normalised, v [T, H, V],
-g [T, H, K] fp32 log decay, beta [T, H] fp32; rows `state_indices` of the fp32 pool `state` [S, H, K, V] are read
-as initial states and overwritten with the final ones. q/k/v run in v.dtype inside fla (fp32 state and gates).
+`kda_chunk_scan`: the contract of `tokenspeed.ops.kda_scan` with form="chunk": q, k [T, H, K] L2-normalised,
+v [T, H, V], g [T, H, K] fp32 log decay, beta [T, H] fp32; rows `state_indices` of the fp32 pool `state`
+[S, H, K, V] are read as initial states and overwritten with the final ones. q/k/v run in v.dtype inside fla (fp32
+state and gates).
+
+`kda_chunk_fused`: the contract of `tokenspeed.ops.kda_prefill`: the same scan from raw inputs, with fla doing the
+q/k L2 norm, the gate (K3's bounded `lambda * sigmoid(exp(A) (f + dt_bias))` through fla's `safe_gate`, or
+Kimi-Linear's `-exp(A) softplus(f + dt_bias)`) and the beta sigmoid inside its kernels, so none of the [T, H, K]
+fp32 intermediates of the composed path is written to memory. The host copy of cu_seqlens spares fla its
+device-to-host read of the lengths.
 """
 
 from __future__ import annotations
@@ -28,6 +35,25 @@ def kda_chunk_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, 
         q.to(dt).unsqueeze(0), k.to(dt).unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0),
         beta.float().unsqueeze(0), scale=scale, initial_state=state[state_indices].contiguous(),
         output_final_state=True, cu_seqlens=cu_seqlens.to(torch.int64),
+    )
+    state[state_indices] = final.float()
+    return o.squeeze(0)
+
+
+def kda_chunk_fused(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+                    lower_bound: float | None, *, scale: float, state: Tensor, state_indices: Tensor,
+                    cu_seqlens: Tensor, cu_seqlens_host: list[int]) -> Tensor:
+    from fla.ops.kda import chunk_kda
+
+    dt = v.dtype
+    bounded = lower_bound is not None
+    o, final = chunk_kda(
+        q.to(dt).unsqueeze(0), k.to(dt).unsqueeze(0), v.unsqueeze(0), f.unsqueeze(0), b.unsqueeze(0),
+        scale=scale, initial_state=state[state_indices].contiguous(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        safe_gate=bounded, lower_bound=lower_bound, A_log=A_log.float().contiguous(),
+        dt_bias=dt_bias.float().reshape(-1).contiguous(),
+        cu_seqlens=cu_seqlens.to(torch.int64), cu_seqlens_cpu=torch.tensor(cu_seqlens_host, dtype=torch.int64),
     )
     state[state_indices] = final.float()
     return o.squeeze(0)

@@ -26,6 +26,12 @@ When the V dimension is split over several programs (BV < V, more parallelism fo
 a head computes the q/k conv of that head, so the q/k conv-state columns must be written only after all of them
 have read the old ones: each program bumps a per-(sequence, head) counter after its reads (acq_rel atomic) and the
 last one writes those columns and resets the counter to zero for the next launch.
+
+Any head dim D: the K axis of the tile is padded to BK = next_pow2(D) and the V axis split into NV = ceil(D / BV)
+blocks of a power-of-two BV (tl.arange needs powers of two). Padded lanes are masked on every load and store and
+read as zeros (conv input, conv weight, f, dt_bias, state), so they add nothing to the L2 norms, the recurrence or
+the outputs, and are never written. When D is a power of two (and BV divides it) the masks are compile-time
+no-ops (EVEN_K / EVEN_V): the same code as the unpadded kernel.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from tokenspeed.ops.triton._utils import next_pow2
 
 _COUNTERS: dict[torch.device, Tensor] = {}
 
@@ -48,6 +56,16 @@ def _counters(device: torch.device, size: int) -> Tensor:
 
 
 @triton.jit
+def _load_lanes(ptr, lane, EVEN: tl.constexpr):
+    """tl.load(ptr) of a padded tile axis: lanes with `lane` False read 0. EVEN (every lane real): unmasked."""
+    if EVEN:
+        x = tl.load(ptr)
+    else:
+        x = tl.load(ptr, mask=lane, other=0.0)
+    return x
+
+
+@triton.jit
 def _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, p, ch, m):
     """Pre-conv input of channels `ch` at position p of the sequence (p < 0: column 3 + p of the old conv state)."""
     pv = ch * 0 + p
@@ -57,12 +75,22 @@ def _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, p, ch, m):
 
 
 @triton.jit
-def _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ch, m, OUT_TY: tl.constexpr):
-    """cast(SiLU(sum_j w[ch, j] x_{i-3+j}), OUT_TY) as fp32, the reference conv's rounding."""
-    y = tl.load(CW + ch * 4 + 0) * _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, i - 3, ch, m)
-    y += tl.load(CW + ch * 4 + 1) * _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, i - 2, ch, m)
-    y += tl.load(CW + ch * 4 + 2) * _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, i - 1, ch, m)
-    y += tl.load(CW + ch * 4 + 3) * _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, i, ch, m)
+def _conv_tap(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, J: tl.constexpr, ch, m, lane,
+              EVEN: tl.constexpr):
+    """w[ch, J] * x_{i-3+J}, one tap of the width-4 conv. Lanes outside `m` read a zero input; padded lanes
+    (`lane` False, masked only when not EVEN) also a zero weight, so they give exactly 0 and read nothing."""
+    w = _load_lanes(CW + ch * 4 + J, lane, EVEN)
+    return w * _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, i + (J - 3), ch, m)
+
+
+@triton.jit
+def _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ch, m, lane, EVEN: tl.constexpr,
+               OUT_TY: tl.constexpr):
+    """cast(SiLU(sum_j w[ch, j] x_{i-3+j}), OUT_TY) as fp32, the reference conv's rounding; 0 on padded lanes."""
+    y = _conv_tap(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, 0, ch, m, lane, EVEN)
+    y += _conv_tap(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, 1, ch, m, lane, EVEN)
+    y += _conv_tap(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, 2, ch, m, lane, EVEN)
+    y += _conv_tap(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, 3, ch, m, lane, EVEN)
     return (y / (1.0 + tl.exp(-y))).to(OUT_TY).to(tl.float32)
 
 
@@ -80,6 +108,22 @@ def _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len,
 
 
 @triton.jit
+def _load_state(p_s, lane, EVEN: tl.constexpr, HINTS: tl.constexpr):
+    """The [BK, BV] state tile; padded lanes (`lane` False, only when not EVEN) read 0. HINTS: evict-first."""
+    if EVEN:
+        if HINTS:
+            x = tl.load(p_s, eviction_policy="evict_first")
+        else:
+            x = tl.load(p_s)
+    else:
+        if HINTS:
+            x = tl.load(p_s, mask=lane, other=0.0, eviction_policy="evict_first")
+        else:
+            x = tl.load(p_s, mask=lane, other=0.0)
+    return x
+
+
+@triton.jit
 def _kda_decode_kernel(
     QKV, stride_qkv,
     F, stride_ft, stride_fh,
@@ -92,8 +136,11 @@ def _kda_decode_kernel(
     lower_bound, scale,
     H: tl.constexpr,
     D: tl.constexpr,
+    BK: tl.constexpr,
     BV: tl.constexpr,
     NV: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_V: tl.constexpr,
     HAS_LB: tl.constexpr,
     UPDATE: tl.constexpr,
     STORE_STEPS: tl.constexpr,
@@ -114,11 +161,17 @@ def _kda_decode_kernel(
     slot_raw = tl.load(SLOTS + n).to(tl.int64)
     slot = tl.maximum(slot_raw, 0)
 
-    ok = tl.arange(0, D)                 # key channel within the head
+    ok = tl.arange(0, BK)                # key channel within the head (BK = D unless D is padded)
     ov = pid_v * BV + tl.arange(0, BV)   # value channel within the head
+    lk = ok < D                          # real lanes; used only when padded (not EVEN_*)
+    lv = ov < D
     # Masks as full vectors (scalar & vector masks trip the CPU interpreter).
     mk = (ok * 0 + slot_raw) >= 0
     mv = (ov * 0 + slot_raw) >= 0
+    if not EVEN_K:
+        mk = mk & lk
+    if not EVEN_V:
+        mv = mv & lv
     cq = h * D + ok                      # conv channels of q, k, v
     ck = HD + cq
     cv = 2 * HD + h * D + ov
@@ -127,26 +180,23 @@ def _kda_decode_kernel(
     # Recurrent state [K, BV] of this head / V-block: read once, kept in registers, written once.
     p_s = S + slot * stride_ss + h * D * D + ok[:, None] * D + ov[None, :]
     ms = mk[:, None] & mv[None, :]
-    if HINTS:
-        b_s = tl.load(p_s, eviction_policy="evict_first")
-    else:
-        b_s = tl.load(p_s)
-    b_s = tl.where(ms, b_s, 0.0)  # unmasked (vectorised) load: a padding row reads slot 0, then zeros
+    b_s = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
+    b_s = tl.where(ms, b_s, 0.0)  # a padding row reads slot 0 (lanes only, unmasked when even), then zeros
 
     rate = tl.exp(tl.load(A_log + h).to(tl.float32))
 
-    for i in range(0, seq_len):
+    for i in range(seq_len):
         t = bos + i
         # Short conv + SiLU: the window is re-read per token (L1/L2 hits) instead of carried in registers.
-        yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, OUT_TY)
-        yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, OUT_TY)
-        yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv, mv, OUT_TY)
-        f = tl.load(F + t * stride_ft + h * stride_fh + ok).to(tl.float32)
+        yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, lk, EVEN_K, OUT_TY)
+        yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, lk, EVEN_K, OUT_TY)
+        yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv, mv, lv, EVEN_V, OUT_TY)
+        f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
         braw = tl.load(Bt + t * stride_bt + h * stride_bh).to(tl.float32)
 
         q = yq * tl.rsqrt(tl.sum(yq * yq, axis=0) + 1e-6) * scale
         k = yk * tl.rsqrt(tl.sum(yk * yk, axis=0) + 1e-6)
-        xg = f + tl.load(DT + h * D + ok).to(tl.float32)
+        xg = f + _load_lanes(DT + h * D + ok, lk, EVEN_K).to(tl.float32)
         if HAS_LB:
             g = lower_bound / (1.0 + tl.exp(-(rate * xg)))
         else:
@@ -160,7 +210,10 @@ def _kda_decode_kernel(
         b_s = b_s + k[:, None] * nu[None, :]
         o = tl.sum(b_s * q[:, None], axis=0)
         o = tl.where(mv, o, 0.0)
-        tl.store(O + (t * H + h) * D + ov, o.to(OUT_TY))
+        if EVEN_V:
+            tl.store(O + (t * H + h) * D + ov, o.to(OUT_TY))
+        else:
+            tl.store(O + (t * H + h) * D + ov, o.to(OUT_TY), mask=lv)
         if STORE_STEPS:
             tl.store(STEP + (t * H + h) * D * D + ok[:, None] * D + ov[None, :], b_s, mask=ms,
                      cache_modifier=".cs")
@@ -186,12 +239,23 @@ def _kda_decode_kernel(
 
 
 def default_config(num_programs_nh: int, head_dim: int) -> tuple[int, int]:
-    """(BV, num_warps). Measured on H200 (benchmarks/results/kernels_h200.json): a whole [128, 128] state per
-    program spills; [128, 64] or [128, 32] tiles with 4 warps stream best, the narrower ones when there are
-    too few (sequence, head) pairs to fill 132 SMs."""
+    """(BV, num_warps); BV is a power of two <= next_pow2(head_dim). Measured on H200
+    (benchmarks/results/kernels_h200.json) for power-of-two head dims: a whole [128, 128] state per program
+    spills; [128, 64] or [128, 32] tiles with 4 warps stream best, the narrower ones when there are too few
+    (sequence, head) pairs to fill 132 SMs. Other head dims take the same choice adjusted by `_fit_bv`."""
     if head_dim < 64:
-        return head_dim, 4
-    return (32 if num_programs_nh < 96 else 64), 4
+        return next_pow2(head_dim), 4  # the whole (padded) head in one program
+    return _fit_bv(32 if num_programs_nh < 96 else 64, head_dim), 4
+
+
+def _fit_bv(target: int, head_dim: int) -> int:
+    """A power-of-two V block near `target` (a power of two <= head_dim) for head_dim: `target` when it divides
+    head_dim (always, for a power-of-two head_dim >= target), else the largest power of two dividing head_dim
+    if that is at least 16 (no masked tail), else `target` (the last of ceil(head_dim / target) blocks masked)."""
+    if head_dim % target == 0:
+        return target
+    div = head_dim & -head_dim  # largest power of two dividing head_dim
+    return div if div >= 16 else target
 
 
 def kda_decode(
@@ -225,8 +289,6 @@ def kda_decode(
         raise ValueError(f"qkv must be [T, {3 * H * D}] with unit column stride; got {tuple(qkv.shape)}")
     if conv_weight.shape != (3 * H * D, 4):
         raise ValueError(f"the fused kernel needs a width-4 conv weight [C, 4]; got {tuple(conv_weight.shape)}")
-    if D & (D - 1):
-        raise ValueError(f"head dim must be a power of two; got {D}")
     f3 = f.view(T, H, D) if f.dim() == 2 else f
     if f3.shape != (T, H, D) or f3.stride(2) != 1:
         raise ValueError(f"f must be [T, H, D] with unit last stride; got {tuple(f.shape)}")
@@ -256,10 +318,12 @@ def kda_decode(
     bv_default, nw_default = default_config(N * H, D)
     bv = BV or bv_default
     nw = num_warps or nw_default
-    if bv & (bv - 1) or D % bv:
-        raise ValueError(f"BV must be a power of two dividing {D}; got {bv}")
-    cnt = _counters(qkv.device, N * H) if (update_state and bv < D) else cu_seqlens
-    grid = (D // bv, N * H)
+    bk = next_pow2(D)  # the K axis of the tile, padded (masked) past D
+    if bv <= 0 or bv & (bv - 1) or bv > bk:
+        raise ValueError(f"BV must be a power of two <= {bk} (head dim {D} rounded up); got {bv}")
+    nv = triton.cdiv(D, bv)  # V blocks per head; the last one masked past D when bv does not divide D
+    cnt = _counters(qkv.device, N * H) if (update_state and nv > 1) else cu_seqlens
+    grid = (nv, N * H)
     _kda_decode_kernel[grid](
         qkv, qkv.stride(0),
         f3, f3.stride(0), f3.stride(1),
@@ -270,7 +334,8 @@ def kda_decode(
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         out, step_states if step_states is not None else state, cnt,
         float(lower_bound) if lower_bound is not None else 0.0, float(scale),
-        H=H, D=D, BV=bv, NV=D // bv, HAS_LB=lower_bound is not None, UPDATE=bool(update_state),
-        STORE_STEPS=step_states is not None, HINTS=bool(hints), HAS_LENS=seq_lens is not None, num_warps=nw,
+        H=H, D=D, BK=bk, BV=bv, NV=nv, EVEN_K=bk == D, EVEN_V=D % bv == 0, HAS_LB=lower_bound is not None,
+        UPDATE=bool(update_state), STORE_STEPS=step_states is not None, HINTS=bool(hints),
+        HAS_LENS=seq_lens is not None, num_warps=nw,
     )
     return out

@@ -1,0 +1,290 @@
+"""Skinny GEMM / GEMV for decode-sized projections: y[M, N] = x[M, K] @ W[N, K]^T with M small (1..16).
+
+Same contract as `torch.nn.functional.linear(x, W)` without bias: x [M, K] (any row stride; any column stride,
+unit stride gives vector loads), W [N, K] row-major with unit column stride (the nn.Linear weight layout),
+x.dtype == W.dtype in {bf16, fp16, fp32}; returns y [M, N] contiguous in x.dtype. Products accumulate in fp32
+and are rounded to x.dtype once, at the end (fp32 inputs use IEEE fp32 arithmetic, no TF32).
+
+At M <= 16 the op reads each weight once and does 2*M FLOPs per weight element, so it is bound by the weight
+stream (N*K*elt bytes). Both kernels stream W exactly once: program (n, s) owns rows [n*BLOCK_N, (n+1)*BLOCK_N)
+of W and the K range [s*K_SPLIT, (s+1)*K_SPLIT), loops over it in BLOCK_K steps (W is contiguous along K, so the
+tile loads are 16-byte vectors when K is a multiple of 8 for 2-byte types) and keeps the [M, BLOCK_N] partial
+products of all M rows in registers:
+
+- kind "fma" (CUDA cores): per step, acc[BM, BN] += sum_k x[BM, 1, BK] * w[1, BN, BK] (the M rows of x are a
+  tiny [BM, BK] tile read from L1/L2 next to the weight tile; BM = next_pow2(M)).
+- kind "dot" (tensor cores, operands swapped): acc[BN, BM] += W_tile[BN, BK] @ x_tile[BM, BK]^T with BM padded
+  to 16, so the weight tile is the MMA's wide operand and the software pipeliner (num_stages) streams it
+  through shared memory with asynchronous copies.
+
+SPLIT_K > 1 (for layers whose N is too small to give every SM work) is deterministic: each split writes its
+fp32 partial to a workspace [SPLIT_K, M, N] and a second tiny launch sums the splits in a fixed order and rounds.
+On Hopper both launches use programmatic dependent launch (PDL): each kernel starts with `griddepcontrol.wait`
+(so it still sees everything the previous kernel wrote, x included) and the GEMV then releases its dependents at
+once, so the reduce kernel (and a following GEMV) is scheduled while this one streams. Kernels not launched as
+PDL dependents (everything else in the stream) are unaffected. Measured on an H200 in CUDA graphs: about
+0.6-1 us less per split-K call than two plain launches.
+
+Rows past N and x rows past M are clamped to the last valid row for the loads (so the loads need no row mask)
+and masked at the store. CUDA-graph safe: no host synchronisation; the output and the split-K workspace are
+allocated from the shapes.
+
+Measured (benchmarks/gemv_h200.py, H200, bf16, cold L2, graph replay after a producer kernel, M = 1..8): weights
+>= 100 MB stream at 88-105% of 4.27 TB/s (cuBLAS 84-103%); 16-100 MB at 51-83% (cuBLAS 45-82%); below ~16 MB
+every call is latency-bound (2.5-6.6 us, about 3-5 us of it fixed: the dependent launch, the first DRAM round
+trip, the split-K reduce), for cuBLAS too. The tensor-core kernel wins almost everywhere; the CUDA-core one only on a
+few tiny layers at M <= 2 (it is also the fp32 path). `tokenspeed.ops.linear` routes per shape from the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+MAX_M = 16
+KINDS = ("fma", "dot")
+_NUM_SMS_DEFAULT = 132  # H200 / H100 SXM
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch configuration. kind: "fma" | "dot"; block sizes are powers of two (dot: block_n, block_k >= 16)."""
+
+    kind: str = "fma"
+    block_n: int = 16
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def validate(self) -> GemvConfig:
+        """Raise ValueError on an impossible configuration; return self."""
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}; got {self.kind!r}")
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two; got {v}")
+        if self.kind == "dot" and min(self.block_n, self.block_k) < 16:
+            raise ValueError(f"kind 'dot' needs block_n, block_k >= 16; got {self.block_n}, {self.block_k}")
+        if self.split_k < 1 or self.num_stages < 1:
+            raise ValueError(f"split_k and num_stages must be >= 1; got {self.split_k}, {self.num_stages}")
+        return self
+
+
+_device_info: dict[int, tuple[int, bool]] = {}
+
+
+def _num_sms_pdl(device: torch.device) -> tuple[int, bool]:
+    """(SM count, programmatic dependent launch available: Hopper or newer); interpreter: (132, False)."""
+    if device.type != "cuda":
+        return _NUM_SMS_DEFAULT, False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    info = _device_info.get(idx)
+    if info is None:
+        props = torch.cuda.get_device_properties(idx)
+        info = _device_info[idx] = (props.multi_processor_count, props.major >= 9)
+    return info
+
+
+def default_config(M: int, N: int, K: int, elt_size: int = 2, num_sms: int = _NUM_SMS_DEFAULT) -> GemvConfig:
+    """A reasonable launch configuration for [M, K] x [N, K]^T when the routing table has none.
+
+    2-byte types: the tensor-core kernel with [64 x 128] weight tiles, 4 warps, 4 stages (the most frequent
+    winner of the H200 sweep in benchmarks/gemv_h200.py for M = 1..8). fp32: the CUDA-core kernel with
+    [16 x 128] tiles. Then split-K (a power of two) until the grid fills one wave (>= num_sms programs), capped
+    so each split still loops over >= 4 BLOCK_K steps. Tuned values come from the routing table; this is only
+    the fallback.
+    """
+    if elt_size <= 2:
+        cfg = GemvConfig("dot", block_n=64, block_k=128, num_warps=4, num_stages=4)
+    else:
+        cfg = GemvConfig("fma", block_n=16, block_k=128, num_warps=4, num_stages=3)
+    n_blocks = triton.cdiv(N, cfg.block_n)
+    split = 1
+    while n_blocks * split < num_sms and K >= 8 * split * cfg.block_k:
+        split *= 2
+    return replace(cfg, split_k=split)
+
+
+@triton.jit
+def _gemv_fma_kernel(
+    X, W, Out,
+    M, N, K, k_split,
+    stride_xm, stride_xk, stride_wn, stride_os, stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # launched as a programmatic dependent: wait for the producer of x, then let our dependents launch
+        gdc_wait()
+        gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: loads need no row mask
+    rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
+    k_lo = pid_s * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    w_ptrs = W + rows_w[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = X + rows_x[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            k_ok = (k0 + offs_k) < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc += tl.sum(prod, axis=2)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K * stride_xk
+    out_ptrs = Out + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemv_dot_kernel(
+    X, W, Out,
+    M, N, K, k_split,
+    stride_xm, stride_xk, stride_wn, stride_os, stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
+    k_lo = pid_s * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    w_ptrs = W + rows_w[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = X + rows_x[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            k_ok = (k0 + offs_k) < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K * stride_xk
+    out_ptrs = Out + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(Ws, Y, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # scheduled while the GEMV runs; waits here for its partials
+        gdc_wait()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
+        acc += tl.load(Ws + s * MN + offs, mask=ok, other=0.0)
+    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def _check(x: Tensor, weight: Tensor) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"need x [M, K] and weight [N, K]; got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x and weight must share a dtype in bf16/fp16/fp32; got {x.dtype}, {weight.dtype}")
+    if weight.stride(1) != 1:
+        raise ValueError("weight must have unit column stride (row-major [N, K])")
+    if not 1 <= x.shape[0] <= MAX_M:
+        raise ValueError(f"M must be in [1, {MAX_M}]; got {x.shape[0]}")
+    if x.device != weight.device:
+        raise ValueError(f"x and weight must be on one device; got {x.device}, {weight.device}")
+
+
+def resolve_config(M: int, N: int, K: int, elt_size: int, device: torch.device, **overrides: int | str | None
+                   ) -> GemvConfig:
+    """`default_config` with the given non-None fields replaced (the table stores complete configs)."""
+    base = default_config(M, N, K, elt_size, _num_sms_pdl(device)[0])
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return replace(base, **given).validate() if given else base
+
+
+def gemv(
+    x: Tensor,
+    weight: Tensor,
+    *,
+    kind: str | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    split_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """y = x @ weight^T for x [M, K] (1 <= M <= 16), weight [N, K] -> y [M, N] contiguous, x.dtype.
+
+    Launch-config arguments left None come from `default_config`. split_k is capped so every split owns at least
+    one BLOCK_K step. `out`, if given, is a contiguous [M, N] tensor of x.dtype that receives y (and is returned).
+    Raises ValueError on unsupported shapes, dtypes or layouts (see the module docstring).
+    """
+    _check(x, weight)
+    M, K = x.shape
+    N = weight.shape[0]
+    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous [{M}, {N}] {x.dtype} tensor; got {tuple(out.shape)} {out.dtype}")
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
+    if N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    cfg = resolve_config(M, N, K, x.element_size(), x.device, kind=kind, block_n=block_n, block_k=block_k,
+                         split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+    steps = triton.cdiv(K, cfg.block_k)
+    split = min(cfg.split_k, steps)
+    k_split = triton.cdiv(steps, split) * cfg.block_k
+    split = triton.cdiv(K, k_split)  # no empty splits
+    dst = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    stride_os = 0 if split == 1 else M * N
+    even_k = K % cfg.block_k == 0
+    grid = (triton.cdiv(N, cfg.block_n), split)
+    args = (x, weight, dst, M, N, K, k_split, x.stride(0), x.stride(1), weight.stride(0), stride_os, N)
+    pdl = _num_sms_pdl(x.device)[1]
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+    if cfg.kind == "dot":
+        block_m = max(16, triton.next_power_of_2(M))
+        _gemv_dot_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k,
+                               IEEE=x.dtype == torch.float32, PDL=pdl, **launch)
+    else:
+        block_m = triton.next_power_of_2(M)
+        _gemv_fma_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k,
+                               PDL=pdl, **launch)
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dst, y, M * N, SPLIT_K=split, BLOCK=block, PDL=pdl,
+                                                            num_warps=4, **({"launch_pdl": True} if pdl else {}))
+    return y
