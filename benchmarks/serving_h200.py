@@ -251,22 +251,42 @@ def profile(model, name: str, batches: list[int], ctx: int, prefill_tokens: int)
         rows = torch.arange(1, device="cuda") if label == "prefill" else torch.arange(fb.num_seqs, device="cuda")
         model(fb, buf, rows)
         torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                           record_shapes=label == "prefill") as prof:
             model(fb, buf, rows)
             torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+        if label == "prefill":  # which torch ops the kernel time comes from (by op and input shapes)
+            out["prefill_ops"] = _ops_table(prof)
+            for k, ms, c in out["prefill_ops"][:25]:
+                log(f"  op {ms:8.3f} ms  x{c:4d}  {k}")
         table = []
         for ev in prof.key_averages():
             t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
             if t > 0:
                 table.append((ev.key[:90], t / 1e3, ev.count))
+        gpu_keys = {ev.key for ev in prof.events() if str(getattr(ev, "device_type", "")).endswith("CUDA")}
+        table = [r for r in table if r[0] in {k[:90] for k in gpu_keys}]  # kernels only, not the ops above them
         table.sort(key=lambda r: -r[1])
         total = sum(r[1] for r in table)
-        out[label] = {"kernel_ms_total": total, "top": table[:25]}
+        out[label] = {"kernel_ms_total": total, "wall_ms_profiled": wall_ms, "top": table[:25]}
         log(f"--- {name} {label}: kernels {total:.3f} ms")
         for k, ms, c in table[:18]:
             log(f"  {ms:8.3f} ms  x{c:4d}  {k}")
     torch.cuda.empty_cache()
     return out
+
+
+def _ops_table(prof) -> list:
+    """(op + input shapes, self device ms, calls) of the aten ops, by self device time."""
+    rows = []
+    for ev in prof.key_averages(group_by_input_shape=True):
+        t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if t > 0 and ev.key.startswith("aten::"):
+            rows.append((f"{ev.key} {str(ev.input_shapes)[:120]}", t / 1e3, ev.count))
+    rows.sort(key=lambda r: -r[1])
+    return rows[:40]
 
 
 @section("prefill")

@@ -6,8 +6,9 @@ KDA state replay after a verify step.
 - TPS/user: one request (prompt `--prompt` tokens, `--output` tokens, greedy, ignore_eos) through `LLM` with decode
   CUDA graphs; then the same with `--speculative-algorithm repeat --speculative-num-steps 3
   --speculative-force-accept-length 3` (FORCED ACCEPTANCE: 3 drafts accepted per step whatever the target says;
-  a benchmark of the verify path, not of a draft model) with verify CUDA graphs. TPS/user = output tokens / the
-  time from the first to the last output token.
+  a benchmark of the verify path, not of a draft model) with verify CUDA graphs, each after a short warm-up request
+  (Triton compiles). TPS/user = output tokens / the time from the first to the last output token; also the median
+  over steps of tokens / step wall time (insensitive to a one-off slow step).
 - Replay cost: inside the speculative run, the GPU time of each verify graph replay vs of the KDA replay that
   follows it (CUDA events), i.e. how much slower a verify step with replay is than one that writes no state.
 - Host breakdown: a second request through the speculative engine with every phase synchronised and timed
@@ -60,6 +61,10 @@ def run(model: str, device: str, prompt: int, output: int, spec: dict) -> dict:
     runner.model.replay_kda = timed("replay", runner.model.replay_kda)
     vocab = llm.engine.vocab_size
     params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0)
+    llm.generate([[(3000 + i) % vocab for i in range(64)]], SamplingParams(max_tokens=9, ignore_eos=True,
+                                                                         temperature=0.0))  # compile, warm up
+    for evs in events.values():
+        evs.clear()
     llm.add_request([(1000 + i) % vocab for i in range(prompt)], params)
     stamps = []
     while llm.engine.has_work:
@@ -70,7 +75,9 @@ def run(model: str, device: str, prompt: int, output: int, spec: dict) -> dict:
         torch.cuda.synchronize()
     tokens = sum(n for _, n in stamps[1:])
     tps = tokens / (stamps[-1][0] - stamps[0][0])
-    out = {"spec": spec, "tps_user": tps, "steps_after_first": len(stamps) - 1, "tokens_after_first": tokens,
+    gaps = [(b[0] - a[0]) / b[1] for a, b in zip(stamps, stamps[1:], strict=False)]  # seconds per token, per step
+    out = {"spec": spec, "tps_user": tps, "tps_user_median_step": 1.0 / statistics.median(gaps),
+           "steps_after_first": len(stamps) - 1, "tokens_after_first": tokens,
            "verify_graphs": sorted(runner.graphs),
            "replay_graphs": sorted(runner.graphs[4].replay_graphs) if 4 in runner.graphs else []}
     for name, evs in events.items():
@@ -178,6 +185,31 @@ def workspace(llm: LLM) -> dict:
     return rows
 
 
+def plot(result: dict, path: str) -> None:
+    """Two panels: ms per output token (plain vs speculative, first-to-last and median step) and the GPU ms of a
+    verify graph vs the KDA replay that follows it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    runs = [("plain", result["plain"]), ("forced accept 3", result["forced_accept_3"])]
+    for i, key in enumerate(("tps_user", "tps_user_median_step")):
+        vals = [1e3 / r[key] if r.get(key) else 0.0 for _, r in runs]
+        a.bar([x + 0.4 * i for x in range(2)], vals, width=0.4,
+              label={"tps_user": "first-to-last token", "tps_user_median_step": "median step"}[key])
+    a.set_xticks([0.2, 1.2], [n for n, _ in runs])
+    a.set_ylabel("ms per output token (concurrency 1)")
+    a.legend()
+    f = result["forced_accept_3"]
+    b.bar(["verify graph", "KDA replay"], [f.get("verify_gpu_ms", 0), f.get("replay_gpu_ms", 0)])
+    b.set_ylabel("GPU ms per step")
+    fig.suptitle(f"{result['model']} on {result['gpu']}, commit {result['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="kimi-linear-48b-a3b")
@@ -185,7 +217,12 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--plot-only", metavar="JSON", help="redraw the PNG of a saved result and exit")
     args = ap.parse_args()
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            plot(json.load(f), args.plot_only.replace(".json", ".png"))
+        return
     plain = run(args.model, args.device, args.prompt, args.output, {})
     forced = run(args.model, args.device, args.prompt, args.output,
                  {"speculative_algorithm": "repeat", "speculative_num_steps": 3,
@@ -193,6 +230,7 @@ def main() -> None:
     result = {"model": args.model, "prompt": args.prompt, "output": args.output, "plain": plain,
               "forced_accept_3": forced,
               "tps_user_ratio": forced["tps_user"] / plain["tps_user"],
+              "tps_user_ratio_median_step": forced["tps_user_median_step"] / plain["tps_user_median_step"],
               "commit": os.environ.get("BENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
     if "verify_gpu_ms" in forced and "replay_gpu_ms" in forced:
@@ -201,6 +239,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "spec_h200.json"), "w") as f:
         json.dump(result, f, indent=1)
+    plot(result, os.path.join(args.out, "spec_h200.png"))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 The GPU tests use a tiny-k3 checkpoint in fp32 (KDA head dim 16, inside the fused kernel's region), so a token can
 only differ through a bug, not through bf16 rounding: graphs vs eager on the GPU, and GPU vs the CPU reference path,
 for a mixed batch whose requests finish at different steps (the graph bucket shrinks and pads as they leave). The
-default model (KDA head dim 48, outside it) must still serve on the GPU: capture fails and decode runs eagerly.
+default model (KDA head dim 48, a padded tile in the fused kernel) captures graphs too.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_padded_static_batches_equal_plain_steps(spec: dict) -> None:
 
         graphs.run = counted
     assert _outputs(llm) == plain
-    assert all(n > 0 for n in used.values()), used
+    assert used[max(query_lens)] > 0, used  # with speculation every step after a prefill is a full verify window
 
 
 def _greedy(model: str, device: str, **options) -> list[list[int]]:
@@ -99,9 +99,11 @@ def test_graphs_capture_and_equal_eager_and_cpu(tiny_dir: str, spec: dict) -> No
 
 
 @needs_cuda
-def test_default_model_decodes_eagerly_when_capture_fails() -> None:
+def test_default_model_graphs_equal_cpu() -> None:
+    """The default model (KDA head dim 48: the fused kernel's padded lanes) captures decode graphs and gives the
+    CPU reference's greedy tokens."""
     torch.cuda.empty_cache()
     llm = LLM(default_model_path(), device="cuda", dtype="float32", max_num_seqs=4)
-    assert 1 not in llm.engine.runner.graphs
+    assert 1 in llm.engine.runner.graphs
     _release(llm)
     assert _greedy(default_model_path(), "cuda") == _greedy(default_model_path(), "cpu")

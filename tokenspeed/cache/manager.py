@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenspeed.cache.hashing import extend_hashes
+from tokenspeed.cache.page_list import PageList
 from tokenspeed.cache.page_pool import PagePool
 from tokenspeed.cache.slot_pool import SlotPool
 
@@ -36,7 +37,7 @@ class Admission:
 
 @dataclass
 class _RequestCache:
-    pages: list[int] = field(default_factory=list)
+    pages: PageList = field(default_factory=PageList)  # a list[int] that keeps an int32 copy for ForwardBatch
     hashes: list[int] = field(default_factory=list)  # chained hashes of full pages (may run ahead of compute)
     num_published: int = 0  # pages inserted (or found duplicate) in the prefix index
     slot: int | None = None
@@ -90,7 +91,7 @@ class CacheManager:
         if slot is None:
             return None
         rc.slot = slot
-        rc.pages = [self.pages.lookup(h) for h in rc.hashes[:num_pages]]  # type: ignore[misc]
+        rc.pages = PageList(self.pages.lookup(h) for h in rc.hashes[:num_pages])  # type: ignore[misc]
         for page in rc.pages:
             self.pages.ref(page)
         rc.num_published = num_pages
@@ -139,15 +140,18 @@ class CacheManager:
         """After a step: publish the request's pages that became full; its pending checkpoints become matchable."""
         rc = self.requests[request_id]
         full = num_computed_tokens // self.page_size
-        if self.plan.enable_prefix_caching:
-            extend_hashes(rc.hashes, token_ids, self.page_size, full)
-            for i in range(rc.num_published, full):
-                self.pages.insert(rc.pages[i], rc.hashes[i])
-        rc.num_published = max(rc.num_published, full)
-        self.pages.touch(rc.pages)
-        for key in rc.pending:
-            self.pending.discard(key)
-        rc.pending.clear()
+        if full > rc.num_published:  # else nothing new to hash or publish (hashes cover the published pages)
+            if self.plan.enable_prefix_caching:
+                extend_hashes(rc.hashes, token_ids, self.page_size, full)
+                for i in range(rc.num_published, full):
+                    self.pages.insert(rc.pages[i], rc.hashes[i])
+            rc.num_published = full
+        # No LRU touch of rc.pages here: a request's own pages are referenced, hence never evictable (an O(pages)
+        # no-op per request per step). Their LRU position is set when release() makes them evictable.
+        if rc.pending:
+            for key in rc.pending:
+                self.pending.discard(key)
+            rc.pending.clear()
 
     def release(self, request_id: str) -> None:
         """Drop a finished, aborted or preempted request's pages and live slot (cached pages stay evictable)."""
@@ -162,6 +166,7 @@ class CacheManager:
 
     # ----- views -----
     def page_table(self, request_id: str) -> list[int]:
+        """The request's page ids: the live list (a `PageList`), which only grows until the request is released."""
         return self.requests[request_id].pages
 
     def slot(self, request_id: str) -> int:

@@ -150,23 +150,40 @@ class EngineCore:
 
     def _update(self, batch: ScheduledBatch, result: StepOutput) -> list[EngineOutput]:
         outputs = []
+        sampled, prompt_logprobs, commit = result.sampled, result.prompt_logprobs, self.cache.commit
         for sr in batch.requests:
             req = sr.request
+            rid = req.request_id
             req.num_computed_tokens += sr.num_new_tokens
-            prompt_lp = result.prompt_logprobs.get(req.request_id)
-            tokens = result.sampled.get(req.request_id)
+            prompt_lp = prompt_logprobs.get(rid) if prompt_logprobs else None
+            tokens = sampled.get(rid)
             if tokens is None:
-                self.cache.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+                commit(rid, req.all_token_ids, req.num_computed_tokens)
                 if prompt_lp:
                     outputs.append(EngineOutput.of(req, [], prompt_logprobs=prompt_lp))
                 continue
             if sr.num_draft_tokens:  # the accepted drafts were computed too (the bonus token was not)
                 req.num_computed_tokens += len(tokens) - 1
-                req.stats.num_draft_tokens += result.num_drafts.get(req.request_id, 0)
+                req.stats.num_draft_tokens += result.num_drafts.get(rid, 0)
                 req.stats.num_accepted_tokens += len(tokens) - 1
                 req.stats.num_spec_steps += 1
-            self.cache.commit(req.request_id, req.all_token_ids + [t.token_id for t in tokens[:-1]],
-                              req.num_computed_tokens)
+            if len(tokens) == 1:  # one new token (a decode step): the common case, without the general loop
+                token = tokens[0]
+                # The computed positions are all_token_ids itself: no O(context) copy per request per step.
+                commit(rid, req.all_token_ids, req.num_computed_tokens)
+                req.append_output(token.token_id)
+                if req.stats.first_token_time is None:
+                    req.stats.first_token_time = time.monotonic()
+                reason = self._finish_reason(req, token.token_id)
+                if reason is not None:
+                    self._finish(req, reason)
+                outputs.append(EngineOutput.of(
+                    req, [token.token_id], None if token.logprob is None else [token.logprob],
+                    None if token.top_logprobs is None else [token.top_logprobs], prompt_lp,
+                ))
+                continue
+            # Positions computed so far: the known tokens plus the accepted drafts (not yet appended).
+            commit(rid, req.all_token_ids + [t.token_id for t in tokens[:-1]], req.num_computed_tokens)
             emitted = []
             for token in tokens:
                 req.append_output(token.token_id)

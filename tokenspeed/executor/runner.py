@@ -147,8 +147,14 @@ class ModelRunner:
         return StepOutput(sampled, prompt_lp, forward.num_tokens, {rid: len(d) for rid, d in drafts.items()})
 
     def _drafts(self, r: ScheduledRequest) -> list[int]:
+        """The proposer's drafts, padded to the scheduled count with copies of the last one (or of the request's
+        last token): every window keeps its scheduled length, so a batch stays uniform and its verify graph runs.
+        A filler is accepted only where the target itself chooses that token, so outputs do not change."""
         assert self.proposer is not None
-        return self.proposer.propose(r.request.all_token_ids, r.num_draft_tokens)[: r.num_draft_tokens]
+        k = r.num_draft_tokens
+        drafts = self.proposer.propose(r.request.all_token_ids, k)[:k]
+        filler = drafts[-1] if drafts else r.request.all_token_ids[-1]
+        return drafts + [filler] * (k - len(drafts))
 
     @staticmethod
     def _logits_rows(reqs: list[ScheduledRequest], cu: list[int], drafts: dict[str, list[int]]

@@ -74,6 +74,10 @@ def sample(logits: Tensor, rows: Sequence[SamplerInput]) -> SampleOutput:
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [B, V] with B = {len(rows)} rows, got {tuple(logits.shape)}")
+    if _plain_greedy(rows):  # the common decode batch: one argmax, one copy to the host
+        # argmax is the same on the exact fp32 upcast of bf16 / fp16 logits: skip the upcast for those.
+        exact = logits if logits.dtype in (torch.float32, torch.bfloat16, torch.float16) else logits.float()
+        return SampleOutput(token_ids=exact.argmax(dim=-1).tolist())
     logits = logits.float()
     wants_logprobs = any(row.params.logprobs is not None for row in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else logits  # unused unless asked
@@ -219,6 +223,20 @@ def prompt_logprobs_chunk(logits: Tensor, prompt_ids: Sequence[int], start: int,
             entry.setdefault(tid, tlp)
         entries.append(entry)
     return entries
+
+
+def _plain_greedy(rows: Sequence[SamplerInput]) -> bool:
+    """True when every row is greedy with no penalty, no min_tokens mask in force and no logprobs: the sampled
+    tokens are then the argmax of the logits as given."""
+    for row in rows:
+        p = row.params
+        if not (
+            (p.temperature == 0 or p.top_k == 1) and p.logprobs is None and p.repetition_penalty == 1.0
+            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+            and len(row.output_token_ids) >= p.min_tokens
+        ):
+            return False
+    return True
 
 
 def _has_penalty(p: SamplingParams) -> bool:

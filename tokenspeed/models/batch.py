@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, chain
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -57,37 +59,118 @@ class ForwardBatch:
         page_size: int,
         device: torch.device | str = "cpu",
         verify: bool = False,
-    ) -> "ForwardBatch":
-        """Assemble a batch from per-sequence host data. page_tables[n] must cover num_cached[n] + len(new)."""
-        cu, positions, slots, kv_lens = [0], [], [], []
-        for toks, cached, pages in zip(new_tokens, num_cached, page_tables, strict=True):
-            kv_len = cached + len(toks)
-            if len(pages) * page_size < kv_len:
-                raise ValueError(f"{len(pages)} pages of {page_size} cannot hold {kv_len} tokens")
-            positions.extend(range(cached, kv_len))
-            slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(cached, kv_len))
-            cu.append(cu[-1] + len(toks))
-            kv_lens.append(kv_len)
-        qlens = {len(toks) for toks in new_tokens}
-        width = max((len(p) for p in page_tables), default=0)
-        table = [list(p) + [0] * (width - len(p)) for p in page_tables]
+    ) -> ForwardBatch:
+        """Assemble a batch from per-sequence host data. page_tables[n] must cover num_cached[n] + len(new).
 
-        def t(data: list, dtype: torch.dtype = torch.int64) -> Tensor:
-            return torch.tensor(data, dtype=dtype, device=device)
+        Host cost: the fields are written (vectorised, numpy) into one int64 host buffer (pinned when `device` is
+        CUDA) that goes to the device in a single non-blocking copy; the tensors are views into that one device
+        buffer (each field starts 64-byte aligned; the int32 page table is a reinterpreted int64 span). Page
+        tables that keep an int32 copy of themselves (`tokenspeed.cache.PageList`, the cache manager's) are copied
+        without converting their Python ints.
+        """
+        n = len(new_tokens)
+        if len(num_cached) != n or len(page_tables) != n:
+            raise ValueError(f"new_tokens, num_cached and page_tables differ in length: "
+                             f"{n}, {len(num_cached)}, {len(page_tables)}")
+        qlens = [len(toks) for toks in new_tokens]
+        cu = list(accumulate(qlens, initial=0))
+        num_tokens = cu[-1]
+        kv_lens = [c + q for c, q in zip(num_cached, qlens)]
+        lens_list = [len(p) for p in page_tables]
+        width = max(lens_list, default=0)
+        uniform = qlens[0] if n and qlens.count(qlens[0]) == n else None
+        small = n <= _SMALL_BATCH  # per-sequence Python beats numpy's fixed costs
+        if small:
+            short = [i for i, (pages, kv) in enumerate(zip(lens_list, kv_lens)) if pages * page_size < kv]
+        else:
+            short = np.flatnonzero(np.array(lens_list) * page_size < np.array(kv_lens)).tolist()
+        if short:
+            i = short[0]
+            raise ValueError(f"{lens_list[i]} pages of {page_size} cannot hold {kv_lens[i]} tokens")
 
+        # One int64 host buffer holds every field, each starting _ALIGN-aligned: cu_seqlens, kv_lens, kda_slots,
+        # input_ids, positions, slot_mapping, then the int32 page table packed two entries per int64.
+        sizes = (n + 1, n, len(kda_slots), num_tokens, num_tokens, num_tokens)
+        splits = []
+        for size in sizes:
+            splits += (size, -size % _ALIGN)
+        splits.append(-(-n * width // 2))
+        dev = torch.device(device)
+        host = torch.empty(sum(splits), dtype=torch.int64, pin_memory=dev.type == "cuda" and torch.cuda.is_available())
+        buf = host.numpy()
+        # The per-sequence fields, and for a decode step the positions (and for a small one the cache rows), in one
+        # conversion, padding included.
+        fields = [cu, kv_lens, kda_slots, chain.from_iterable(new_tokens)]
+        if uniform == 1:
+            fields.append(num_cached)
+            if small:
+                fields.append([pages[c // page_size] * page_size + c % page_size
+                               for pages, c in zip(page_tables, num_cached)])
+        head: list[int] = []
+        for values, pad in zip(fields, splits[1::2]):
+            head.extend(values)
+            head.extend(_ZEROS[:pad])
+        buf[: len(head)] = head
+        offsets = list(accumulate(splits, initial=0))
+        table = buf[offsets[12] :].view(np.int32)[: n * width].reshape(n, width)
+        _fill_page_table(table, page_tables, lens_list, width)
+        if num_tokens and len(fields) < 6:  # cache rows, vectorised: page of each position, times page_size + offset
+            pos = buf[offsets[8] : offsets[8] + num_tokens]
+            slot_mapping = buf[offsets[10] : offsets[10] + num_tokens]
+            if uniform == 1:
+                seq = np.arange(n)
+            else:
+                seq = np.repeat(np.arange(n), qlens)
+                pos[:] = np.arange(num_tokens)
+                pos += np.repeat(np.array(kv_lens) - np.array(cu[1:]), qlens)  # cached - start of each sequence
+            np.multiply(table[seq, pos // page_size], page_size, out=slot_mapping)
+            slot_mapping += pos % page_size
+
+        dev_buf = host if dev.type == "cpu" else host.to(dev, non_blocking=True)
+        parts = dev_buf.split_with_sizes(splits)
+        page_table = parts[12].view(torch.int32)
+        if page_table.shape[0] != n * width:  # an odd entry count leaves half an int64 over
+            page_table = page_table[: n * width]
         return cls(
-            input_ids=t([tok for toks in new_tokens for tok in toks]),
-            positions=t(positions),
-            cu_seqlens=t(cu),
-            kv_lens=t(kv_lens),
-            page_table=t(table, torch.int32).reshape(len(table), width),
-            slot_mapping=t(slots),
-            kda_slots=t(list(kda_slots)),
+            input_ids=parts[6],
+            positions=parts[8],
+            cu_seqlens=parts[0],
+            kv_lens=parts[2],
+            page_table=page_table.view(n, width),
+            slot_mapping=parts[10],
+            kda_slots=parts[4],
             cu_seqlens_host=cu,
             kv_lens_host=kv_lens,
             verify=verify,
-            uniform_query_len=qlens.pop() if len(qlens) == 1 else None,
+            uniform_query_len=uniform,
         )
+
+
+_ALIGN = 8  # int64 elements (64 bytes): where each field of the shared host / device buffer may start
+_ZEROS = [0] * _ALIGN
+_SMALL_BATCH = 16  # up to this many sequences, build checks lengths and maps decode cache rows in Python
+
+
+def _fill_page_table(table: np.ndarray, page_tables: Sequence[Sequence[int]], lens: list[int], width: int) -> None:
+    """Write the page tables (of lengths `lens`) into `table` [N, width] int32, padding rows with zeros.
+
+    Tables that keep an int32 copy of themselves (`host_array()`, see `tokenspeed.cache.PageList`) are
+    concatenated as arrays; otherwise the Python ints are converted (O(total pages))."""
+    if not table.size:
+        return
+    try:
+        arrays = [p.host_array() for p in page_tables]
+    except AttributeError:  # plain lists
+        arrays = [None]
+    if all(a is not None for a in arrays):
+        flat = np.concatenate(arrays)
+    else:
+        flat = np.fromiter(chain.from_iterable(page_tables), np.int32, sum(lens))
+    if min(lens) == width:  # no padding
+        table.reshape(-1)[:] = flat
+    else:
+        table.fill(0)
+        table[np.arange(width) < np.array(lens)[:, None]] = flat
 
 
 @dataclass

@@ -14,7 +14,8 @@ class ScheduledRequest:
     request: Request  # tokens and sampling parameters (read-only for the executor)
     num_computed_tokens: int  # positions already in the cache before this step
     num_new_tokens: int  # positions fed this step: request.all_token_ids[computed : computed + new]
-    page_table: list[int]  # page ids covering computed + new positions
+    page_table: list[int]  # page ids covering computed + new positions: the cache manager's live list (a
+    # `PageList`, not a copy; read-only here; it only grows, and stays valid for this step)
     slot: int  # the live KDA state slot
     sample: bool  # this step reaches the last known token: sample the next one
     num_draft_tokens: int = 0  # speculation: draft tokens to propose and verify after the new token

@@ -92,23 +92,26 @@ class Scheduler:
             batch.state_copies_after.append((slot, ckpt))
 
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:
-        """Draft tokens for a decode step (one new token): bounded by max_tokens, the context and the budget."""
+        """Draft tokens for a decode step (one new token): the full window, bounded by the context and the budget
+        only. Near max_tokens the window is not shortened: tokens accepted past it are dropped when the request
+        finishes, and a uniform window keeps the batch on its verify CUDA graph (a shorter one runs eagerly)."""
         if not self.num_spec_tokens or n != 1 or req.num_uncomputed_tokens != 1:
             return 0
-        room = (req.params.max_tokens or 0) - len(req.output_token_ids) - 1
+        room = self.num_spec_tokens
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - req.num_tokens - 1)
-        return max(0, min(self.num_spec_tokens, room, budget - 1))
+        return max(0, min(room, budget - 1))
 
     def _add(self, batch: ScheduledBatch, req: Request, n: int, drafts: int = 0) -> None:
         rid, start = req.request_id, req.num_computed_tokens
         slot = self.cache.slot(rid)
-        batch.requests.append(ScheduledRequest(
-            request=req, num_computed_tokens=start, num_new_tokens=n, page_table=list(self.cache.page_table(rid)),
-            slot=slot, sample=start + n == req.num_tokens, num_draft_tokens=drafts,
+        end = start + n
+        batch.requests.append(ScheduledRequest(  # the page table is the cache's live list: no copy per step
+            request=req, num_computed_tokens=start, num_new_tokens=n, page_table=self.cache.page_table(rid),
+            slot=slot, sample=end == len(req.all_token_ids), num_draft_tokens=drafts,
         ))
-        if not drafts:  # a verify step's end is known only after acceptance: no checkpoint there
-            self._checkpoint(batch, req, slot, start + n)
+        if not drafts and not end % self.page_size:  # a verify step's end is known only after acceptance
+            self._checkpoint(batch, req, slot, end)
         if req.stats.first_scheduled_time is None:
             req.stats.first_scheduled_time = time.monotonic()
 
@@ -116,11 +119,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, budget)
-            if n <= 0:
-                i += 1
-                continue
-            drafts = self._num_drafts(req, n, budget)
+            if len(req.all_token_ids) - req.num_computed_tokens == 1:  # decode: one new token (no chunk cut)
+                n = 1
+            else:
+                n = self._chunk(req, budget)
+                if n <= 0:
+                    i += 1
+                    continue
+            drafts = self._num_drafts(req, n, budget) if self.num_spec_tokens else 0
             while not self.cache.grow(req.request_id, req.num_computed_tokens + n + drafts):
                 victim = self.running[-1]
                 self._preempt(victim, batch)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call for this round of issue 7/8/9 work: GPU parity tests, then the kernel and serving benchmarks.
+#   bash benchmarks/h200_session.sh "tests spec prefill decode gemv conv"   (any subset, in this order)
+# Expects $OUT (results folder, comes back) and the fla-core wheel in .whl/ (docs/gpu.md). Each part logs to $OUT.
+set -u
+parts=" ${1:-tests spec prefill decode gemv conv} "
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:.
+else
+  export PYTHONPATH=.
+fi
+export PYTHONUNBUFFERED=1 BENCH_COMMIT=${BENCH_COMMIT:-unknown}
+has() { [[ $parts == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+if has tests; then
+  timeout 300 python3 -m pytest -q --timeout 240 -p no:cacheprovider ${TESTS:-tests/ops tests/executor} \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+fi
+if has spec; then
+  timeout 240 python3 benchmarks/spec_h200.py --out "$OUT" 2>&1 | tee "$OUT/spec_h200.log" | grep -v "^ " | tail -30
+fi
+if has gemv && [[ -f benchmarks/gemv_h200.py ]]; then
+  timeout 300 python3 benchmarks/gemv_h200.py --out "$OUT" --table "$OUT/gemv_table.json" 2>&1 \
+    | tee "$OUT/gemv_h200.log" | tail -40
+fi
+if has conv && [[ -f benchmarks/conv_h200.py ]]; then
+  timeout 90 python3 benchmarks/conv_h200.py --out "$OUT/conv_h200.json" 2>&1 | tail -15
+fi
+if has prefill || has decode; then
+  skip="tiny,parity,engine,transformers"
+  has prefill || skip="$skip,prefill"
+  has decode || skip="$skip,decode"
+  timeout 400 python3 benchmarks/serving_h200.py --out "$OUT" --geometries ${GEOMETRIES:-kimi-linear-48b-a3b} \
+    --skip "$skip" ${SERVING_ARGS:-} 2>&1 | tee "$OUT/serving_h200.log" | tail -70
+fi
