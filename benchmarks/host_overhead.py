@@ -199,6 +199,35 @@ def _git(*args: str) -> str:
         return ""
 
 
+def plot(before_path: str, after_path: str, png: str) -> None:
+    """Stacked host microseconds per phase, before vs after, per batch size (two saved results)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for path in (before_path, after_path):
+        with open(path) as f:
+            runs.append(json.load(f))
+    phases = [p for p in runs[0]["phases"] if p != "total"]
+    batches = list(runs[0]["batches"])
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for j, (label, run) in enumerate(zip(("before", "after"), runs, strict=True)):
+        bottom = [0.0] * len(batches)
+        for k, phase in enumerate(phases):
+            vals = [run["batches"][b][phase] / 1e3 for b in batches]
+            ax.bar([i + 0.4 * j for i in range(len(batches))], vals, 0.38, bottom=bottom, color=f"C{k}",
+                   label=phase if j == 0 else None, hatch="//" if j == 0 else None)
+            bottom = [x + v for x, v in zip(bottom, vals, strict=True)]
+    ax.set_xticks([i + 0.2 for i in range(len(batches))], [f"batch {b}\n(before | after)" for b in batches])
+    ax.set_ylabel("host ms per decode step (median)")
+    ax.set_title(f"{runs[1]['hardware']}: engine host time per decode step, {runs[1]['model']} stub forward")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-k3")
@@ -214,7 +243,11 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=None, help="print a cProfile of the decode steps at this batch")
     ap.add_argument("--profile-rows", type=int, default=35)
     ap.add_argument("--out", default=None, help="JSON result file")
+    ap.add_argument("--plot", nargs=3, metavar=("BEFORE", "AFTER", "PNG"), help="plot two saved results and exit")
     args = ap.parse_args()
+    if args.plot:
+        plot(*args.plot)
+        return
     torch.set_num_threads(args.threads)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     results = {}
