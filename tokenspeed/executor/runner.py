@@ -91,15 +91,38 @@ class ModelRunner:
             self.drafter.release(request_id)
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
-        """Apply (src slot or ZERO_SLOT, dst slot) copies in order, over every KDA layer's conv and recurrent state."""
-        for src, dst in copies:
-            for conv, rec in zip(self.buffers.kda_conv, self.buffers.kda_recurrent):
-                if src == ZERO_SLOT:
-                    conv[dst].zero_()
-                    rec[dst].zero_()
-                else:
-                    conv[dst].copy_(conv[src])
-                    rec[dst].copy_(rec[src])
+        """Apply (src slot or ZERO_SLOT, dst slot) copies in order, over every KDA layer's conv and recurrent state.
+
+        When the destinations are distinct and none is also a source (the usual step: fresh slots zeroed, rolling
+        checkpoints taken), the copies are independent and run as one gather-scatter per pool and layer instead of
+        two kernels per copy and layer; otherwise they run one by one, in order."""
+        if not copies:
+            return
+        zero = [dst for src, dst in copies if src == ZERO_SLOT]
+        moves = [(src, dst) for src, dst in copies if src != ZERO_SLOT]
+        dsts = [dst for _, dst in copies]
+        if len(copies) == 1 or len(set(dsts)) < len(dsts) or set(dsts) & {src for src, _ in moves}:
+            for src, dst in copies:
+                self._copy_sequential(src, dst)
+            return
+        dev = self.buffers.kda_conv[0].device if self.buffers.kda_conv else self.device
+        zero_idx = torch.tensor(zero, dtype=torch.long, device=dev) if zero else None
+        src_idx = torch.tensor([s for s, _ in moves], dtype=torch.long, device=dev) if moves else None
+        dst_idx = torch.tensor([d for _, d in moves], dtype=torch.long, device=dev) if moves else None
+        for pool in (*self.buffers.kda_conv, *self.buffers.kda_recurrent):
+            if zero_idx is not None:
+                pool.index_fill_(0, zero_idx, 0)
+            if src_idx is not None:
+                pool.index_copy_(0, dst_idx, pool.index_select(0, src_idx))
+
+    def _copy_sequential(self, src: int, dst: int) -> None:
+        for conv, rec in zip(self.buffers.kda_conv, self.buffers.kda_recurrent, strict=True):
+            if src == ZERO_SLOT:
+                conv[dst].zero_()
+                rec[dst].zero_()
+            else:
+                conv[dst].copy_(conv[src])
+                rec[dst].copy_(rec[src])
 
     @torch.no_grad()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
@@ -188,7 +211,8 @@ class ModelRunner:
                 self.generators[req.request_id] = make_generator(req.params.seed)
             window = drafts.get(req.request_id, [])
             for i, row in enumerate(row_of[req.request_id][-(len(window) + 1):]):
-                inputs.append(SamplerInput(req.params, req.prompt_token_ids, req.output_token_ids + window[:i],
+                outputs = req.output_token_ids + window[:i] if i else req.output_token_ids  # no copy when plain
+                inputs.append(SamplerInput(req.params, req.prompt_token_ids, outputs,
                                            self.generators[req.request_id], req.eos_token_ids))
                 rows.append(row)
                 owners.append(req.request_id)
