@@ -43,10 +43,16 @@ def _outputs(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
-@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "repeat", "speculative_num_steps": 3}])
+EAGLE3 = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "tiny-eagle3",
+          "speculative_num_steps": 3}
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "repeat", "speculative_num_steps": 3}, EAGLE3],
+                         ids=["decode", "verify", "eagle3"])
 def test_padded_static_batches_equal_plain_steps(spec: dict) -> None:
     """The graphs' padded static batches, run eagerly on the CPU: padding rows (slot -1, kv_len 0, scratch page)
-    change no token, for decode and for 4-token verify steps with KDA replay, as requests leave the batch."""
+    change no token, for decode and for 4-token verify steps with KDA replay, as requests leave the batch; with
+    EAGLE3 the static batches also hand the drafter its target features."""
     plain = _outputs(LLM("tiny-k3", max_num_seqs=8, cache_memory_gb=0.05, **spec))
     llm = LLM("tiny-k3", max_num_seqs=8, cache_memory_gb=0.05, **spec)
     query_lens = (1, 4) if spec else (1,)
@@ -60,8 +66,29 @@ def test_padded_static_batches_equal_plain_steps(spec: dict) -> None:
             return run(batch)
 
         graphs.run = counted
+    proposals = _record_proposals(llm)
     assert _outputs(llm) == plain
     assert used[max(query_lens)] > 0, used  # with speculation every step after a prefill is a full verify window
+    if spec is EAGLE3:  # the drafter saw the same target features: it proposed exactly the same drafts
+        eager = LLM("tiny-k3", max_num_seqs=8, cache_memory_gb=0.05, **spec)
+        eager_proposals = _record_proposals(eager)
+        _outputs(eager)
+        assert proposals == eager_proposals and any(any(d) for d in proposals[1:])
+
+
+def _record_proposals(llm: LLM) -> list[dict]:
+    """Every EAGLE3 proposal of `llm`'s drafter, in order (empty without one)."""
+    drafter, seen = llm.engine.runner.drafter, []
+    if drafter is not None:
+        propose = drafter.propose
+
+        def recorded(reqs):
+            out = propose(reqs)
+            seen.append({rid: list(d) for rid, d in out.items()})
+            return out
+
+        drafter.propose = recorded
+    return seen
 
 
 def _greedy(model: str, device: str, **options) -> list[list[int]]:
@@ -83,9 +110,11 @@ def _release(llm: LLM) -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "repeat", "speculative_num_steps": 3}])
+@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "repeat", "speculative_num_steps": 3}, EAGLE3],
+                         ids=["decode", "verify", "eagle3"])
 def test_graphs_capture_and_equal_eager_and_cpu(tiny_dir: str, spec: dict) -> None:
-    """Decode graphs, and with speculation verify graphs plus the captured KDA replay graphs."""
+    """Decode graphs, and with speculation verify graphs plus the captured KDA replay graphs (EAGLE3: the verify
+    graphs also output the drafter's target features)."""
     torch.cuda.empty_cache()
     llm = LLM(tiny_dir, device="cuda", dtype="float32", max_num_seqs=8, **spec)
     graphs = llm.engine.runner.graphs

@@ -57,12 +57,13 @@ class EngineCore:
         torch.manual_seed(mc.seed)
 
     def _use_cuda_graphs(self) -> bool:
-        """Graphs need a CUDA device, the Triton ops (the references synchronise) and no EAGLE3 feature capture."""
+        """Graphs need a CUDA device and the Triton ops (the references synchronise). With EAGLE3 the target's
+        graphs also output the features the drafter reads; the drafter itself runs eagerly."""
         from tokenspeed.ops import dispatch
 
         mc = self.config.model
         return (str(mc.device).startswith("cuda") and not mc.enforce_eager and dispatch.mode() != "reference"
-                and dispatch.triton_available() and self.runner.drafter is None)
+                and dispatch.triton_available())
 
     def _drafter(self, plan, dtype: torch.dtype):
         """The EAGLE3 drafter when configured (its cache uses the target's page ids)."""

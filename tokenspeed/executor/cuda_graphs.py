@@ -13,7 +13,8 @@ static tensors of the smallest size B >= N and replays that graph; rows N..B-1 a
 - `slot_mapping` points at a scratch page that no sequence owns (the runner allocates one extra page), so their
   new latent rows land nowhere that matters.
 
-The logits of a replay live in the graph pool and are valid until the next replay: consume them first. A verify
+The logits of a replay live in the graph pool and are valid until the next replay: consume them first. With an
+EAGLE3 drafter the graphs also output the target features of the layers it reads (`last_features`). A verify
 graph also re-registers the KDA replay inputs its capture recorded (`CacheBuffers.replay`), so the runner's
 `replay_kda` after acceptance reads this replay's projections; `replay_state` then advances the KDA state by the
 accepted tokens through a second captured graph per size (one `ops.kda_decode` per KDA layer over the verify
@@ -63,8 +64,10 @@ class DecodeGraphs:
         scratch_page: int,
         query_len: int = 1,
         use_graphs: bool = True,
+        capture_layers: tuple[int, ...] = (),
     ) -> None:
         self.model = model
+        self.capture_layers = capture_layers  # EAGLE3: target layers whose features each replay also outputs
         self.buffers = buffers
         self.sizes = batch_size_ladder(max_batch_size)
         self.max_batch_size = max_batch_size
@@ -88,6 +91,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replay_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # verify: KDA state replay of each size
         self.outputs: dict[int, Tensor] = {}
+        self.features: dict[int, Tensor] = {}  # EAGLE3: [bs * query_len, num_aux * hidden] captured features
         self.replay_inputs: dict[int, dict] = {}  # verify: the KDA replay inputs each size's capture recorded
 
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -101,7 +105,12 @@ class DecodeGraphs:
         )
 
     def _forward(self, bs: int) -> Tensor:
-        return self.model(self._static_batch(bs), self.buffers, self.logits_indices[: bs * self.query_len])
+        rows = self.logits_indices[: bs * self.query_len]
+        if not self.capture_layers:
+            return self.model(self._static_batch(bs), self.buffers, rows)
+        logits, captured = self.model(self._static_batch(bs), self.buffers, rows, capture_layers=self.capture_layers)
+        self.features[bs] = torch.cat(captured, dim=-1)
+        return logits
 
     def _replay(self, bs: int) -> None:
         self.model.replay_kda(self.buffers, self._static_batch(bs), self.num_accepted[:bs])
@@ -175,6 +184,11 @@ class DecodeGraphs:
         self.graphs[bs].replay()
         self.buffers.replay.update(self.replay_inputs[bs])
         return self.outputs[bs][: n * q]
+
+    def last_features(self, num_tokens: int) -> Tensor:
+        """EAGLE3: the captured target features of the last `run`'s first num_tokens rows (a view into the graph
+        pool, valid until the next replay: copy what must outlive it)."""
+        return self.features[self.last_size][:num_tokens]
 
     def replay_state(self, num_accepted: Sequence[int]) -> None:
         """After `run` of a verify step of N sequences: advance each one's committed KDA state by its first

@@ -73,7 +73,8 @@ class ModelRunner:
         pages = -(-max_model_len // self.buffers.page_size)
         for q in query_lens:
             graphs = DecodeGraphs(self.model, self.buffers, max_batch_size, pages, scratch_page=self.num_pages,
-                                  query_len=q, use_graphs=use_graphs)
+                                  query_len=q, use_graphs=use_graphs,
+                                  capture_layers=self.drafter.capture_layers if self.drafter else ())
             try:
                 graphs.capture()
             except RuntimeError as e:  # an op outside its kernel's region fell back to a synchronising reference
@@ -148,6 +149,8 @@ class ModelRunner:
             graphs = None
         if graphs is not None:
             logits = graphs.run(forward)
+            if self.drafter is not None:  # copied: the pool is rewritten by the next replay
+                features = graphs.last_features(forward.num_tokens).clone()
         elif self.drafter is not None:
             idx = torch.tensor(rows, dtype=torch.long, device=self.device)
             logits, captured = self.model(forward, self.buffers, idx, capture_layers=self.drafter.capture_layers)
