@@ -48,6 +48,7 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
 
 import torch
 import triton
+from graph_timing import replay_ms  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
 
 from tokenspeed.ops import dispatch
 from tokenspeed.ops.triton import gemv as k_gemv
@@ -156,18 +157,9 @@ def graph_us(call: Callable[[int], object], n_calls: int, reps: int) -> float:
     with torch.cuda.graph(g):
         for i in range(n_calls):
             call(i)
-    g.replay()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    ms = replay_ms(g, reps, warmup=2)
     del g
-    return statistics.median(times) / n_calls * 1e3
+    return ms / n_calls * 1e3
 
 
 def cpu_us(call: Callable[[int], object], n_calls: int, reps: int) -> float:

@@ -4,17 +4,8 @@
 # Expects $OUT (results folder, comes back) and the fla-core wheel in .whl/ (docs/gpu.md). Each part logs to $OUT.
 set -u
 parts=" ${1:-tests spec prefill decode gemv conv} "
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:.
-else
-  export PYTHONPATH=.
-fi
-export PYTHONUNBUFFERED=1 BENCH_COMMIT=${BENCH_COMMIT:-unknown}
+source benchmarks/gpu_env.sh
 has() { [[ $parts == *" $1 "* ]]; }
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 if has tests; then
   timeout 300 python3 -m pytest -q --timeout 240 -p no:cacheprovider ${TESTS:-tests/ops tests/executor} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -25

@@ -5,16 +5,7 @@
 set -u
 what=${1:-all}
 shift || true
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:.
-else
-  export PYTHONPATH=.
-fi
-export PYTHONUNBUFFERED=1 BENCH_COMMIT=${BENCH_COMMIT:-unknown}
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+source benchmarks/gpu_env.sh
 if [[ $what == all || $what == tests ]]; then
   timeout 300 python3 -m pytest -q --timeout 240 -p no:cacheprovider \
     tests/ops/test_triton_moe_experts.py tests/ops/test_triton_mla_decode.py tests/executor \

@@ -21,15 +21,15 @@ import math
 import os
 import platform
 import subprocess
-import time
-
 import sys
+import time
 
 if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from graph_timing import replay_ms  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
 from triton.testing import do_bench  # noqa: E402
 
 from tokenspeed import ops as public_ops
@@ -94,16 +94,7 @@ def graph_us(fn, cold=True, n=20, reps=15) -> float:
         return g
 
     def median_ms(g):
-        g.replay()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
+        return replay_ms(g, reps)
 
     try:
         total = median_ms(capture(True))

@@ -30,6 +30,7 @@ import platform
 import time
 
 import torch
+from graph_timing import replay_ms  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
 
 from tokenspeed.ops.reference.mla import _paged_decode
 
@@ -111,16 +112,7 @@ def graph_us(fn, n=10, reps=10, smoke=False) -> float:
         return g
 
     def median_ms(g):
-        g.replay()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
+        return replay_ms(g, reps)
 
     try:
         return max(median_ms(capture(True)) - median_ms(capture(False)), 0.0) / n * 1e3

@@ -25,6 +25,7 @@ import argparse
 import cProfile
 import gc
 import io
+import itertools
 import json
 import os
 import pstats
@@ -61,7 +62,7 @@ def run(model: str, device: str, prompt: int, output: int, spec: dict) -> dict:
     runner.model.replay_kda = timed("replay", runner.model.replay_kda)
     vocab = llm.engine.vocab_size
     params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0)
-    llm.generate([[(3000 + i) % vocab for i in range(64)]], SamplingParams(max_tokens=9, ignore_eos=True,
+    llm.generate([[(3000 + i) % vocab for i in range(min(64, prompt))]], SamplingParams(max_tokens=9, ignore_eos=True,
                                                                          temperature=0.0))  # compile, warm up
     for evs in events.values():
         evs.clear()
@@ -75,7 +76,7 @@ def run(model: str, device: str, prompt: int, output: int, spec: dict) -> dict:
         torch.cuda.synchronize()
     tokens = sum(n for _, n in stamps[1:])
     tps = tokens / (stamps[-1][0] - stamps[0][0])
-    gaps = [(b[0] - a[0]) / b[1] for a, b in zip(stamps, stamps[1:], strict=False)]  # seconds per token, per step
+    gaps = [(b[0] - a[0]) / b[1] for a, b in itertools.pairwise(stamps)]  # seconds per token, per step
     out = {"spec": spec, "tps_user": tps, "tps_user_median_step": 1.0 / statistics.median(gaps),
            "steps_after_first": len(stamps) - 1, "tokens_after_first": tokens,
            "verify_graphs": sorted(runner.graphs),
@@ -106,18 +107,7 @@ def breakdown(llm: LLM, prompt_ids: list[int], params: SamplingParams, cuda: boo
 
     def sync_timed(obj, name: str, label: str) -> None:
         fn = getattr(obj, name)
-
-        def wrapper(*a, **kw):
-            if cuda:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            result = fn(*a, **kw)
-            if cuda:
-                torch.cuda.synchronize()
-            times.setdefault(label, []).append((time.perf_counter() - t) * 1e3)
-            return result
-
-        setattr(obj, name, wrapper)
+        setattr(obj, name, lambda *a, **kw: _timed_call(times, label, fn, cuda, *a, **kw))
         patched.append((obj, name, fn))
 
     sync_timed(engine.scheduler, "schedule", "schedule")

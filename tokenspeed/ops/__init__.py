@@ -9,6 +9,8 @@ same contract in `tokenspeed.ops.triton` (`rms_norm`, `gated_rms_norm`, `attn_re
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -300,7 +302,7 @@ def kda_prefill(
     kernels (`dispatch.kda_fused_chunk_supported`); fp32 (validation) keeps the composed path.
     Returns o [T, H, V] in v.dtype.
     """
-    lens = [e - s for s, e in zip(cu_seqlens_host, cu_seqlens_host[1:], strict=False)]
+    lens = [e - s for s, e in itertools.pairwise(cu_seqlens_host)]
     form = "chunk" if lens and max(lens) > KDA_CHUNK_MIN_TOKENS else "recurrent"
     if (form == "chunk" and _dispatch.use_triton(q, k, v, state) and q.is_cuda and _dispatch.fla_available()
             and _dispatch.kda_fused_chunk_supported(v, lower_bound)):
