@@ -134,7 +134,9 @@ class ModelRunner:
         if not reqs:
             return StepOutput({}, {}, 0)
         if self.drafter is not None:
-            drafts = self.drafter.propose(reqs)
+            proposed = self.drafter.propose(reqs)
+            drafts = {r.request.request_id: _pad(proposed.get(r.request.request_id, []), r)
+                      for r in reqs if r.num_draft_tokens}
         else:
             drafts = {r.request.request_id: self._drafts(r) for r in reqs if r.num_draft_tokens}
         tokens = [r.new_token_ids + drafts.get(r.request.request_id, []) for r in reqs]
@@ -177,10 +179,7 @@ class ModelRunner:
         last token): every window keeps its scheduled length, so a batch stays uniform and its verify graph runs.
         A filler is accepted only where the target itself chooses that token, so outputs do not change."""
         assert self.proposer is not None
-        k = r.num_draft_tokens
-        drafts = self.proposer.propose(r.request.all_token_ids, k)[:k]
-        filler = drafts[-1] if drafts else r.request.all_token_ids[-1]
-        return drafts + [filler] * (k - len(drafts))
+        return _pad(self.proposer.propose(r.request.all_token_ids, r.num_draft_tokens), r)
 
     @staticmethod
     def _logits_rows(reqs: list[ScheduledRequest], cu: list[int], drafts: dict[str, list[int]]
@@ -249,3 +248,12 @@ class ModelRunner:
                 rows, req.prompt_token_ids, r.num_computed_tokens, req.params.prompt_logprobs
             )
         return result
+
+
+def _pad(drafts: list[int], r: ScheduledRequest) -> list[int]:
+    """`drafts` cut or padded to r.num_draft_tokens, the padding copies of the last draft (or of the request's last
+    token when there is none); see `ModelRunner._drafts`."""
+    k = r.num_draft_tokens
+    drafts = drafts[:k]
+    filler = drafts[-1] if drafts else r.request.all_token_ids[-1]
+    return drafts + [filler] * (k - len(drafts))
