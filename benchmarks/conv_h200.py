@@ -26,6 +26,7 @@ if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import
 
 import torch
+from graph_timing import events_ms  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
 
 from tokenspeed.ops.reference import conv as ref_conv
 from tokenspeed.ops.triton import conv as k_conv
@@ -58,21 +59,15 @@ def min_bytes(case: dict) -> int:
 
 def time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
     """Median over `reps` calls of the CUDA-event time of one call (wall time under the interpreter)."""
+    if torch.cuda.is_available():
+        return events_ms(fn, reps, warmup)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 

@@ -48,7 +48,7 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
 
 import torch
 import triton
-from graph_timing import replay_ms  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
+from graph_timing import replay_ms, warm_up  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
 
 from tokenspeed.ops import dispatch
 from tokenspeed.ops.triton import gemv as k_gemv
@@ -146,13 +146,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def graph_us(call: Callable[[int], object], n_calls: int, reps: int) -> float:
     """Per-call GPU time (us): median over `reps` replays of a CUDA graph of call(0..n_calls-1), / n_calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call(0)
-        call(1)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_up(lambda: (call(0), call(1)))
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for i in range(n_calls):

@@ -29,7 +29,7 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from graph_timing import replay_ms  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
+from graph_timing import replay_ms, warm_up  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
 from triton.testing import do_bench  # noqa: E402
 
 from tokenspeed import ops as public_ops
@@ -75,13 +75,7 @@ def graph_us(fn, cold=True, n=20, reps=15) -> float:
         return us(fn)
     if _FLUSH is None:
         _FLUSH = torch.empty(128 << 20, dtype=torch.int8, device=DEV)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_up(fn, 2)
 
     def capture(with_fn):
         g = torch.cuda.CUDAGraph()

@@ -30,7 +30,7 @@ import platform
 import time
 
 import torch
-from graph_timing import replay_ms  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
+from graph_timing import replay_ms, warm_up  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
 
 from tokenspeed.ops.reference.mla import _paged_decode
 
@@ -95,12 +95,7 @@ def graph_us(fn, n=10, reps=10, smoke=False) -> float:
     if smoke:
         return float("nan")
     _flush()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_up(fn)
 
     def capture(with_fn):
         g = torch.cuda.CUDAGraph()

@@ -32,6 +32,7 @@ import time
 import traceback
 
 import torch
+from graph_timing import events_ms  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
 
 from tokenspeed.executor.cuda_graphs import DecodeGraphs
 from tokenspeed.models import CacheBuffers, ForwardBatch
@@ -65,17 +66,7 @@ def section(name):
 
 def cuda_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     """Median device time of fn() in ms (CUDA events around each call)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return events_ms(fn, iters, warmup)
 
 
 @section("ceilings")
