@@ -310,7 +310,7 @@ def align_pairs_fused(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple
     ids = topk_ids.reshape(-1).contiguous()
     P = ids.numel()
     eb = triton.next_power_of_2(E + 2)
-    if P > FUSED_ALIGN_MAX_PAIRS or eb > FUSED_ALIGN_MAX_BINS:
+    if not fused_align_fits(P, E):
         raise ValueError(f"the fused alignment takes <= {FUSED_ALIGN_MAX_PAIRS} pairs and <= "
                          f"{FUSED_ALIGN_MAX_BINS - 2} experts; got {P}, {E}")
     max_blocks = P // block_m + min(E + 1, P)
@@ -326,8 +326,14 @@ def align_pairs_fused(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple
     return sorted_pair_ids, block_expert
 
 
+def fused_align_fits(num_pairs: int, num_experts: int) -> bool:
+    """Whether `align_pairs_fused` takes a call of this many pairs and experts (its bucket bins include the invalid
+    bucket and the masked lanes' bin, rounded up to a power of two)."""
+    return num_pairs <= FUSED_ALIGN_MAX_PAIRS and triton.next_power_of_2(num_experts + 2) <= FUSED_ALIGN_MAX_BINS
+
+
 def _align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
-    if topk_ids.numel() <= FUSED_ALIGN_MAX_PAIRS and triton.next_power_of_2(num_experts + 2) <= FUSED_ALIGN_MAX_BINS:
+    if fused_align_fits(topk_ids.numel(), num_experts):
         return align_pairs_fused(topk_ids, num_experts, block_m)
     return align_pairs(topk_ids, num_experts, block_m)
 
