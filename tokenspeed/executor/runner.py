@@ -12,7 +12,13 @@ from torch import Tensor
 
 from tokenspeed.cache import CachePlan
 from tokenspeed.executor.cuda_graphs import DecodeGraphs
-from tokenspeed.executor.sampler import SamplerInput, make_generator, prompt_logprobs_chunk, sample
+from tokenspeed.executor.sampler import (
+    SamplerInput,
+    is_plain_greedy,
+    make_generator,
+    prompt_logprobs_chunk,
+    sample,
+)
 from tokenspeed.models import CacheBuffers, ForwardBatch, KimiForCausalLM
 from tokenspeed.scheduler.batch import ZERO_SLOT, ScheduledBatch, ScheduledRequest
 from tokenspeed.spec.acceptance import accept_chain
@@ -206,6 +212,10 @@ class ModelRunner:
         todo = [r for r in reqs if r.sample]
         if not todo:
             return {}
+        if not drafts and all(is_plain_greedy(r.request.params, len(r.request.output_token_ids)) for r in todo):
+            # the common decode batch: one argmax, no per-row sampler inputs (what `sample` does for such rows)
+            ids = logits[[row_of[r.request.request_id][-1] for r in todo]].argmax(dim=-1).tolist()
+            return {r.request.request_id: [SampledToken(t, None, None)] for r, t in zip(todo, ids, strict=True)}
         inputs, rows, owners = [], [], []
         for r in todo:
             req = r.request

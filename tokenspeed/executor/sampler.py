@@ -225,18 +225,15 @@ def prompt_logprobs_chunk(logits: Tensor, prompt_ids: Sequence[int], start: int,
     return entries
 
 
+def is_plain_greedy(p: SamplingParams, num_output_tokens: int) -> bool:
+    """True when a row with these params and this many output tokens is greedy with no penalty, no min_tokens mask
+    in force and no logprobs: its token is then the argmax of its logits as given."""
+    return (p.greedy and p.logprobs is None and not _has_penalty(p)
+            and num_output_tokens >= p.min_tokens)
+
+
 def _plain_greedy(rows: Sequence[SamplerInput]) -> bool:
-    """True when every row is greedy with no penalty, no min_tokens mask in force and no logprobs: the sampled
-    tokens are then the argmax of the logits as given."""
-    for row in rows:
-        p = row.params
-        if not (
-            (p.temperature == 0 or p.top_k == 1) and p.logprobs is None and p.repetition_penalty == 1.0
-            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-            and len(row.output_token_ids) >= p.min_tokens
-        ):
-            return False
-    return True
+    return all(is_plain_greedy(row.params, len(row.output_token_ids)) for row in rows)
 
 
 def _has_penalty(p: SamplingParams) -> bool:
