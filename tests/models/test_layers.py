@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests.conftest import rel_err
@@ -101,3 +102,18 @@ def test_plain_residual_matches_pseudocode() -> None:
             h = h + layer.ffn(_rms(h, layer.post_attention_layernorm.weight, eps))
         expected = _rms(h, model.model.norm.weight, eps) @ model.lm_head.weight.t()
     assert rel_err(forward_logits(model, ids), expected) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_router_bf16_gemm_equals_fp32_logits() -> None:
+    """On CUDA the router takes one bf16 GEMM with fp32 output: the fp32 GEMM's logits up to summation order."""
+    from tokenspeed.models.config import KimiConfig
+    from tokenspeed.models.kimi.moe import Router
+
+    cfg = KimiConfig(hidden_size=2304, num_experts=256, num_experts_per_token=8, moe_intermediate_size=1024)
+    router = Router(cfg, torch.bfloat16, "cuda")
+    torch.nn.init.normal_(router.weight, std=0.02)
+    x = torch.randn(333, 2304, device="cuda", dtype=torch.bfloat16)
+    got = router(x)
+    want = x.double() @ router.weight.double().t()
+    assert got.dtype == torch.float32 and rel_err(got, want) < 1e-5

@@ -23,16 +23,16 @@ the dozen small torch kernels of the sort path, which cost more than the weight 
 Kernel 1 (grid max_blocks x cdiv(I, BLOCK_N)): for an expert block, gathers the BLOCK_M x rows (token = p // k),
 accumulates the x @ W1[e]^T and x @ W3[e]^T tiles in fp32 with tl.dot over D, applies SiLU or SiTU and writes
 the intermediate h [max_blocks * BLOCK_M, I] (x.dtype). Blocks of the invalid bucket and unused blocks exit.
-Kernel 2 (grid max_blocks x cdiv(D, BLOCK_N)): h rows @ W2[e]^T in fp32, rounded to x.dtype, times the pair's
-routing weight (fp32), stored at the pair's row of a per-pair buffer [P, D] fp32; blocks of the invalid bucket
-store zeros, so every row of the buffer is written (it is allocated with torch.empty). The combine is
-buf.view(T, k, D).sum(1).to(x.dtype). Program id 0 (the M-block) varies fastest, so the blocks of one expert run
+Kernel 2 (grid max_blocks x cdiv(D, BLOCK_N)): h rows @ W2[e]^T in fp32, rounded to x.dtype and stored at the
+pair's row of a per-pair buffer [P, D] (x.dtype); blocks of the invalid bucket store zeros, so every row of the
+buffer is written (it is allocated with torch.empty). Kernel 3, the combine (grid T x cdiv(D, 1024)): each token's
+k rows times their fp32 routing weights, summed in fp32 and rounded to x.dtype. Program id 0 (the M-block) varies fastest, so the blocks of one expert run
 side by side and share each weight tile through L2.
 
 Bytes per call (elt = x.element_size(), c_e = pairs routed to expert e, touched = experts with c_e > 0):
   weights  sum_e ceil(c_e / BLOCK_M) * 3 * I * D * elt from L2, at least touched * 3 * I * D * elt from HBM
   h        2 * (number of non-empty expert blocks) * BLOCK_M * I * elt (write + read)
-  buffer   2 * P * D * 4 (write + read by the combine), x gathers (L2-resident) and T * D * elt out.
+  buffer   2 * P * D * elt (write + read by the combine), x gathers (L2-resident) and T * D * elt out.
 Weights dominate: at Kimi-Linear-48B decode (E=256, k=8, D=2304, I=1024, bf16) one expert is 14.16 MB, so
 T=1 touches 8 experts (113 MB, ~24 us at 4.8 TB/s) and T=64 about 222 on average (~3.1 GB, ~0.66 ms).
 """
@@ -70,19 +70,24 @@ def default_config(T: int, k: int, E: int, D: int, DI: int, elt_size: int = 2) -
     Decode (<= 16 rows per expert, e.g. T <= 64 at E=256, k=8): BLOCK_M=16 so every touched expert streams its
     weights once; [16 x 64] tiles, BLOCK_K=128, 4 stages (3 buffers, ~110 KB of shared memory for kernel 1,
     two programs per SM). When fewer than ~264 programs would run (T=1 at k=8) on a wide layer, a narrower BLOCK_N=32
-    doubles the programs streaming weights. Prefill: BLOCK_M 32 / 64 / 128 as the expert runs grow (the GEMMs stay
-    memory-bound up to ~300 rows per expert on H100/H200). fp32 (validation only) drops to 2 stages so the
-    tiles fit in shared memory. Compiled for sm_90 without spills; not yet tuned on hardware.
+    doubles the programs streaming weights. Prefill: BLOCK_M 32 / 64 / 128 as the expert runs grow. The two prefill
+    tiles are the fastest of five measured on the H200 (benchmarks/moe_prefill_h200.py, results/moe_prefill_h200.json):
+    64 x 256 x 64 for 32..256 rows per expert (kimi-linear-48b-a3b, 8K tokens: 3.56 vs 4.09 ms for the previous
+    64 x 128), 128 x 128 x 64 with 4 stages above (k3-slice, 8K tokens: 21.3 vs 23.1 ms). fp32 (validation only)
+    keeps the smaller 64 x 128 / 128 x 64 prefill tiles and drops to 2 stages so the tiles fit in shared memory.
     """
     rows = T * k / max(E, 1)
     if rows <= 16:
         cfg = ExpertsConfig(16, 64, 128, 4, 4, 64, 128, 4, 4)
     elif rows <= 32:
         cfg = ExpertsConfig(32, 64, 128, 4, 4, 64, 128, 4, 4)
+    elif elt_size > 2:  # fp32: the 16-bit prefill tiles would not fit in shared memory
+        cfg = ExpertsConfig(64, 128, 64, 8, 3, 128, 64, 4, 4) if rows <= 256 else ExpertsConfig(
+            128, 64, 64, 8, 3, 128, 64, 8, 3)
     elif rows <= 256:
-        cfg = ExpertsConfig(64, 128, 64, 8, 3, 128, 64, 4, 4)
+        cfg = ExpertsConfig(64, 256, 64, 8, 3, 256, 64, 8, 3)
     else:
-        cfg = ExpertsConfig(128, 64, 64, 8, 3, 128, 64, 8, 3)
+        cfg = ExpertsConfig(128, 128, 64, 8, 4, 128, 64, 8, 4)
     P = T * k
     max_blocks = P // cfg.block_m + min(E + 1, P)
     if DI >= 512 and max_blocks * triton.cdiv(DI, cfg.block_n1) < 264:
@@ -167,7 +172,7 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    H, W2, TopkW, Buf, SortedPair, BlockExpert,
+    H, W2, Buf, SortedPair, BlockExpert,
     P, D, DI, E,
     stride_w2e, stride_w2d, stride_w2i,
     BLOCK_M: tl.constexpr,
@@ -188,7 +193,7 @@ def _down_kernel(
     out_ptrs = Buf + pair.to(tl.int64)[:, None] * D + offs_n[None, :]
     out_mask = mvalid[:, None] & (offs_n < D)[None, :]
     if e >= E:  # pairs with invalid ids contribute zeros
-        tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=out_mask)
+        tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=Buf.dtype.element_ty), mask=out_mask)
         return
     e64 = e.to(tl.int64)
     n_ld = (offs_n % D).to(tl.int64)
@@ -210,9 +215,20 @@ def _down_kernel(
             acc = tl.dot(a, b, acc)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_w2i
-    y = acc.to(H.dtype.element_ty).to(tl.float32)  # each expert output is rounded to x.dtype
-    w = tl.load(TopkW + pair, mask=mvalid, other=0.0)
-    tl.store(out_ptrs, y * w[:, None], mask=out_mask)
+    tl.store(out_ptrs, acc.to(Buf.dtype.element_ty), mask=out_mask)  # each expert output rounded to x.dtype
+
+
+@triton.jit
+def _combine_kernel(Buf, TopkW, Out, D, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = sum_j w[t, j] * buf[t * k + j] in fp32, cast to out.dtype (grid T x cdiv(D, BLOCK_D))."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = offs < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        w = tl.load(TopkW + t * TOP_K + j)
+        acc += w * tl.load(Buf + (t * TOP_K + j) * D + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(Out + t * D + offs, acc.to(Out.dtype.element_ty), mask=m)
 
 
 def align_pairs(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
@@ -382,7 +398,7 @@ def moe_experts(
     sorted_pair_ids, block_expert = _align(topk_ids, E, bm)
     max_blocks = block_expert.numel()
     h = torch.empty(max_blocks * bm, DI, dtype=x.dtype, device=x.device)
-    buf = torch.empty(P, D, dtype=torch.float32, device=x.device)
+    buf = torch.empty(P, D, dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32
     _gate_up_kernel[(max_blocks, triton.cdiv(DI, cfg.block_n1))](
         x, w1, w3, h, sorted_pair_ids, block_expert,
@@ -395,10 +411,13 @@ def moe_experts(
         EVEN_K=D % cfg.block_k1 == 0, IEEE=ieee, num_warps=cfg.num_warps1, num_stages=cfg.num_stages1,
     )
     _down_kernel[(max_blocks, triton.cdiv(D, cfg.block_n2))](
-        h, w2, tw, buf, sorted_pair_ids, block_expert,
+        h, w2, buf, sorted_pair_ids, block_expert,
         P, D, DI, E,
         w2.stride(0), w2.stride(1), w2.stride(2),
         BLOCK_M=bm, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         EVEN_K=DI % cfg.block_k2 == 0, IEEE=ieee, num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
     )
-    return buf.view(T, k, D).sum(1).to(x.dtype)
+    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    block_d = min(1024, triton.next_power_of_2(D))
+    _combine_kernel[(T, triton.cdiv(D, block_d))](buf, tw, out, D, TOP_K=k, BLOCK_D=block_d, num_warps=4)
+    return out
