@@ -71,6 +71,29 @@ def test_parity_mixed_lengths(W: int, activation: str | None) -> None:
     assert torch.equal(st_k[outside], state[outside]) and torch.equal(st_k[0], state[0])
 
 
+@pytest.mark.parametrize("groups", [3, 4])
+def test_grouped_output_each_group_contiguous(groups: int) -> None:
+    """out = a [G, T, C/G] buffer permuted to [T, G, C/G] (KDA's q, k, v): every group's rows are the matching
+    column block of the plain output, and the reference writes the same layout. C/G = 100 (3 groups) splits a
+    channel block of the kernel across groups; every element is written (NaN poison)."""
+    torch.manual_seed(groups)
+    C = 300 if groups == 3 else 256
+    x, weight, state = make_inputs(LENS, C, 4)
+    slots, cu = torch.tensor(SLOTS, device=DEVICE), cu_of(LENS)
+    T = x.shape[0]
+    buf = torch.full((groups, T, C // groups), float("nan"), device=DEVICE)
+    st_k, st_r = state.clone(), state.clone()
+    got = kernel().causal_conv1d(x, weight, st_k, slots, cu, "silu", out=buf.permute(1, 0, 2))
+    want = ref_conv.causal_conv1d(x, weight, st_r, slots, cu, "silu")
+    assert got.data_ptr() == buf.data_ptr()
+    for g in range(groups):
+        assert rel_err(buf[g], want[:, g * (C // groups):(g + 1) * (C // groups)]) < 1e-5
+    assert torch.equal(st_k, st_r)
+    ref_buf = torch.empty_like(buf)
+    ref_conv.causal_conv1d(x, weight, state.clone(), slots, cu, "silu", out=ref_buf.permute(1, 0, 2))
+    assert torch.equal(ref_buf.permute(1, 0, 2).reshape(T, C), want)
+
+
 def test_strided_state_weight_and_int32_indices() -> None:
     torch.manual_seed(1)
     x, weight, state = make_inputs(LENS, 72, 4, strided_x=False, strided_state=True)

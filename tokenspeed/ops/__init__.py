@@ -3,7 +3,8 @@
 Models import `tokenspeed.ops` only, never a concrete kernel. Each function runs its plain torch reference
 (`tokenspeed.ops.reference.*`, the ground truth and the CPU path) or, for CUDA tensors, the Triton kernel of the
 same contract in `tokenspeed.ops.triton` (`rms_norm`, `gated_rms_norm`, `attn_res_mix`, `attn_res_mix_rms_norm`,
-`moe_route`, `kda_decode`, `moe_experts`, `mla_decode`, and `linear` where the GEMV routing table picks it).
+`moe_route`, `kda_decode`, `kda_replay_layers`, `moe_experts`, `mla_decode`, and `linear` where the GEMV
+routing table picks it).
 `TOKENSPEED_OPS=reference` forces the reference; `tokenspeed.ops.dispatch` has the rule.
 """
 
@@ -20,6 +21,7 @@ from tokenspeed.ops.reference import moe as _ref_moe
 from tokenspeed.ops.reference import norm as _ref_norm
 from tokenspeed.ops.reference.activation import Activation, gated_activation
 from tokenspeed.ops.reference import conv as _ref_conv
+from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors
 from tokenspeed.ops.reference.kda import kda_chunk, kda_gate, kda_recurrent, l2_normalize
 from tokenspeed.ops.reference import mla as _ref_mla
 from tokenspeed.ops.reference.mla import (
@@ -31,7 +33,7 @@ from tokenspeed.ops.reference.rope import apply_rope, rope_cos_sin, yarn_mscale
 
 
 def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Tensor, state_indices: Tensor, cu_seqlens: Tensor,
-                  activation: str | None = "silu") -> Tensor:
+                  activation: str | None = "silu", *, out: Tensor | None = None) -> Tensor:
     """Causal depthwise conv1d over a flat variable-length batch, carrying per-slot state (KDA's short conv).
 
     Contract: `tokenspeed.ops.reference.conv.causal_conv1d` (x [T, C], weight [C, W], conv_state [S, C, W-1]
@@ -39,13 +41,16 @@ def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Tensor, state_indices: 
     computed in fp32). The Triton path (`_dispatch.conv_supported`: 2-D x with unit column stride, W <= 4,
     silu / None, index tensors on x's device) never synchronises with the host (CUDA-graph safe), does not
     validate cu_seqlens, and also accepts state_indices[n] < 0 as "no state: zero history, nothing stored"
-    (padding rows); the reference requires valid slots.
+    (padding rows); the reference requires valid slots. `out` (optional, written and returned): [T, C], or
+    [T, G, C // G] with unit last stride, e.g. a [G, T, C // G] buffer permuted so each channel group (KDA's q, k,
+    v) comes out contiguous.
     """
     if _dispatch.use_triton(x, weight, conv_state, state_indices, cu_seqlens) and _dispatch.conv_supported(
         x, weight, conv_state, state_indices, cu_seqlens, activation
     ):
-        return _dispatch.kernels("conv").causal_conv1d(x, weight, conv_state, state_indices, cu_seqlens, activation)
-    return _ref_conv.causal_conv1d(x, weight, conv_state, state_indices, cu_seqlens, activation)
+        return _dispatch.kernels("conv").causal_conv1d(x, weight, conv_state, state_indices, cu_seqlens, activation,
+                                                       out=out)
+    return _ref_conv.causal_conv1d(x, weight, conv_state, state_indices, cu_seqlens, activation, out=out)
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
@@ -190,6 +195,37 @@ def kda_decode(
                                  step_states=step_states, seq_lens=seq_lens)
 
 
+def kda_replay_layers(
+    table: KdaLayerTable,
+    state_indices: Tensor,
+    cu_seqlens: Tensor,
+    seq_lens: Tensor | None,
+    *,
+    lower_bound: float | None,
+) -> None:
+    """`kda_decode(*layer, state_indices, cu_seqlens, lower_bound=lower_bound, update_state=True,
+    seq_lens=seq_lens)` for every layer of `table`, outputs discarded: the KDA state replay of accepted drafts over
+    all KDA layers of a model at once (`ops.kda_layers.KdaLayerTable`, built once per set of tensors).
+
+    Shared by all layers: state_indices [N] (a slot < 0 is a padding row: nothing touched), cu_seqlens [N+1],
+    seq_lens [N] int64 (tokens of each sequence to apply, clamped to 0..q_len_n; None: all). Mutates, per layer,
+    conv_state and state at the batch's slots only; reads qkv / f / b / the weights in place.
+    On CUDA (dispatch rule of `kda_decode`), uniform layers (`table.offsets` is not None) in the kernel's region
+    (`dispatch.kda_replay_layers_unsupported`) take one Triton launch over all layers that skips the q path and
+    the outputs, reading only device values (CUDA-graph safe with a prebuilt table); anything else launches
+    `kda_decode` per layer (Triton or the reference, by the same rule).
+    """
+    base = table.base
+    if _dispatch.use_triton(base.qkv, base.f, base.b, base.conv_state, base.state, state_indices) \
+            and _dispatch.kda_replay_layers_unsupported(table) is None:
+        _dispatch.kernels("kda_decode").kda_replay_layers(table, state_indices, cu_seqlens, seq_lens,
+                                                          lower_bound=lower_bound)
+        return
+    for layer in table.layers:
+        kda_decode(*layer, state_indices, cu_seqlens, lower_bound=lower_bound, scale=1.0, update_state=True,
+                   seq_lens=seq_lens)
+
+
 def _kda_decode_reference(qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, *,
                           lower_bound, scale, update_state, step_states, seq_lens=None) -> Tensor:
     """The composition of the reference ops that `kda_decode` fuses (host-synchronising; the CPU path)."""
@@ -324,6 +360,9 @@ __all__ = [
     "gated_rms_norm",
     "kda_chunk",
     "kda_decode",
+    "KdaLayerTable",
+    "KdaLayerTensors",
+    "kda_replay_layers",
     "kda_gate",
     "kda_prefill",
     "kda_recurrent",

@@ -102,9 +102,10 @@ class KDAAttention(nn.Module):
             if batch.verify:  # scratch copies: the committed state is never written by a verification
                 conv_state, rec_state = conv_state[slots], rec_state[slots]
                 slots = torch.arange(batch.num_seqs, device=x.device)
-            mixed = ops.causal_conv1d(projected, self.conv_weight, conv_state, slots, batch.cu_seqlens,
-                                      activation="silu")
-            q, k, v = mixed.view(t, 3, h, hd).unbind(1)
+            qkv = torch.empty(3, t, h * hd, dtype=projected.dtype, device=x.device)  # q, k, v each contiguous
+            ops.causal_conv1d(projected, self.conv_weight, conv_state, slots, batch.cu_seqlens, activation="silu",
+                              out=qkv.permute(1, 0, 2))
+            q, k, v = qkv.view(3, t, h, hd).unbind(0)
             o = ops.kda_prefill(q, k, v, f.view(t, h, hd), b, self.A_log, self.dt_bias, self.lower_bound,
                                 scale=1.0 / math.sqrt(hd), state=rec_state, state_indices=slots,
                                 cu_seqlens=batch.cu_seqlens, cu_seqlens_host=batch.cu_seqlens_host)

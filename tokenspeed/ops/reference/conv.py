@@ -36,6 +36,8 @@ def causal_conv1d(
     state_indices: Tensor,
     cu_seqlens: Tensor,
     activation: str | None = "silu",
+    *,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Causal depthwise conv1d over a flat variable-length batch, carrying per-slot state.
 
@@ -47,6 +49,8 @@ def causal_conv1d(
         state_indices: ``[N]`` int64 slot per sequence; slots must be distinct.
         cu_seqlens: ``[N + 1]`` int64 offsets into ``x`` (starting at 0, ending at ``T``).
         activation: ``"silu"`` or ``None``; anything else raises ``ValueError``.
+        out: optional destination, ``[T, C]`` or ``[T, G, C // G]`` (any strides) in ``x.dtype``; ``y`` is
+            copied into it (viewed as its shape) and ``out`` is returned.
 
     Returns:
         ``y`` ``[T, C]`` in ``x.dtype``, computed in fp32.
@@ -83,4 +87,6 @@ def causal_conv1d(
             conv_state[slot] = history[-(W - 1):].T.to(conv_state.dtype)
     if activation == "silu":
         y = F.silu(y)
+    if out is not None:
+        return out.copy_(y.view(out.shape))
     return y.to(x.dtype)

@@ -86,9 +86,10 @@ def _seq_advance(CU, SI, t, n, bos, nxt, slot, N):
 
 @triton.jit
 def _conv_step(X, CS, Y, T, C, stride_xt, stride_ss, stride_sc, stride_sw, stride_yt, t, rebuild, xt, h1, h2, h3,
-               bos, slot, c, w0, w1, w2, w3, W: tl.constexpr, SILU: tl.constexpr):
+               bos, slot, c, w0, w1, w2, w3, G, stride_yg, W: tl.constexpr, SILU: tl.constexpr):
     """Output row t from its input row xt and the window (h1, h2, h3) = inputs at positions i-1, i-2, i-3; the
-    window is re-read (x / old state) first when `rebuild` or i < W-1. Returns the window for token t + 1."""
+    window is re-read (x / old state) first when `rebuild` or i < W-1. Returns the window for token t + 1.
+    Channel c is stored at Y + t * stride_yt + (c // G) * stride_yg + c % G (G = C: a plain [T, C] row)."""
     i = t - bos
     lim = tl.where(t < T, C, 0)
     if rebuild | (i < W - 1):
@@ -103,7 +104,9 @@ def _conv_step(X, CS, Y, T, C, stride_xt, stride_ss, stride_sc, stride_sw, strid
     acc = w0 * h3 + w1 * h2 + w2 * h1 + w3 * xt
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(Y + t.to(tl.int64) * stride_yt + c, acc.to(Y.dtype.element_ty), mask=c < lim)
+    grp = c // G
+    y_ptr = Y + t.to(tl.int64) * stride_yt + grp.to(tl.int64) * stride_yg + (c - grp * G)
+    tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=c < lim)
     return xt, h1, h2
 
 
@@ -117,7 +120,7 @@ def _load_row(X, t, T, C, stride_xt, c):
 def _conv_kernel(
     X, Wt, CS, SI, CU, Y,
     T, C, N, n_iter,
-    stride_xt, stride_wc, stride_ww, stride_ss, stride_sc, stride_sw, stride_yt,
+    stride_xt, stride_wc, stride_ww, stride_ss, stride_sc, stride_sw, stride_yt, G, stride_yg,
     W: tl.constexpr,
     SILU: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -155,11 +158,12 @@ def _conv_kernel(
             xb = _load_row(X, t + 1, T, C, stride_xt, c)
         n, bos, nxt, slot = _seq_advance(CU, SI, t, n, bos, nxt, slot, N)
         h1, h2, h3 = _conv_step(X, CS, Y, T, C, stride_xt, stride_ss, stride_sc, stride_sw, stride_yt, t, k == 0,
-                                xa, h1, h2, h3, bos, slot, c, w0, w1, w2, w3, W, SILU)
+                                xa, h1, h2, h3, bos, slot, c, w0, w1, w2, w3, G, stride_yg, W, SILU)
         if UNROLL > 1:
             n, bos, nxt, slot = _seq_advance(CU, SI, t + 1, n, bos, nxt, slot, N)
             h1, h2, h3 = _conv_step(X, CS, Y, T, C, stride_xt, stride_ss, stride_sc, stride_sw, stride_yt, t + 1,
-                                    False, xb, h1, h2, h3, bos, slot, c, w0, w1, w2, w3, W, SILU)
+                                    False, xb, h1, h2, h3, bos, slot, c, w0, w1, w2, w3, G, stride_yg, W,
+                                    SILU)
 
 
 @triton.jit
@@ -222,8 +226,11 @@ def _check_shapes(x: Tensor, weight: Tensor, conv_state: Tensor, state_indices: 
     if state_indices.dim() != 1 or cu_seqlens.shape != (N + 1,) or (N == 0 and T > 0):
         raise ValueError(f"state_indices must be [N] and cu_seqlens [N+1]; got {tuple(state_indices.shape)} "
                          f"and {tuple(cu_seqlens.shape)} for T={T}")
-    if out is not None and (out.shape != (T, C) or out.dtype != x.dtype or (T > 0 and out.stride(1) != 1)):
-        raise ValueError("out must be [T, C] in x.dtype with unit column stride")
+    if out is not None:
+        grouped = out.dim() == 3 and out.shape[0] == T and out.shape[1] * out.shape[2] == C
+        if not (grouped or out.shape == (T, C)) or out.dtype != x.dtype or (T > 0 and out.stride(-1) != 1):
+            raise ValueError(f"out must be [T, C] or [T, G, C // G] in x.dtype with unit last stride; got "
+                             f"{tuple(out.shape)} {out.dtype}")
 
 
 def _conv_config(T: int, C: int) -> tuple[int, int, int, int]:
@@ -256,7 +263,9 @@ def causal_conv1d(
             (zero history, nothing stored).
         cu_seqlens: ``[N + 1]`` int32/int64 offsets, non-decreasing from 0 to T (not checked).
         activation: ``"silu"`` or ``None``.
-        out: optional ``[T, C]`` output in x.dtype with unit column stride (written in place and returned).
+        out: optional output in x.dtype, written in place and returned: ``[T, C]`` with unit column stride, or
+            ``[T, G, C // G]`` with unit last stride and any other strides (e.g. a ``[G, T, C // G]`` buffer
+            permuted, so that each of the G channel groups comes out contiguous).
 
     Returns:
         ``y`` ``[T, C]`` in x.dtype (fp32 accumulation, SiLU in fp32, one rounding).
@@ -270,6 +279,7 @@ def causal_conv1d(
     W = weight.shape[1]
     N = state_indices.numel()
     y = torch.empty(T, C, dtype=x.dtype, device=x.device) if out is None else out
+    group, stride_yg = (y.shape[2], y.stride(1)) if y.dim() == 3 else (max(C, 1), 0)
     if T == 0 or C == 0:
         return y
     block_t, block_c, num_warps, unroll = _conv_config(T, C)
@@ -277,7 +287,7 @@ def causal_conv1d(
     _conv_kernel[grid](
         x, weight, conv_state, state_indices, cu_seqlens, y,
         T, C, N, max(N - 1, 0).bit_length(),
-        x.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride(), y.stride(0),
+        x.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride(), y.stride(0), group, stride_yg,
         W=W, SILU=activation == "silu", BLOCK_T=block_t, BLOCK_C=block_c, UNROLL=unroll, num_warps=num_warps,
     )
     if W > 1:
