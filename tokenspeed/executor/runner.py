@@ -214,7 +214,10 @@ class ModelRunner:
             return {}
         if not drafts and all(is_plain_greedy(r.request.params, len(r.request.output_token_ids)) for r in todo):
             # the common decode batch: one argmax, no per-row sampler inputs (what `sample` does for such rows)
-            ids = logits[[row_of[r.request.request_id][-1] for r in todo]].argmax(dim=-1).tolist()
+            picked = [row_of[r.request.request_id][-1] for r in todo]
+            if picked != list(range(logits.shape[0])):  # a decode graph's rows are exactly the sampled ones
+                logits = logits[picked]
+            ids = logits.argmax(dim=-1).tolist()
             return {r.request.request_id: [SampledToken(t, None, None)] for r, t in zip(todo, ids, strict=True)}
         inputs, rows, owners = [], [], []
         for r in todo:
