@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tokenspeed.ops.kda_layers import LAYER_FIELDS, KdaLayerTable
+
 ENV_VAR = "TOKENSPEED_OPS"
 MODES = ("auto", "reference", "triton")
 
@@ -113,6 +115,26 @@ def kda_decode_supported(qkv: Tensor, conv_weight: Tensor, dt_bias: Tensor) -> b
     d = dt_bias.shape[-1]
     return conv_weight.dim() == 2 and conv_weight.shape[1] == 4 and 16 <= d <= 128 \
         and qkv.stride(-1) == 1
+
+
+def kda_replay_layers_unsupported(table: KdaLayerTable) -> str | None:
+    """None when the one-launch Triton `kda_replay_layers` can run over `table`, else why not (the caller then
+    launches per layer): uniform layers (an offset table, int64 [L, 8] on the layers' device), layer 0 in
+    `kda_decode_supported`'s region, an fp32 contiguous conv weight, contiguous A_log [H] and dt_bias [H, D]."""
+    if table.offsets is None:
+        return table.reason or "no offset table"
+    base = table.base
+    if not kda_decode_supported(base.qkv, base.conv_weight, base.dt_bias):
+        return "layer 0 is outside kda_decode's supported region"
+    if base.conv_weight.dtype != torch.float32 or not base.conv_weight.is_contiguous():
+        return "conv_weight must be fp32 and contiguous"
+    if not (base.A_log.dim() == 1 and base.A_log.is_contiguous() and base.dt_bias.is_contiguous()):
+        return "A_log [H] and dt_bias [H, D] must be contiguous"
+    off = table.offsets
+    if off.shape != (table.num_layers, len(LAYER_FIELDS)) or off.dtype != torch.int64 \
+            or off.device != base.qkv.device or not off.is_contiguous():
+        return "the offset table must be a contiguous int64 [L, 8] on the layers' device"
+    return None
 
 
 def moe_experts_supported(x: Tensor, w1: Tensor, act) -> bool:

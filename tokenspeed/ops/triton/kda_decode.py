@@ -32,6 +32,14 @@ blocks of a power-of-two BV (tl.arange needs powers of two). Padded lanes are ma
 read as zeros (conv input, conv weight, f, dt_bias, state), so they add nothing to the L2 norms, the recurrence or
 the outputs, and are never written. When D is a power of two (and BV divides it) the masks are compile-time
 no-ops (EVEN_K / EVEN_V): the same code as the unpadded kernel.
+
+`kda_replay_layers` (MULTI_LAYER): the state replay of accepted drafts over all L KDA layers of a model in one
+launch, grid (NV, N * H, L). Program (., ., l) adds row l of an int64 [L, 8] element-offset table
+(`tokenspeed.ops.kda_layers.KdaLayerTable`, built once on the host) to the layer-0 base pointer of each per-layer
+tensor (qkv, f, b, conv weight, conv state, A_log, dt_bias, state); strides, slots, lengths and accepted counts
+are shared. With STORE_OUT False the q path (q conv, its norm, o = S^T q and the output store) is skipped: a
+replay only advances the pools. The single-layer launch passes MULTI_LAYER False / STORE_OUT True, which compile
+those branches away.
 """
 
 from __future__ import annotations
@@ -41,15 +49,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tokenspeed.ops.dispatch import kda_replay_layers_unsupported
+from tokenspeed.ops.kda_layers import KdaLayerTable
 from tokenspeed.ops.triton._utils import next_pow2
 
 _COUNTERS: dict[torch.device, Tensor] = {}
+_RETIRED: list[Tensor] = []  # outgrown counter buffers, kept alive: graphs captured earlier still address them
 
 
 def _counters(device: torch.device, size: int) -> Tensor:
-    """Zeroed int32 counters, at least `size`; cached per device (allocate before graph capture)."""
+    """Zeroed int32 counters, at least `size`; cached per device (allocate before graph capture). A buffer that a
+    larger call outgrows is kept alive (never freed and reused for something else under an older graph)."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < size:
+        if buf is not None:
+            _RETIRED.append(buf)
         buf = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
@@ -132,7 +146,7 @@ def _kda_decode_kernel(
     A_log, DT,
     S, stride_ss,
     SLOTS, CU, LENS,
-    O, STEP, CNT,
+    O, STEP, CNT, LOFF,
     lower_bound, scale,
     H: tl.constexpr,
     D: tl.constexpr,
@@ -146,9 +160,23 @@ def _kda_decode_kernel(
     STORE_STEPS: tl.constexpr,
     HINTS: tl.constexpr,
     HAS_LENS: tl.constexpr,
+    MULTI_LAYER: tl.constexpr = False,
+    STORE_OUT: tl.constexpr = True,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
+    if MULTI_LAYER:  # one launch over L layers: layer l's tensors are layer 0's + row l of the offset table
+        layer = tl.program_id(2)
+        row = LOFF + layer * 8  # columns: kda_layers.LAYER_FIELDS
+        QKV += tl.load(row + 0)
+        F += tl.load(row + 1)
+        Bt += tl.load(row + 2)
+        CW += tl.load(row + 3)
+        CS += tl.load(row + 4)
+        A_log += tl.load(row + 5)
+        DT += tl.load(row + 6)
+        S += tl.load(row + 7)
+        CNT += layer * tl.num_programs(1)  # a V-split counter per (layer, sequence, head)
     n = pid_nh // H
     h = pid_nh % H
     HD = H * D
@@ -188,13 +216,15 @@ def _kda_decode_kernel(
     for i in range(seq_len):
         t = bos + i
         # Short conv + SiLU: the window is re-read per token (L1/L2 hits) instead of carried in registers.
-        yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, lk, EVEN_K, OUT_TY)
+        if STORE_OUT:  # the q path (conv, norm, o = S^T q): a state replay (STORE_OUT False) needs none of it
+            yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, lk, EVEN_K, OUT_TY)
         yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, lk, EVEN_K, OUT_TY)
         yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv, mv, lv, EVEN_V, OUT_TY)
         f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
         braw = tl.load(Bt + t * stride_bt + h * stride_bh).to(tl.float32)
 
-        q = yq * tl.rsqrt(tl.sum(yq * yq, axis=0) + 1e-6) * scale
+        if STORE_OUT:
+            q = yq * tl.rsqrt(tl.sum(yq * yq, axis=0) + 1e-6) * scale
         k = yk * tl.rsqrt(tl.sum(yk * yk, axis=0) + 1e-6)
         xg = f + _load_lanes(DT + h * D + ok, lk, EVEN_K).to(tl.float32)
         if HAS_LB:
@@ -208,12 +238,13 @@ def _kda_decode_kernel(
         pred = tl.sum(b_s * k[:, None], axis=0)
         nu = beta * (yv - pred)
         b_s = b_s + k[:, None] * nu[None, :]
-        o = tl.sum(b_s * q[:, None], axis=0)
-        o = tl.where(mv, o, 0.0)
-        if EVEN_V:
-            tl.store(O + (t * H + h) * D + ov, o.to(OUT_TY))
-        else:
-            tl.store(O + (t * H + h) * D + ov, o.to(OUT_TY), mask=lv)
+        if STORE_OUT:
+            o = tl.sum(b_s * q[:, None], axis=0)
+            o = tl.where(mv, o, 0.0)
+            if EVEN_V:
+                tl.store(O + (t * H + h) * D + ov, o.to(OUT_TY))
+            else:
+                tl.store(O + (t * H + h) * D + ov, o.to(OUT_TY), mask=lv)
         if STORE_STEPS:
             tl.store(STEP + (t * H + h) * D * D + ok[:, None] * D + ov[None, :], b_s, mask=ms,
                      cache_modifier=".cs")
@@ -258,6 +289,41 @@ def _fit_bv(target: int, head_dim: int) -> int:
     return div if div >= 16 else target
 
 
+def _check_layer(qkv: Tensor, f: Tensor, b: Tensor, conv_weight: Tensor, conv_state: Tensor, dt_bias: Tensor,
+                 state: Tensor, N: int, cu_seqlens: Tensor, seq_lens: Tensor | None) -> Tensor:
+    """Validate one layer's arguments of `kda_decode` (N sequences); returns f as a [T, H, D] view."""
+    H, D = dt_bias.shape
+    T = qkv.shape[0]
+    if qkv.shape != (T, 3 * H * D) or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [T, {3 * H * D}] with unit column stride; got {tuple(qkv.shape)}")
+    if conv_weight.shape != (3 * H * D, 4):
+        raise ValueError(f"the fused kernel needs a width-4 conv weight [C, 4]; got {tuple(conv_weight.shape)}")
+    f3 = f.view(T, H, D) if f.dim() == 2 else f
+    if f3.shape != (T, H, D) or f3.stride(2) != 1:
+        raise ValueError(f"f must be [T, H, D] with unit last stride; got {tuple(f.shape)}")
+    if b.shape != (T, H):
+        raise ValueError(f"b must be [T, {H}]; got {tuple(b.shape)}")
+    if state.shape[1:] != (H, D, D) or state.dtype != torch.float32 or state.stride()[1:] != (D * D, D, 1):
+        raise ValueError(f"state must be an fp32 pool [S, {H}, {D}, {D}] with contiguous slots")
+    if cu_seqlens.shape != (N + 1,):
+        raise ValueError(f"cu_seqlens must be [{N + 1}]")
+    if conv_state.shape[1:] != (3 * H * D, 3):
+        raise ValueError(f"conv_state must be [S, {3 * H * D}, 3]; got {tuple(conv_state.shape)}")
+    if seq_lens is not None and seq_lens.shape != (N,):
+        raise ValueError(f"seq_lens must be [{N}]")
+    return f3
+
+
+def _split(num_programs_nh: int, D: int, BV: int | None, num_warps: int | None) -> tuple[int, int, int, int]:
+    """(BK, BV, NV, num_warps) of a launch: defaults from `default_config`, overrides checked."""
+    bv_default, nw_default = default_config(num_programs_nh, D)
+    bv = BV or bv_default
+    bk = next_pow2(D)  # the K axis of the tile, padded (masked) past D
+    if bv <= 0 or bv & (bv - 1) or bv > bk:
+        raise ValueError(f"BV must be a power of two <= {bk} (head dim {D} rounded up); got {bv}")
+    return bk, bv, triton.cdiv(D, bv), num_warps or nw_default  # NV: the last V block masked past D if uneven
+
+
 def kda_decode(
     qkv: Tensor,
     f: Tensor,
@@ -283,27 +349,10 @@ def kda_decode(
     """Triton `ops.kda_decode` (same contract); BV / num_warps / hints (evict-first state load, streaming state
     store) override the launch configuration."""
     H, D = dt_bias.shape
-    T = qkv.shape[0]
-    N = state_indices.numel()
-    if qkv.shape != (T, 3 * H * D) or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [T, {3 * H * D}] with unit column stride; got {tuple(qkv.shape)}")
-    if conv_weight.shape != (3 * H * D, 4):
-        raise ValueError(f"the fused kernel needs a width-4 conv weight [C, 4]; got {tuple(conv_weight.shape)}")
-    f3 = f.view(T, H, D) if f.dim() == 2 else f
-    if f3.shape != (T, H, D) or f3.stride(2) != 1:
-        raise ValueError(f"f must be [T, H, D] with unit last stride; got {tuple(f.shape)}")
-    if b.shape != (T, H):
-        raise ValueError(f"b must be [T, {H}]; got {tuple(b.shape)}")
-    if state.shape[1:] != (H, D, D) or state.dtype != torch.float32 or state.stride()[1:] != (D * D, D, 1):
-        raise ValueError(f"state must be an fp32 pool [S, {H}, {D}, {D}] with contiguous slots")
-    if cu_seqlens.shape != (N + 1,):
-        raise ValueError(f"cu_seqlens must be [{N + 1}]")
+    T, N = qkv.shape[0], state_indices.numel()
+    f3 = _check_layer(qkv, f, b, conv_weight, conv_state, dt_bias, state, N, cu_seqlens, seq_lens)
     cw = conv_weight if conv_weight.is_contiguous() and conv_weight.dtype == torch.float32 \
         else conv_weight.float().contiguous()
-    if conv_state.shape[1:] != (3 * H * D, 3):
-        raise ValueError(f"conv_state must be [S, {3 * H * D}, 3]; got {tuple(conv_state.shape)}")
-    if seq_lens is not None and seq_lens.shape != (N,):
-        raise ValueError(f"seq_lens must be [{N}]")
     if out is None:  # with seq_lens the rows past each count are not written: zeros
         out = (torch.zeros if seq_lens is not None else torch.empty)(T, H, D, dtype=qkv.dtype, device=qkv.device)
     elif out.shape != (T, H, D) or out.dtype != qkv.dtype or not out.is_contiguous():
@@ -315,16 +364,9 @@ def kda_decode(
             raise ValueError(f"step_states must be a contiguous fp32 [T, {H}, {D}, {D}]")
     if N == 0 or T == 0:
         return out
-    bv_default, nw_default = default_config(N * H, D)
-    bv = BV or bv_default
-    nw = num_warps or nw_default
-    bk = next_pow2(D)  # the K axis of the tile, padded (masked) past D
-    if bv <= 0 or bv & (bv - 1) or bv > bk:
-        raise ValueError(f"BV must be a power of two <= {bk} (head dim {D} rounded up); got {bv}")
-    nv = triton.cdiv(D, bv)  # V blocks per head; the last one masked past D when bv does not divide D
+    bk, bv, nv, nw = _split(N * H, D, BV, num_warps)
     cnt = _counters(qkv.device, N * H) if (update_state and nv > 1) else cu_seqlens
-    grid = (nv, N * H)
-    _kda_decode_kernel[grid](
+    _kda_decode_kernel[(nv, N * H)](
         qkv, qkv.stride(0),
         f3, f3.stride(0), f3.stride(1),
         b, b.stride(0), b.stride(1),
@@ -332,10 +374,52 @@ def kda_decode(
         A_log, dt_bias.contiguous(),
         state, state.stride(0),
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
-        out, step_states if step_states is not None else state, cnt,
+        out, step_states if step_states is not None else state, cnt, cu_seqlens,
         float(lower_bound) if lower_bound is not None else 0.0, float(scale),
         H=H, D=D, BK=bk, BV=bv, NV=nv, EVEN_K=bk == D, EVEN_V=D % bv == 0, HAS_LB=lower_bound is not None,
         UPDATE=bool(update_state), STORE_STEPS=step_states is not None, HINTS=bool(hints),
-        HAS_LENS=seq_lens is not None, num_warps=nw,
+        HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, num_warps=nw,
     )
     return out
+
+
+def kda_replay_layers(
+    table: KdaLayerTable,
+    state_indices: Tensor,
+    cu_seqlens: Tensor,
+    seq_lens: Tensor | None,
+    *,
+    lower_bound: float | None,
+    BV: int | None = None,
+    num_warps: int | None = None,
+    hints: bool = False,
+) -> None:
+    """Triton `ops.kda_replay_layers` (same contract): every layer of `table` in one launch, grid
+    (NV, N * H, L), no outputs (the q path is not computed); BV / num_warps / hints as in `kda_decode` (the
+    default split is chosen for the N * H * L programs of a V block). Raises ValueError when
+    `dispatch.kda_replay_layers_unsupported(table)` names a reason."""
+    why = kda_replay_layers_unsupported(table)
+    if why is not None:
+        raise ValueError(f"kda_replay_layers: {why}")
+    qkv, f, b, cw, conv_state, A_log, dt_bias, state = table.base
+    H, D = dt_bias.shape
+    T, N, L = qkv.shape[0], state_indices.numel(), table.num_layers
+    f3 = _check_layer(qkv, f, b, cw, conv_state, dt_bias, state, N, cu_seqlens, seq_lens)
+    if N == 0 or T == 0:
+        return
+    bk, bv, nv, nw = _split(N * H * L, D, BV, num_warps)
+    cnt = _counters(qkv.device, L * N * H) if nv > 1 else cu_seqlens
+    _kda_decode_kernel[(nv, N * H, L)](
+        qkv, qkv.stride(0),
+        f3, f3.stride(0), f3.stride(1),
+        b, b.stride(0), b.stride(1),
+        cw, conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        A_log, dt_bias,
+        state, state.stride(0),
+        state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
+        qkv, state, cnt, table.offsets,  # O: unused (STORE_OUT False), typed like the io dtype for the roundings
+        float(lower_bound) if lower_bound is not None else 0.0, 1.0,
+        H=H, D=D, BK=bk, BV=bv, NV=nv, EVEN_K=bk == D, EVEN_V=D % bv == 0, HAS_LB=lower_bound is not None,
+        UPDATE=True, STORE_STEPS=False, HINTS=bool(hints), HAS_LENS=seq_lens is not None,
+        MULTI_LAYER=True, STORE_OUT=False, num_warps=nw,
+    )

@@ -1,0 +1,175 @@
+"""One launch of the KDA state replay over several layers (`ops.kda_replay_layers`) against per-layer replays.
+
+Each layer's tensors are allocated separately (qkv / b strided slices of their own merged projection, pools and
+weights each the head of its own NaN-tailed buffer), so the kernel must address them through the offset table.
+Checked, on the CPU interpreter in fp32: conv and recurrent pools equal L reference `ops.kda_decode` replays
+(seq_lens = accepted counts 0..k, one clamped past k, a padding row) within 1e-5; state slots outside the batch
+(poisoned with NaN) untouched; one kernel launch; the V split's per-(layer, sequence, head) counters back at zero;
+a power-of-two and a padded head dim (48); a table built once and reused for a second replay; non-uniform layers
+(no offset table, per-layer fallback) and the host checks of `KdaLayerTable` / `layer_offsets`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ops.test_triton_kda_decode import make, tails_intact
+from tests.ops.triton_env import cpu_interp, rel_err  # sets up Triton first
+from tokenspeed import ops
+from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors, layer_offsets
+
+LOWER = -5.0
+
+
+def make_layers(L: int, lens: list[int], H: int, D: int, slots: list[int], num_slots: int) -> list[dict]:
+    """L independent layers' inputs (separate allocations, different weights / states), shared slots and lens;
+    pool slots outside `slots` poisoned with NaN."""
+    layers = []
+    for layer in range(L):
+        inp = make(lens, H, D, torch.float32, "cpu", slots=slots, num_slots=num_slots, seed=10 + layer)
+        idle = [s for s in range(num_slots) if s not in slots]
+        inp["conv_state"][idle] = float("nan")
+        inp["state"][idle] = float("nan")
+        layers.append(inp)
+    return layers
+
+
+def tensors(inp: dict) -> KdaLayerTensors:
+    return KdaLayerTensors(*(inp[k] for k in KdaLayerTensors._fields))
+
+
+def pools(layers: list[dict]) -> list[torch.Tensor]:
+    return [t.clone() for inp in layers for t in (inp["conv_state"], inp["state"])]
+
+
+def reference_replay(layers: list[dict], accepted: torch.Tensor, monkeypatch) -> list[torch.Tensor]:
+    """Pools after per-layer reference `ops.kda_decode` replays on copies of the layers."""
+    monkeypatch.setenv("TOKENSPEED_OPS", "reference")
+    out = []
+    for inp in layers:
+        x = dict(inp, conv_state=inp["conv_state"].clone(), state=inp["state"].clone())
+        ops.kda_decode(**x, lower_bound=LOWER, scale=1.0, update_state=True, seq_lens=accepted)
+        out += [x["conv_state"], x["state"]]
+    return out
+
+
+def count_launches(monkeypatch) -> dict[str, int]:
+    """Count the Triton wrappers' calls: one multi-layer launch vs per-layer kda_decode launches."""
+    from tokenspeed.ops.triton import kda_decode as mod
+
+    calls = {"multi": 0, "single": 0}
+    multi, single = mod.kda_replay_layers, mod.kda_decode
+    monkeypatch.setattr(mod, "kda_replay_layers",
+                        lambda *a, **k: calls.__setitem__("multi", calls["multi"] + 1) or multi(*a, **k))
+    monkeypatch.setattr(mod, "kda_decode",
+                        lambda *a, **k: calls.__setitem__("single", calls["single"] + 1) or single(*a, **k))
+    return calls
+
+
+def assert_pools_match(got: list[torch.Tensor], want: list[torch.Tensor], used: list[int]) -> None:
+    """Batch slots within 1e-5 (no NaN); every other slot still all NaN."""
+    for a, b in zip(got, want):
+        idle = [s for s in range(a.shape[0]) if s not in used]
+        assert rel_err(a[used], b[used]) < 1e-5
+        assert a[idle].isnan().all()
+
+
+# (D, BV): D=16 whole V per program and split V (NV=2: the counters), D=48 padded (BK=BV=64, NV=1) and split
+# with a masked tail block (BV 32, NV=2).
+CASES = [(16, None), (16, 8), (48, None), (48, 32)]
+
+
+@cpu_interp
+@pytest.mark.parametrize("D,BV", CASES)
+def test_multi_layer_replay_equals_per_layer_reference(D, BV, monkeypatch):
+    from tokenspeed.ops.triton import kda_decode as mod
+
+    H, k, L, S = (2 if D == 16 else 1), 4, 3, 11
+    lens = [k] * 7
+    slots = [4, 0, 9, -1, 2, 7, 5]
+    accepted = torch.tensor([0, k, 2, 3, 1, 6, 3])  # 0 and k, a padding row, one past k (clamped)
+    used = [s for s in slots if s >= 0]
+    layers = make_layers(L, lens, H, D, slots, S)
+    want = reference_replay(layers, accepted, monkeypatch)
+    monkeypatch.setenv("TOKENSPEED_OPS", "triton")
+    calls = count_launches(monkeypatch)
+    table = KdaLayerTable.build([tensors(inp) for inp in layers], strict=True)
+    if BV is not None:  # the public op takes the default split; this one forces the V split
+        monkeypatch.setattr(mod, "kda_replay_layers", lambda *a, _f=mod.kda_replay_layers, **kw: (
+            calls.__setitem__("multi", calls["multi"] + 1), _f(*a, BV=BV, **kw))[-1])
+    ops.kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], accepted, lower_bound=LOWER)
+    assert calls["multi"] >= 1 and calls["single"] == 0
+    assert_pools_match(pools(layers), want, used)
+    assert tails_intact(*(inp[k] for inp in layers for k in ("conv_state", "state", "conv_weight", "dt_bias")))
+    assert not mod._counters(torch.device("cpu"), L * len(lens) * H)[: L * len(lens) * H].any()
+
+
+@cpu_interp
+def test_table_built_once_serves_two_replays(monkeypatch):
+    """The recorded inputs rewritten in place between two replays (as a verify graph does): the same table (same
+    addresses) gives the same pools as two reference replays."""
+    H, D, k, L, S = 1, 16, 3, 3, 6
+    lens, slots = [k] * 3, [3, 1, 5]
+    layers = make_layers(L, lens, H, D, slots, S)
+    monkeypatch.setenv("TOKENSPEED_OPS", "triton")
+    table = KdaLayerTable.build([tensors(inp) for inp in layers], strict=True)
+    ref = [dict(inp, conv_state=inp["conv_state"].clone(), state=inp["state"].clone()) for inp in layers]
+    for step, acc in enumerate(([1, 3, 0], [2, 0, 3])):
+        accepted = torch.tensor(acc)
+        if step:  # new verify rows written into the same buffers
+            for inp, r in zip(layers, ref):
+                fresh = make(lens, H, D, torch.float32, "cpu", slots=slots, num_slots=S, seed=99 + step)
+                for name in ("qkv", "f", "b"):
+                    inp[name].copy_(fresh[name])
+                    r[name] = inp[name]
+        ops.kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], accepted,
+                              lower_bound=LOWER)
+        want = reference_replay(ref, accepted, monkeypatch)
+        for r, (cs, st) in zip(ref, zip(want[::2], want[1::2])):
+            r["conv_state"], r["state"] = cs, st
+        monkeypatch.setenv("TOKENSPEED_OPS", "triton")
+        assert_pools_match(pools(layers), want, slots)
+
+
+@cpu_interp
+@pytest.mark.parametrize("mode", ["reference", "triton"])
+def test_non_uniform_layers_fall_back_per_layer(mode, monkeypatch):
+    """A layer with a different pool size: no offset table (strict build raises), and the op launches per layer
+    (Triton kda_decode or the reference), with the same result."""
+    H, D, k = 1, 16, 2
+    lens, slots = [k, k], [1, 3]
+    accepted = torch.tensor([2, 1])
+    layers = make_layers(2, lens, H, D, slots, 5)
+    layers.append(make_layers(1, lens, H, D, slots, 6)[0])  # 6 slots: conv_state / state shapes differ
+    want = reference_replay(layers, accepted, monkeypatch)
+    with pytest.raises(ValueError, match="conv_state of layer 2"):
+        KdaLayerTable.build([tensors(inp) for inp in layers], strict=True)
+    table = KdaLayerTable.build([tensors(inp) for inp in layers])
+    assert table.offsets is None and "conv_state of layer 2" in table.reason
+    monkeypatch.setenv("TOKENSPEED_OPS", mode)
+    calls = count_launches(monkeypatch)
+    ops.kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], accepted, lower_bound=LOWER)
+    assert calls == {"multi": 0, "single": 3 if mode == "triton" else 0}
+    assert_pools_match(pools(layers), want, slots)
+
+
+def test_layer_offsets_host_checks():
+    """Element offsets of separately allocated tensors (possibly negative); a stride, dtype or misaligned
+    address raises ValueError; `matches` tells the very tensors a table was built from."""
+    a, b = torch.zeros(4, 6), torch.zeros(4, 6)
+    assert layer_offsets([a, b]) == [0, (b.data_ptr() - a.data_ptr()) // 4]
+    with pytest.raises(ValueError, match="layer 1"):
+        layer_offsets([a, torch.zeros(6, 4).t()])  # same shape, other strides
+    with pytest.raises(ValueError, match="layer 1"):
+        layer_offsets([a, b.double()])
+    raw = bytearray(4 * 24 + 8)
+    c = torch.frombuffer(raw, dtype=torch.float32, offset=0, count=24).view(4, 6)
+    d = torch.frombuffer(raw, dtype=torch.float32, offset=2, count=24).view(4, 6)  # 2 bytes off: not a float
+    with pytest.raises(ValueError, match="whole number"):
+        layer_offsets([c, d])
+    inp = [make([2], 1, 16, torch.float32, "cpu", seed=s) for s in (1, 2)]
+    table = KdaLayerTable.build([tensors(x) for x in inp], strict=True)
+    assert table.offsets.shape == (2, 8) and table.offsets.dtype == torch.int64 and not table.offsets[0].any()
+    assert table.matches([tensors(x) for x in inp])
+    assert not table.matches([tensors(x) for x in reversed(inp)])
