@@ -66,11 +66,15 @@ class SchedulerConfig:
     max_num_seqs: int = opt(64, "most requests running at once")
     max_num_batched_tokens: int = opt(2048, "token budget of one step (prefill chunks + decodes)")
     chunked_prefill_size: int = opt(512, "most prompt tokens of one request in one step")
+    async_scheduling: str = opt("auto", "launch step N+1 before reading step N's tokens, so the host work "
+                                        "overlaps the GPU's: auto (on with CUDA graphs and no speculation), on, off")
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if getattr(self, f.name) < 1:
+            if f.type in (int, "int") and getattr(self, f.name) < 1:
                 raise ConfigError(f"{f.name} must be >= 1")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ConfigError(f"async_scheduling {self.async_scheduling!r}: choose auto, on or off")
 
 
 NOT_YET = "not supported yet"  # help marker of a recognised flag whose non-default value is refused

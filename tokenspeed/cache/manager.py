@@ -42,7 +42,7 @@ class _RequestCache:
     num_published: int = 0  # pages inserted (or found duplicate) in the prefix index
     slot: int | None = None
     rolling: int | None = None  # key of this request's rolling decode checkpoint
-    pending: list[int] = field(default_factory=list)  # checkpoint keys saved by the current step
+    pending: list[tuple[int, int]] = field(default_factory=list)  # (checkpoint key, boundary) planned, uncommitted
 
 
 class CacheManager:
@@ -129,7 +129,7 @@ class CacheManager:
         if slot is None:
             return None
         self.pending.add(key)
-        rc.pending.append(key)
+        rc.pending.append((key, boundary))
         if rolling:
             if rc.rolling is not None:
                 self.slots.drop_checkpoint(rc.rolling)
@@ -137,7 +137,9 @@ class CacheManager:
         return slot
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """After a step: publish the request's pages that became full; its pending checkpoints become matchable."""
+        """After a step: publish the request's pages that became full; its pending checkpoints up to
+        num_computed_tokens become matchable (with asynchronous scheduling a later step, already planned, may hold
+        checkpoints past it: they stay pending until that step's commit)."""
         rc = self.requests[request_id]
         full = num_computed_tokens // self.page_size
         if full > rc.num_published:  # else nothing new to hash or publish (hashes cover the published pages)
@@ -149,14 +151,15 @@ class CacheManager:
         # No LRU touch of rc.pages here: a request's own pages are referenced, hence never evictable (an O(pages)
         # no-op per request per step). Their LRU position is set when release() makes them evictable.
         if rc.pending:
-            for key in rc.pending:
-                self.pending.discard(key)
-            rc.pending.clear()
+            for key, boundary in rc.pending:
+                if boundary <= num_computed_tokens:
+                    self.pending.discard(key)
+            rc.pending = [(key, b) for key, b in rc.pending if b > num_computed_tokens]
 
     def release(self, request_id: str) -> None:
         """Drop a finished, aborted or preempted request's pages and live slot (cached pages stay evictable)."""
         rc = self.requests.pop(request_id)
-        for key in rc.pending:  # a step that never ran: its checkpoints hold no valid state
+        for key, _ in rc.pending:  # a step that never ran: its checkpoints hold no valid state
             self.pending.discard(key)
             self.slots.drop_checkpoint(key)
         for page in reversed(rc.pages):  # deeper pages become LRU-older than their parents

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from tokenspeed.core.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1  # an output token still on the device (asynchronous scheduling: sampled, not yet read back)
+
+
 class RequestState(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -73,6 +76,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list | None = None
+    num_placeholders: int = 0  # trailing output tokens that are PLACEHOLDER (sampled on the device, not read yet)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids  # prompt + output
@@ -80,6 +84,32 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def append_placeholder(self) -> None:
+        """Append an output token that a launched step samples on the device (asynchronous scheduling): the
+        scheduler can feed it to the next step before its value is known on the host."""
+        self.append_output(PLACEHOLDER)
+        self.num_placeholders += 1
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """Give the oldest placeholder its sampled value."""
+        assert self.num_placeholders > 0, f"request {self.request_id}: no placeholder to resolve"
+        i = len(self.output_token_ids) - self.num_placeholders
+        self.output_token_ids[i] = token_id
+        self.all_token_ids[self.num_prompt_tokens + i] = token_id
+        self.num_placeholders -= 1
+
+    def drop_placeholders(self) -> None:
+        """Forget the unresolved placeholders (the request finished before their steps were read back)."""
+        if self.num_placeholders:
+            del self.output_token_ids[-self.num_placeholders:]
+            del self.all_token_ids[-self.num_placeholders:]
+            self.num_placeholders = 0
+
+    @property
+    def num_known_output_tokens(self) -> int:
+        """Output tokens whose values the host knows (placeholders excluded)."""
+        return len(self.output_token_ids) - self.num_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,12 +14,16 @@ import torch
 
 from tokenspeed.cache import CacheManager
 from tokenspeed.config import EngineConfig
+from dataclasses import dataclass
+
 from tokenspeed.core.request import Request, RequestState
 from tokenspeed.core.sampling_params import RequestError, SamplingParams
 from tokenspeed.engine.memory import kv_cache_torch_dtype, plan_cache, resolve_dtype
 from tokenspeed.engine.outputs import EngineOutput, StepStats
 from tokenspeed.engine.tokenizer import Tokenizer, load_tokenizer
+from tokenspeed.executor.launched import LaunchedStep
 from tokenspeed.executor.runner import ModelRunner, StepOutput
+from tokenspeed.executor.sampler import is_plain_greedy
 from tokenspeed.models import load_model, resolve_config
 from tokenspeed.scheduler import ScheduledBatch, Scheduler
 from tokenspeed.spec.proposer import make_proposer
@@ -54,6 +58,10 @@ class EngineCore:
                            "outputs are not the model's (benchmarking only)", config.spec.speculative_force_accept_length)
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
+        self.async_scheduling = self._use_async_scheduling()
+        self._in_flight: _InFlight | None = None  # async scheduling: the launched step not read back yet
+        self._num_sync_requests = 0  # live requests whose parameters need the synchronous step
+        self.num_async_steps = 0  # steps launched before the previous step's tokens were read (for tests, bench)
         torch.manual_seed(mc.seed)
 
     def _use_cuda_graphs(self) -> bool:
@@ -64,6 +72,14 @@ class EngineCore:
         mc = self.config.model
         return (str(mc.device).startswith("cuda") and not mc.enforce_eager and dispatch.mode() != "reference"
                 and dispatch.triton_available())
+
+    def _use_async_scheduling(self) -> bool:
+        """`async_scheduling`: on / off, or auto = on with CUDA graphs. Never with speculation (the verify step
+        needs the accepted tokens before the next proposal)."""
+        mode = self.config.scheduler.async_scheduling
+        if self.runner.proposer is not None or self.runner.drafter is not None:
+            return False
+        return mode == "on" or (mode == "auto" and bool(self.runner.graphs))
 
     def _drafter(self, plan, dtype: torch.dtype):
         """The EAGLE3 drafter when configured (its cache uses the target's page ids)."""
@@ -107,18 +123,22 @@ class EngineCore:
         eos = () if params.ignore_eos else self.tokenizer.eos_token_ids
         req = Request(request_id, list(prompt_ids), params, eos_token_ids=eos)
         self.requests[request_id] = req
+        if _needs_sync(params):
+            self._num_sync_requests += 1
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request wherever it is (cache released). False if it is unknown or already done."""
         req = self.scheduler.abort(request_id)
-        self.requests.pop(request_id, None)
+        live = self.requests.pop(request_id, None)
+        if live is not None and _needs_sync(live.params):
+            self._num_sync_requests -= 1
         self.runner.release(request_id)
         return req is not None
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     @property
     def num_running(self) -> int:
@@ -130,7 +150,18 @@ class EngineCore:
 
     # ----- the loop -----
     def step(self) -> list[EngineOutput]:
-        """Run one step; returns an output for every request that produced a token or finished."""
+        """Run one step; returns an output for every request that produced a token or finished.
+
+        With asynchronous scheduling the step is launched before the previous one's tokens are read, and the
+        outputs returned are the previous step's (see `_step_async`)."""
+        if self.async_scheduling:
+            if self._can_pipeline():
+                return self._step_async()
+            if self._in_flight is not None:  # the next step needs the host to know every token first
+                return self._read_back(self._take_in_flight())
+        return self._step_sync()
+
+    def _step_sync(self) -> list[EngineOutput]:
         start = time.monotonic()
         batch = self.scheduler.schedule()
         if batch.is_empty:
@@ -202,18 +233,88 @@ class EngineCore:
             ))
         return outputs
 
+    # ----- asynchronous scheduling -----
+    def _can_pipeline(self) -> bool:
+        """Whether the next step may be launched before the host knows the in-flight step's tokens: every live
+        request is plain greedy (its next input is an argmax the device already has), and the pool has pages for
+        a full step's budget plus one per running request, so the schedule cannot preempt (a preempted request
+        would re-enter with a token the host does not know)."""
+        if self._num_sync_requests:
+            return False
+        sc = self.config.scheduler
+        need = -(-sc.max_num_batched_tokens // self.cache.page_size) + len(self.scheduler.running)
+        return self.cache.pages.num_available_pages >= need
+
+    def _step_async(self) -> list[EngineOutput]:
+        """Schedule and launch step N+1 (its decode rows feed step N's tokens on the device), then read step N's
+        tokens while N+1 runs, and return N's outputs. Requests that finish at N have run one row too many in
+        N+1: its token is dropped, and their pages and slots are released now (N+1's writes to them come before
+        any later step's on the stream)."""
+        start = time.monotonic()
+        batch = self.scheduler.schedule()
+        prev = self._take_in_flight()
+        outputs: list[EngineOutput] = []
+        if not batch.is_empty:
+            launched = self.runner.launch(batch, prev.launched if prev is not None else None)
+            computed = []
+            for sr in batch.requests:
+                sr.request.num_computed_tokens += sr.num_new_tokens
+                computed.append(sr.request.num_computed_tokens)
+                if sr.sample:
+                    sr.request.append_placeholder()
+            self._in_flight = _InFlight(batch, launched, computed)
+            if prev is not None:
+                self.num_async_steps += 1
+        if prev is not None:
+            outputs = self._read_back(prev)
+        if not batch.is_empty:
+            self.last_step = self.stats(self._in_flight.launched.num_tokens, len(batch.requests),
+                                        time.monotonic() - start, len(batch.preempted))
+        return outputs
+
+    def _take_in_flight(self) -> "_InFlight | None":
+        step, self._in_flight = self._in_flight, None
+        return step
+
+    def _read_back(self, step: "_InFlight") -> list[EngineOutput]:
+        """Read a launched step's tokens (waits for it), resolve its placeholders, commit its pages, finish."""
+        tokens = iter(step.launched.token_ids())
+        outputs: list[EngineOutput] = []
+        commit = self.cache.commit
+        for sr, computed in zip(step.batch.requests, step.computed, strict=True):
+            req = sr.request
+            token = next(tokens) if sr.sample else None
+            if req.state is not RequestState.RUNNING:  # aborted meanwhile (launched steps never preempt)
+                continue
+            commit(req.request_id, req.all_token_ids, computed)
+            if token is None:
+                continue
+            req.resolve_placeholder(token)
+            if req.stats.first_token_time is None:
+                req.stats.first_token_time = time.monotonic()
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+            outputs.append(EngineOutput.of(req, [token]))
+        return outputs
+
     def _finish_reason(self, req: Request, token_id: int) -> str | None:
         p = req.params
-        if token_id in req.eos_token_ids and len(req.output_token_ids) >= p.min_tokens:
+        num_out = req.num_known_output_tokens
+        if token_id in req.eos_token_ids and num_out >= p.min_tokens:
             return "stop"
-        if token_id in p.stop_token_ids and len(req.output_token_ids) >= p.min_tokens:
+        if token_id in p.stop_token_ids and num_out >= p.min_tokens:
             req.stop_reason = token_id
             return "stop"
-        if len(req.output_token_ids) >= (p.max_tokens or 0) or req.num_tokens >= self.max_model_len:
+        if num_out >= (p.max_tokens or 0) or req.num_tokens - req.num_placeholders >= self.max_model_len:
             return "length"
         return None
 
     def _finish(self, req: Request, reason: str) -> None:
+        req.drop_placeholders()
+        if _needs_sync(req.params):
+            self._num_sync_requests -= 1
+        self.scheduler.forget(req.request_id)
         self.scheduler.running.remove(req)
         self.cache.release(req.request_id)
         self.runner.release(req.request_id)
@@ -221,3 +322,22 @@ class EngineCore:
         req.transition(RequestState.FINISHED)
         req.finish_reason = reason
         req.stats.finished_time = time.monotonic()
+
+
+# ----- asynchronous scheduling -----
+@dataclass
+class _InFlight:
+    """A launched step whose tokens the host has not read."""
+
+    batch: ScheduledBatch
+    launched: LaunchedStep
+    computed: list[int]  # each request's num_computed_tokens right after this step (what `commit` publishes)
+
+
+def _needs_sync(params: SamplingParams | None) -> bool:
+    """Requests that the synchronous step serves: sampling, penalties, logprobs, min_tokens (the sampler reads
+    the host tokens), prompt logprobs."""
+    if params is None:
+        return False
+    return not is_plain_greedy(params, params.min_tokens) or params.min_tokens > 0 \
+        or params.prompt_logprobs is not None

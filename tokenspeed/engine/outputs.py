@@ -41,7 +41,7 @@ class EngineOutput:
         return cls(
             request_id=req.request_id, new_token_ids=new_ids, finished=req.state.is_done,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens, num_output_tokens=len(req.output_token_ids),
+            num_cached_tokens=req.num_cached_tokens, num_output_tokens=req.num_known_output_tokens,
             logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
             queue_time=None if s.first_scheduled_time is None else s.first_scheduled_time - s.arrival_time,
             ttft=None if s.first_token_time is None else s.first_token_time - s.arrival_time,

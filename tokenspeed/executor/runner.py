@@ -12,6 +12,7 @@ from torch import Tensor
 
 from tokenspeed.cache import CachePlan
 from tokenspeed.executor.cuda_graphs import DecodeGraphs
+from tokenspeed.executor.launched import LaunchedStep, device_longs, feed_placeholders
 from tokenspeed.executor.sampler import (
     SamplerInput,
     is_plain_greedy,
@@ -113,9 +114,9 @@ class ModelRunner:
                 self._copy_sequential(src, dst)
             return
         dev = self.buffers.kda_conv[0].device if self.buffers.kda_conv else self.device
-        zero_idx = torch.tensor(zero, dtype=torch.long, device=dev) if zero else None
-        src_idx = torch.tensor([s for s, _ in moves], dtype=torch.long, device=dev) if moves else None
-        dst_idx = torch.tensor([d for _, d in moves], dtype=torch.long, device=dev) if moves else None
+        zero_idx = device_longs(zero, dev) if zero else None
+        src_idx = device_longs([s for s, _ in moves], dev) if moves else None
+        dst_idx = device_longs([d for _, d in moves], dev) if moves else None
         for pool in (*self.buffers.kda_conv, *self.buffers.kda_recurrent):
             if zero_idx is not None:
                 pool.index_fill_(0, zero_idx, 0)
@@ -164,7 +165,7 @@ class ModelRunner:
             logits, captured = self.model(forward, self.buffers, idx, capture_layers=self.drafter.capture_layers)
             features = torch.cat(captured, dim=-1)
         else:
-            logits = self.model(forward, self.buffers, torch.tensor(rows, dtype=torch.long, device=self.device))
+            logits = self.model(forward, self.buffers, device_longs(rows, torch.device(self.device)))
         sampled = self._sample(reqs, logits, row_of, drafts)
         fed = [len(sampled[r.request.request_id]) if r.request.request_id in drafts else len(tokens[i])
                for i, r in enumerate(reqs)]  # positions whose computation counts (accepted ones when verifying)
@@ -179,6 +180,35 @@ class ModelRunner:
         self.copy_states(batch.state_copies_after)
         prompt_lp = self._prompt_logprobs(reqs, logits, row_of)
         return StepOutput(sampled, prompt_lp, forward.num_tokens, {rid: len(d) for rid, d in drafts.items()})
+
+    @torch.no_grad()
+    def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None) -> LaunchedStep:
+        """Queue one plain-greedy step without waiting for it (asynchronous scheduling): the forward, the argmax
+        of each sampling request's last row on the device, and the copy of those tokens to the host. A fed
+        PLACEHOLDER token (a request's last) is `prev`'s sampled token, read on the device. No drafts, no
+        logprobs, no penalties: the engine sends only such batches here. Mutates the cache buffers as `execute`."""
+        self.copy_states(batch.state_copies_before)
+        reqs = batch.requests
+        tokens = [r.new_token_ids for r in reqs]
+        forward = ForwardBatch.build(
+            tokens, [r.num_computed_tokens for r in reqs], [r.page_table for r in reqs], [r.slot for r in reqs],
+            self.buffers.page_size, self.device,
+        )
+        feed_placeholders(forward.input_ids, forward.cu_seqlens_host, tokens,
+                          [r.request.request_id for r in reqs], prev)
+        rows, row_of = self._logits_rows(reqs, forward.cu_seqlens_host, {})
+        graphs = self.graphs.get(forward.uniform_query_len or 0)
+        if graphs is not None and graphs.can_run(forward) and rows == list(range(forward.num_tokens)):
+            logits = graphs.run(forward)
+        else:
+            logits = self.model(forward, self.buffers, device_longs(rows, torch.device(self.device)))
+        todo = [r.request.request_id for r in reqs if r.sample]
+        picked = [row_of[rid][-1] for rid in todo]
+        if picked != list(range(logits.shape[0])):
+            logits = logits.index_select(0, device_longs(picked, logits.device))
+        launched = LaunchedStep.start(todo, logits.argmax(dim=-1), forward.num_tokens)
+        self.copy_states(batch.state_copies_after)
+        return launched
 
     def _drafts(self, r: ScheduledRequest) -> list[int]:
         """The proposer's drafts, padded to the scheduled count with copies of the last one (or of the request's

@@ -37,6 +37,9 @@ class Scheduler:
         self.checkpoint_chunk_ends = checkpoint_chunk_ends
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Asynchronous scheduling: request id -> a page boundary its last step ended on while the tokens it fed
+        # included a placeholder (no hash yet). Planned at the request's next step, before that step's forward.
+        self.deferred_checkpoints: dict[str, int] = {}
 
     @property
     def has_work(self) -> bool:
@@ -44,6 +47,10 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def forget(self, request_id: str) -> None:
+        """Drop per-request scheduling state of a request that has ended (finished or aborted)."""
+        self.deferred_checkpoints.pop(request_id, None)
 
     def abort(self, request_id: str) -> Request | None:
         """Remove a request wherever it is; releases its cache. Returns it, or None if unknown / done."""
@@ -55,6 +62,7 @@ class Scheduler:
                         self.cache.release(request_id)
                     req.transition(RequestState.ABORTED)
                     req.finish_reason = "abort"
+                    self.forget(request_id)
                     return req
         return None
 
@@ -76,8 +84,9 @@ class Scheduler:
             n = boundary - start
         return n
 
-    def _checkpoint(self, batch: ScheduledBatch, req: Request, slot: int, end: int) -> None:
-        """Ask the cache for a checkpoint when the step ends on a page boundary worth resuming from."""
+    def _checkpoint(self, batch: ScheduledBatch, req: Request, slot: int, end: int, before: bool = False) -> None:
+        """Ask the cache for a checkpoint when the step ends on a page boundary worth resuming from (`before`: a
+        deferred one, copied before this step's forward, when the live state is still the state at `end`)."""
         if end % self.page_size:
             return
         prompt_boundary = req.num_prompt_tokens // self.page_size * self.page_size
@@ -89,7 +98,7 @@ class Scheduler:
         else:
             return
         if ckpt is not None:
-            batch.state_copies_after.append((slot, ckpt))
+            (batch.state_copies_before if before else batch.state_copies_after).append((slot, ckpt))
 
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:
         """Draft tokens for a decode step (one new token): the full window, bounded by the context and the budget
@@ -110,8 +119,14 @@ class Scheduler:
             request=req, num_computed_tokens=start, num_new_tokens=n, page_table=self.cache.page_table(rid),
             slot=slot, sample=end == len(req.all_token_ids), num_draft_tokens=drafts,
         ))
+        deferred = self.deferred_checkpoints.pop(rid, None)
+        if deferred == start and start <= req.num_tokens - req.num_placeholders:
+            self._checkpoint(batch, req, slot, start, before=True)
         if not drafts and not end % self.page_size:  # a verify step's end is known only after acceptance
-            self._checkpoint(batch, req, slot, end)
+            if end > req.num_tokens - req.num_placeholders:  # it feeds a token still on the device: no hash yet
+                self.deferred_checkpoints[rid] = end
+            else:
+                self._checkpoint(batch, req, slot, end)
         if req.stats.first_scheduled_time is None:
             req.stats.first_scheduled_time = time.monotonic()
 
@@ -139,6 +154,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         self.running.remove(req)
+        self.forget(req.request_id)
         self.cache.release(req.request_id)
         req.transition(RequestState.PREEMPTED)
         req.num_computed_tokens = 0
