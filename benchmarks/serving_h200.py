@@ -321,12 +321,14 @@ def active_params(model) -> int:
 
 
 @section("engine")
-def engine_overhead(name: str, batch: int, prompt: int, output: int) -> dict:
-    """LLM on the dummy geometry: per-step wall time against the graph replay's GPU time at `batch`."""
+def engine_overhead(name: str, batch: int, prompt: int, output: int, async_scheduling: str = "auto") -> dict:
+    """LLM on the dummy geometry: per-step wall time against the graph replay's GPU time at `batch`, with the
+    asynchronous scheduling mode given (auto: on with graphs; off: every step synchronous)."""
     from tokenspeed import LLM, SamplingParams
 
     llm = LLM(name, device="cuda", load_format="dummy", max_num_seqs=batch, max_model_len=prompt + output + 64,
-              max_num_batched_tokens=8192, chunked_prefill_size=8192, gpu_memory_utilization=0.92)
+              max_num_batched_tokens=8192, chunked_prefill_size=8192, gpu_memory_utilization=0.92,
+              async_scheduling=async_scheduling)
     graphs = llm.engine.runner.graphs[1]
     gpu_ms: list[float] = []
     orig = graphs.run
@@ -354,8 +356,9 @@ def engine_overhead(name: str, batch: int, prompt: int, output: int) -> dict:
     torch.cuda.synchronize()
     gpu_ms = [a.elapsed_time(b) for a, b, n in timed.events if n == batch]
     wall, gpu = statistics.median(walls[3:]), statistics.median(gpu_ms[3:])
-    out = {"geometry": name, "batch": batch, "decode_steps": len(walls), "step_wall_ms": wall, "graph_gpu_ms": gpu,
-           "cpu_overhead_fraction": (wall - gpu) / wall, "total_s": total_s,
+    out = {"geometry": name, "batch": batch, "async_scheduling": llm.engine.async_scheduling,
+           "async_steps": llm.engine.num_async_steps, "decode_steps": len(walls), "step_wall_ms": wall,
+           "graph_gpu_ms": gpu, "cpu_overhead_fraction": (wall - gpu) / wall, "total_s": total_s,
            "output_tok_s": batch * output / total_s}
     log(out)
     del llm
@@ -512,7 +515,8 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         if "engine" not in skip and cfg.attn_res_block_size is None:
-            engine_overhead(name, 64, 256, 64)
+            engine_overhead(name, 64, 256, 64, "off")
+            engine_overhead(name, 64, 256, 64, "auto")
         if "transformers" not in skip and cfg.attn_res_block_size is None:
             hf_reference(name, [1, 16], 128, 32)
     os.makedirs(args.out, exist_ok=True)
