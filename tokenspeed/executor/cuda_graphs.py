@@ -17,9 +17,10 @@ The logits of a replay live in the graph pool and are valid until the next repla
 EAGLE3 drafter the graphs also output the target features of the layers it reads (`last_features`). A verify
 graph also re-registers the KDA replay inputs its capture recorded (`CacheBuffers.replay`), so the runner's
 `replay_kda` after acceptance reads this replay's projections; `replay_state` then advances the KDA state by the
-accepted tokens through a second captured graph per size (one `ops.kda_decode` per KDA layer over the verify
-graph's own recorded rows, the accepted counts in a static device tensor). `use_graphs=False` runs the same padded
-static batches eagerly (the CPU tests check the padding semantics with it).
+accepted tokens through a second captured graph per size (one `ops.kda_replay_layers` launch over all KDA layers
+and the verify graph's own recorded rows, addressed through a layer table built at capture; the accepted counts in
+a static device tensor). `use_graphs=False` runs the same padded static batches eagerly (the CPU tests check
+the padding semantics with it).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor
 
 from tokenspeed.models import CacheBuffers, ForwardBatch, KimiForCausalLM
+from tokenspeed.ops import KdaLayerTable
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ class DecodeGraphs:
         self.outputs: dict[int, Tensor] = {}
         self.features: dict[int, Tensor] = {}  # EAGLE3: [bs * query_len, num_aux * hidden] captured features
         self.replay_inputs: dict[int, dict] = {}  # verify: the KDA replay inputs each size's capture recorded
+        self.replay_tables: dict[int, KdaLayerTable | None] = {}  # verify: each size's KDA layer table
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         q = self.query_len
@@ -113,12 +116,18 @@ class DecodeGraphs:
         return logits
 
     def _replay(self, bs: int) -> None:
-        self.model.replay_kda(self.buffers, self._static_batch(bs), self.num_accepted[:bs])
+        """The KDA state replay of size bs: one `ops.kda_replay_layers` over all KDA layers, through the table
+        built at capture (a graph's recorded inputs keep their addresses) or, eagerly, a fresh one."""
+        self.model.replay_kda(self.buffers, self._static_batch(bs), self.num_accepted[:bs],
+                              table=self.replay_tables.get(bs))
 
     def _capture_replay(self, bs: int, pool, stream: torch.cuda.Stream) -> None:
         """Capture the KDA state replay that follows a verify graph of size bs (static slots are all -1 while
-        capturing, so the warm-up touches no state)."""
+        capturing, so the warm-up touches no state). Its layer table (device offsets of the verify graph's recorded
+        inputs, weights and pools) is built here, outside the capture, and read by every replay of the graph."""
         with torch.cuda.stream(stream):
+            self.buffers.replay.update(self.replay_inputs[bs])
+            self.replay_tables[bs] = self.model.kda_replay_table(self.buffers)
             for _ in range(2):
                 self.buffers.replay.update(self.replay_inputs[bs])
                 self._replay(bs)

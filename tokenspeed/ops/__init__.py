@@ -352,6 +352,8 @@ def kda_prefill(
 
 __all__ = [
     "Activation",
+    "KdaLayerTable",
+    "KdaLayerTensors",
     "apply_rope",
     "attn_res_mix",
     "attn_res_mix_rms_norm",
@@ -360,12 +362,10 @@ __all__ = [
     "gated_rms_norm",
     "kda_chunk",
     "kda_decode",
-    "KdaLayerTable",
-    "KdaLayerTensors",
-    "kda_replay_layers",
     "kda_gate",
     "kda_prefill",
     "kda_recurrent",
+    "kda_replay_layers",
     "kda_scan",
     "l2_normalize",
     "linear",

@@ -81,9 +81,10 @@ class KDAAttention(nn.Module):
 
         Commit mode (default): advances the KDA state of batch.kda_slots in place. Verify mode
         (`batch.verify`): reads the states but leaves them untouched, and records in `cache.replay[cache_index]`
-        what `replay` needs to advance them later by the accepted tokens only. Batches where every sequence has
-        the same few new tokens (decode, verify) run the fused `ops.kda_decode` (one launch, graph-safe); others
-        (prefill chunks, mixed steps) compose conv, gate and `ops.kda_scan`.
+        what the model's replay (`replay_kda`, through `replay_tensors`) needs to advance them later by the accepted
+        tokens only. Batches where every sequence has the same few new tokens (decode, verify) run the fused
+        `ops.kda_decode` (one launch, graph-safe); others (prefill chunks, mixed steps) compose conv, gate and
+        `ops.kda_scan`.
         """
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
         projected = self.qkv_proj(x)
@@ -112,14 +113,11 @@ class KDAAttention(nn.Module):
         o = ops.gated_rms_norm(o, self.output_gate(x).view(t, h, hd), self.o_norm.weight, self.eps)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
 
-    def replay(self, cache: CacheBuffers, batch: ForwardBatch, num_accepted: Tensor) -> None:
-        """Advance the committed state of each sequence of a verified `batch` by its first num_accepted[n] tokens.
-
-        num_accepted: [N] int64 on the device (0 <= a_n <= q_len_n). Reads the inputs the verify forward recorded
-        in place (no gather, no projection recomputed): one fused `ops.kda_decode` over the verify batch's rows,
-        each sequence cut to its accepted count. Mutates the conv and recurrent state of batch.kda_slots.
-        """
-        rec = cache.replay.pop(self.cache_index)
-        ops.kda_decode(rec.projected, rec.f, rec.b, self.conv_weight, cache.kda_conv[self.cache_index], self.A_log,
-                       self.dt_bias, cache.kda_recurrent[self.cache_index], batch.kda_slots, batch.cu_seqlens,
-                       lower_bound=self.lower_bound, scale=1.0, update_state=True, seq_lens=num_accepted)
+    def replay_tensors(self, cache: CacheBuffers) -> ops.KdaLayerTensors:
+        """This layer's part of the KDA state replay after a verify forward (`ops.kda_replay_layers`): the inputs
+        that verification recorded in `cache.replay[cache_index]` (read in place: no gather, no projection
+        recomputed), this layer's weights and its conv / recurrent pools (what the replay mutates, at the batch's
+        slots). Raises KeyError when no verification was recorded for this layer."""
+        rec = cache.replay[self.cache_index]
+        return ops.KdaLayerTensors(rec.projected, rec.f, rec.b, self.conv_weight, cache.kda_conv[self.cache_index],
+                                   self.A_log, self.dt_bias, cache.kda_recurrent[self.cache_index])

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from tokenspeed import ops
 from tokenspeed.distributed import ParallelContext
 from tokenspeed.models.batch import CacheBuffers, ForwardBatch
 from tokenspeed.models.config import KimiConfig
@@ -112,15 +113,41 @@ class KimiForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def replay_kda(self, cache: CacheBuffers, batch: ForwardBatch, num_accepted: Sequence[int] | Tensor) -> None:
+    def _kda_replay_layers(self, cache: CacheBuffers) -> list[ops.KdaLayerTensors]:
+        """Every KDA layer's replay tensors (`KDAAttention.replay_tensors`), in layer order (host only)."""
+        return [layer.self_attn.replay_tensors(cache) for layer in self.model.layers
+                if hasattr(layer.self_attn, "replay_tensors")]
+
+    def kda_replay_table(self, cache: CacheBuffers) -> ops.KdaLayerTable | None:
+        """The layer table of a KDA state replay of the verification now recorded in `cache.replay` (None when the
+        model has no KDA layer). Host work plus one small host -> device copy: build it outside CUDA-graph capture
+        (a verify graph's recorded inputs keep their addresses, so one table per captured size serves every
+        replay) and pass it to `replay_kda`."""
+        layers = self._kda_replay_layers(cache)
+        return ops.KdaLayerTable.build(layers) if layers else None
+
+    def replay_kda(self, cache: CacheBuffers, batch: ForwardBatch, num_accepted: Sequence[int] | Tensor,
+                   table: ops.KdaLayerTable | None = None) -> None:
         """After a verify forward of `batch`: advance every KDA layer's committed state of each sequence by its
         first num_accepted[n] tokens (N host ints, or an [N] int64 device tensor: then no host work, graph-safe),
-        from the inputs the verification recorded (`cache.replay`, consumed)."""
+        from the inputs the verification recorded (`cache.replay`, consumed): one `ops.kda_replay_layers` over all
+        KDA layers (one launch on CUDA when the layers are uniform). `table`: a prebuilt `kda_replay_table` of the
+        same recorded tensors (required inside CUDA-graph capture; ValueError if it was built from others);
+        None builds one now."""
+        layers = self._kda_replay_layers(cache)
+        if not layers:
+            return
+        if table is None:
+            table = ops.KdaLayerTable.build(layers)
+        elif not table.matches(layers):
+            raise ValueError("the KDA replay table was built from other tensors than the recorded verification's")
         accepted = num_accepted if isinstance(num_accepted, Tensor) else torch.tensor(
             list(num_accepted), dtype=torch.int64, device=batch.cu_seqlens.device)
+        ops.kda_replay_layers(table, batch.kda_slots, batch.cu_seqlens, accepted,
+                              lower_bound=self.config.gate_lower_bound)
         for layer in self.model.layers:
-            if hasattr(layer.self_attn, "replay"):
-                layer.self_attn.replay(cache, batch, accepted)
+            if hasattr(layer.self_attn, "replay_tensors"):
+                cache.replay.pop(layer.self_attn.cache_index)
 
     def forward(
         self,
