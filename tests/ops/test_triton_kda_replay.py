@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.ops.test_triton_kda_decode import make, tails_intact
-from tests.ops.triton_env import cpu_interp, rel_err  # sets up Triton first
+from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # sets up Triton first
 from tokenspeed import ops
 from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors, layer_offsets
 
@@ -173,3 +173,40 @@ def test_layer_offsets_host_checks():
     assert table.offsets.shape == (2, 8) and table.offsets.dtype == torch.int64 and not table.offsets[0].any()
     assert table.matches([tensors(x) for x in inp])
     assert not table.matches([tensors(x) for x in reversed(inp)])
+
+
+# ----------------------------------------------------------------------------- GPU (bf16, Kimi-Linear shapes)
+@needs_cuda
+@pytest.mark.parametrize("N", [1, 8])
+def test_multi_layer_replay_graph_gpu(N):
+    """kimi-linear-48b-a3b replay shapes (20 KDA layers, 32 heads, head dim 128, k = 4): the multi-layer launch,
+    captured in a CUDA graph with its table built before capture, equals 20 per-layer Triton replays."""
+    from tokenspeed.ops.triton.kda_decode import kda_decode, kda_replay_layers
+
+    L, H, D, k, S = 20, 32, 128, 4, 2 * N + 3
+    lens = [k] * N
+    slots = list(range(1, N + 1))
+    acc = torch.tensor([(n % (k + 1)) for n in range(N)] if N > 1 else [3], device="cuda")
+    layers = [make(lens, H, D, torch.bfloat16, "cuda", slots=slots, num_slots=S, seed=l) for l in range(L)]
+    want = [dict(x, conv_state=x["conv_state"].clone(), state=x["state"].clone()) for x in layers]
+    for x in want:
+        kda_decode(**x, lower_bound=LOWER, scale=1.0, update_state=True, seq_lens=acc)
+    table = KdaLayerTable.build([tensors(x) for x in layers], strict=True)
+    si, cu = layers[0]["state_indices"], layers[0]["cu_seqlens"]
+    before = pools(layers)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles), then restore the pools
+        kda_replay_layers(table, si, cu, acc, lower_bound=LOWER)
+    torch.cuda.current_stream().wait_stream(side)
+    for x, (cs, st) in zip(layers, zip(before[::2], before[1::2])):
+        x["conv_state"].copy_(cs)
+        x["state"].copy_(st)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kda_replay_layers(table, si, cu, acc, lower_bound=LOWER)
+    graph.replay()
+    torch.cuda.synchronize()
+    for x, w in zip(layers, want):
+        assert rel_err(x["state"][slots], w["state"][slots]) < 1e-5
+        assert torch.equal(x["conv_state"][slots], w["conv_state"][slots])
