@@ -295,16 +295,48 @@ def prefill(model, name: str, tokens: int, matmul_tflops: float | None) -> dict:
         model(fb, buf, last)
 
     ms = cuda_ms(step, iters=5, warmup=2)
+    kernel_ms = _kernel_ms(step)
+    copies_ms = _with_qkv_copies(lambda: cuda_ms(step, iters=5, warmup=2))
     active = active_params(model)
     attn = sum(4 * tokens * tokens / 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
                for _ in cfg.mla_layers)
     flops = 2 * active * tokens + attn
     rate = flops / ms / 1e9
-    out = {"geometry": name, "tokens": tokens, "ms": ms, "tok_s": tokens / ms * 1e3, "tflops": rate,
+    out = {"geometry": name, "tokens": tokens, "ms": ms, "kernel_ms": kernel_ms, "ms_with_qkv_copies": copies_ms,
+           "tok_s": tokens / ms * 1e3, "tflops": rate,
            "active_params": active, "fraction_of_matmul": rate / matmul_tflops if matmul_tflops else None}
     log(out)
     torch.cuda.empty_cache()
     return out
+
+
+def _kernel_ms(fn) -> float:
+    """Summed device time of the kernels of one call of fn (torch.profiler), to set against its wall time."""
+    from torch.profiler import ProfilerActivity
+
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    return sum(getattr(e, "device_time_total", 0) or 0 for e in kernels) / 1e3
+
+
+def _with_qkv_copies(fn):
+    """fn() with KDA prefill's conv writing a plain [T, C] output that is then copied into the grouped q/k/v
+    buffer (the layout before q, k, v came out of the conv contiguous): an A/B of that change in one run."""
+    from tokenspeed import ops
+
+    orig = ops.causal_conv1d
+
+    def plain(x, w, cs, si, cu, activation="silu", *, out=None):
+        y = orig(x, w, cs, si, cu, activation)
+        return y if out is None else out.copy_(y.view(out.shape))
+
+    ops.causal_conv1d = plain
+    try:
+        return fn()
+    finally:
+        ops.causal_conv1d = orig
 
 
 def active_params(model) -> int:
@@ -361,7 +393,8 @@ def engine_overhead(name: str, batch: int, prompt: int, output: int, async_sched
            "graph_gpu_ms": gpu, "cpu_overhead_fraction": (wall - gpu) / wall, "total_s": total_s,
            "output_tok_s": batch * output / total_s}
     log(out)
-    del llm
+    graphs.run = orig  # break the graphs -> timed -> graphs cycle so the engine is freed before the next one
+    del llm, graphs, orig, timed
     gc.collect()
     torch.cuda.empty_cache()
     return out

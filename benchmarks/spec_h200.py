@@ -126,7 +126,8 @@ def breakdown(llm: LLM, prompt_ids: list[int], params: SamplingParams, cuda: boo
     step_ms, ms_per_token = [], []
     while engine.has_work:
         t = time.perf_counter()
-        decoding = engine.requests["breakdown"].num_computed_tokens >= len(prompt_ids)
+        req = engine.requests.get("breakdown")  # gone once finished (async scheduling: one step still in flight)
+        decoding = req is None or req.num_computed_tokens >= len(prompt_ids)
         if decoding:
             profile.enable()
         outs = engine.step()

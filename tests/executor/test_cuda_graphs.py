@@ -91,9 +91,13 @@ def _record_proposals(llm: LLM) -> list[dict]:
     return seen
 
 
+GPU_PAGES = 512  # a fixed cache on the GPU: an engine's size must not depend on what earlier tests left allocated
+
+
 def _greedy(model: str, device: str, **options) -> list[list[int]]:
     if device == "cuda":
-        torch.cuda.empty_cache()  # the budget is a fraction of the device: free what earlier tests cached
+        torch.cuda.empty_cache()
+        options.setdefault("num_pages", GPU_PAGES)
     llm = LLM(model, device=device, dtype="float32", max_num_seqs=8, **options)
     params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
@@ -116,7 +120,7 @@ def test_graphs_capture_and_equal_eager_and_cpu(tiny_dir: str, spec: dict) -> No
     """Decode graphs, and with speculation verify graphs plus the captured KDA replay graphs (EAGLE3: the verify
     graphs also output the drafter's target features)."""
     torch.cuda.empty_cache()
-    llm = LLM(tiny_dir, device="cuda", dtype="float32", max_num_seqs=8, **spec)
+    llm = LLM(tiny_dir, device="cuda", dtype="float32", max_num_seqs=8, num_pages=GPU_PAGES, **spec)
     sizes = llm.engine.runner.graphs[1].sizes
     replay_sizes = sorted(llm.engine.runner.graphs[4].replay_graphs) if spec else None
     _release(llm)  # before asserting: a failure's traceback must not keep the engine's memory alive
@@ -133,7 +137,7 @@ def test_default_model_graphs_equal_cpu() -> None:
     """The default model (KDA head dim 48: the fused kernel's padded lanes) captures decode graphs and gives the
     CPU reference's greedy tokens."""
     torch.cuda.empty_cache()
-    llm = LLM(default_model_path(), device="cuda", dtype="float32", max_num_seqs=4)
+    llm = LLM(default_model_path(), device="cuda", dtype="float32", max_num_seqs=4, num_pages=GPU_PAGES)
     assert 1 in llm.engine.runner.graphs
     _release(llm)
     assert _greedy(default_model_path(), "cuda") == _greedy(default_model_path(), "cpu")
