@@ -353,9 +353,10 @@ def active_params(model) -> int:
 
 
 @section("engine")
-def engine_overhead(name: str, batch: int, prompt: int, output: int, async_scheduling: str = "auto") -> dict:
+def engine_overhead(name: str, batch: int, prompt: int, output: int, async_scheduling: str = "auto",
+                    temperature: float = 0.0) -> dict:
     """LLM on the dummy geometry: per-step wall time against the graph replay's GPU time at `batch`, with the
-    asynchronous scheduling mode given (auto: on with graphs; off: every step synchronous)."""
+    asynchronous scheduling mode given (auto: on with graphs; off: every step synchronous), greedy or sampled."""
     from tokenspeed import LLM, SamplingParams
 
     llm = LLM(name, device="cuda", load_format="dummy", max_num_seqs=batch, max_model_len=prompt + output + 64,
@@ -376,7 +377,8 @@ def engine_overhead(name: str, batch: int, prompt: int, output: int, async_sched
     timed.events = []
     graphs.run = timed
     for i in range(batch):
-        llm.add_request(list(range(100 + i, 100 + i + prompt)), SamplingParams(max_tokens=output, ignore_eos=True))
+        llm.add_request(list(range(100 + i, 100 + i + prompt)),
+                        SamplingParams(max_tokens=output, ignore_eos=True, temperature=temperature, top_p=0.95))
     walls = []
     t0 = time.perf_counter()
     while llm.engine.has_work:
@@ -388,7 +390,7 @@ def engine_overhead(name: str, batch: int, prompt: int, output: int, async_sched
     torch.cuda.synchronize()
     gpu_ms = [a.elapsed_time(b) for a, b, n in timed.events if n == batch]
     wall, gpu = statistics.median(walls[3:]), statistics.median(gpu_ms[3:])
-    out = {"geometry": name, "batch": batch, "async_scheduling": llm.engine.async_scheduling,
+    out = {"geometry": name, "batch": batch, "temperature": temperature, "async_scheduling": llm.engine.async_scheduling,
            "async_steps": llm.engine.num_async_steps, "decode_steps": len(walls), "step_wall_ms": wall,
            "graph_gpu_ms": gpu, "cpu_overhead_fraction": (wall - gpu) / wall, "total_s": total_s,
            "output_tok_s": batch * output / total_s}
@@ -550,6 +552,7 @@ def main() -> None:
         if "engine" not in skip and cfg.attn_res_block_size is None:
             engine_overhead(name, 64, 256, 64, "off")
             engine_overhead(name, 64, 256, 64, "auto")
+            engine_overhead(name, 64, 256, 64, "auto", temperature=0.8)
         if "transformers" not in skip and cfg.attn_res_block_size is None:
             hf_reference(name, [1, 16], 128, 32)
     os.makedirs(args.out, exist_ok=True)

@@ -4,8 +4,8 @@ tokens, keeps the cache exact, and falls back to the synchronous step when it mu
 Scenarios (CPU, tiny presets, fp32; `async_scheduling="on"` forces it without CUDA graphs): a batch of 16 mixed
 lengths with chunked prefill (both presets), with steps actually launched ahead; stop tokens that end requests
 mid-run (the extra row is dropped); multi-turn sessions whose later turns hit the prefix cache through the deferred
-decode checkpoints, with the sync run's tokens and cached-token counts; sampling / logprobs requests in the mix
-(the engine falls back to synchronous steps while they live); aborts of requests in flight; 200 requests through a
+decode checkpoints, with the sync run's tokens and cached-token counts; seeded sampled requests chosen on the
+device with the sync run's tokens; penalty / logprobs requests in the mix (synchronous steps while they live); aborts of requests in flight; 200 requests through a
 small cache (preemption pressure: pipelining pauses) with integrity after every step and every page free at the end.
 """
 
@@ -95,14 +95,30 @@ def test_multi_turn_prefix_hits_match_sync() -> None:
     # may lose its last decode checkpoint (one page recomputed); every later turn still hits the cache
 
 
-def test_sampling_and_logprobs_requests_fall_back_to_sync() -> None:
+def test_seeded_sampling_runs_async_with_the_sync_tokens() -> None:
+    """Seeded temperature / top-k / top-p requests are chosen on the device: the same tokens as synchronous steps
+    (one draw per step from each request's own generator), mixed with greedy rows."""
+    prompts = _prompts(6, 6)
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=3, max_tokens=9),
+              SamplingParams(temperature=1.2, top_k=20, seed=4, max_tokens=7),
+              SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, seed=5, max_tokens=10), GREEDY,
+              SamplingParams(temperature=1.0, seed=6, max_tokens=5)]
+    expected = _run(_llm(mode="off"), prompts, params)
+    llm = _llm()
+    assert _run(llm, prompts, params) == expected
+    assert llm.engine.num_async_steps > 5
+    _all_free(llm)
+
+
+def test_penalty_and_logprobs_requests_fall_back_to_sync() -> None:
     prompts = _prompts(6, 3)
-    params = [GREEDY] * 4 + [SamplingParams(temperature=0.8, seed=3, max_tokens=8),
+    params = [GREEDY] * 4 + [SamplingParams(temperature=0.8, seed=3, max_tokens=8, repetition_penalty=1.3),
                              GREEDY.clone(logprobs=2)]
     expected = _run(_llm(mode="off"), prompts, params)
     llm = _llm()
     assert _run(llm, prompts, params) == expected
-    # with only plain greedy requests left the engine pipelines again
+    assert llm.engine.num_async_steps == 0  # a penalty / logprobs request was live throughout
+    # with only plain requests left the engine pipelines again
     assert _run(llm, prompts[:4], GREEDY) == expected[:4]
     assert llm.engine.num_async_steps > 0
     _all_free(llm)

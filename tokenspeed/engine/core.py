@@ -23,7 +23,7 @@ from tokenspeed.engine.outputs import EngineOutput, StepStats
 from tokenspeed.engine.tokenizer import Tokenizer, load_tokenizer
 from tokenspeed.executor.launched import LaunchedStep
 from tokenspeed.executor.runner import ModelRunner, StepOutput
-from tokenspeed.executor.sampler import is_plain_greedy
+from tokenspeed.executor.sampler import samples_on_device
 from tokenspeed.models import load_model, resolve_config
 from tokenspeed.scheduler import ScheduledBatch, Scheduler
 from tokenspeed.spec.proposer import make_proposer
@@ -235,8 +235,8 @@ class EngineCore:
 
     # ----- asynchronous scheduling -----
     def _can_pipeline(self) -> bool:
-        """Whether the next step may be launched before the host knows the in-flight step's tokens: every live
-        request is plain greedy (its next input is an argmax the device already has), and the pool has pages for
+        """Whether the next step may be launched before the host knows the in-flight step's tokens: no live
+        request needs its host tokens to sample (`_needs_sync`), and the pool has pages for
         a full step's budget plus one per running request, so the schedule cannot preempt (a preempted request
         would re-enter with a token the host does not know)."""
         if self._num_sync_requests:
@@ -335,9 +335,8 @@ class _InFlight:
 
 
 def _needs_sync(params: SamplingParams | None) -> bool:
-    """Requests that the synchronous step serves: sampling, penalties, logprobs, min_tokens (the sampler reads
-    the host tokens), prompt logprobs."""
+    """Requests that the synchronous step serves: penalties, min_tokens (the sampler reads the host tokens),
+    logprobs and prompt logprobs. Greedy and plain sampled (temperature, top-k/p, min-p, seeds) requests do not."""
     if params is None:
         return False
-    return not is_plain_greedy(params, params.min_tokens) or params.min_tokens > 0 \
-        or params.prompt_logprobs is not None
+    return not samples_on_device(params) or params.prompt_logprobs is not None

@@ -19,6 +19,7 @@ from tokenspeed.executor.sampler import (
     make_generator,
     prompt_logprobs_chunk,
     sample,
+    sample_on_device,
 )
 from tokenspeed.models import CacheBuffers, ForwardBatch, KimiForCausalLM
 from tokenspeed.scheduler.batch import ZERO_SLOT, ScheduledBatch, ScheduledRequest
@@ -183,10 +184,11 @@ class ModelRunner:
 
     @torch.no_grad()
     def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None) -> LaunchedStep:
-        """Queue one plain-greedy step without waiting for it (asynchronous scheduling): the forward, the argmax
-        of each sampling request's last row on the device, and the copy of those tokens to the host. A fed
-        PLACEHOLDER token (a request's last) is `prev`'s sampled token, read on the device. No drafts, no
-        logprobs, no penalties: the engine sends only such batches here. Mutates the cache buffers as `execute`."""
+        """Queue one step without waiting for it (asynchronous scheduling): the forward, each sampling request's
+        token chosen on the device from its last row (`sampler.sample_on_device`: argmax, or one filtered draw),
+        and the copy of those tokens to the host. A fed PLACEHOLDER token (a request's last) is `prev`'s sampled
+        token, read on the device. No drafts, penalties, min_tokens or logprobs: the engine sends only such batches
+        here. Mutates the cache buffers as `execute`."""
         self.copy_states(batch.state_copies_before)
         reqs = batch.requests
         tokens = [r.new_token_ids for r in reqs]
@@ -202,13 +204,24 @@ class ModelRunner:
             logits = graphs.run(forward)
         else:
             logits = self.model(forward, self.buffers, device_longs(rows, torch.device(self.device)))
-        todo = [r.request.request_id for r in reqs if r.sample]
-        picked = [row_of[rid][-1] for rid in todo]
+        todo = [r.request for r in reqs if r.sample]
+        picked = [row_of[req.request_id][-1] for req in todo]
         if picked != list(range(logits.shape[0])):
             logits = logits.index_select(0, device_longs(picked, logits.device))
-        launched = LaunchedStep.start(todo, logits.argmax(dim=-1), forward.num_tokens)
+        if all(req.params.greedy for req in todo):
+            ids = logits.argmax(dim=-1)
+        else:
+            ids = sample_on_device(logits, [self._sampler_input(req) for req in todo])
+        launched = LaunchedStep.start([req.request_id for req in todo], ids, forward.num_tokens)
         self.copy_states(batch.state_copies_after)
         return launched
+
+    def _sampler_input(self, req) -> SamplerInput:
+        """The sampler row of `req` (its random stream created on first use and kept across steps)."""
+        if req.request_id not in self.generators:
+            self.generators[req.request_id] = make_generator(req.params.seed)
+        return SamplerInput(req.params, req.prompt_token_ids, req.output_token_ids, self.generators[req.request_id],
+                            req.eos_token_ids)
 
     def _drafts(self, r: ScheduledRequest) -> list[int]:
         """The proposer's drafts, padded to the scheduled count with copies of the last one (or of the request's

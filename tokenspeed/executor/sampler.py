@@ -83,17 +83,45 @@ def sample(logits: Tensor, rows: Sequence[SamplerInput]) -> SampleOutput:
     raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else logits  # unused unless asked
     processed = apply_penalties(logits, rows)
     processed = mask_min_tokens(processed, rows)
+    return _gather_logprobs(raw_logprobs, _choose(processed, rows), rows)
 
-    token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+
+def sample_on_device(logits: Tensor, rows: Sequence[SamplerInput]) -> Tensor:
+    """The tokens `sample` would choose, as an [B] int64 tensor on logits' device, without a host
+    synchronisation (asynchronous scheduling), for rows with no penalty, no min_tokens mask and no logprobs
+    (`samples_on_device`); their output tokens are not read. Generators of sampled rows advance by one draw."""
+    if not all(samples_on_device(row.params) for row in rows):
+        raise ValueError("sample_on_device: a row needs penalties, min_tokens or logprobs (use `sample`)")
+    return _choose(logits.float(), rows)
+
+
+def samples_on_device(p: SamplingParams) -> bool:
+    """True when a request's tokens can be chosen without its output tokens or a host read-back: no penalty, no
+    min_tokens, no logprobs."""
+    return not _has_penalty(p) and p.min_tokens == 0 and p.logprobs is None
+
+
+def _choose(processed: Tensor, rows: Sequence[SamplerInput]) -> Tensor:
+    """[B] int64 on processed's device: argmax for greedy rows, one filtered draw for the others (index tensors go
+    to the device pinned and non-blocking: no host synchronisation)."""
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
-    if greedy:
-        token_ids[greedy] = processed[greedy].argmax(dim=-1)
-    if sampled:
-        params = [rows[i].params for i in sampled]
-        uniforms = _draw_uniforms([rows[i].generator for i in sampled], logits.device)
-        token_ids[sampled] = sample_filtered(processed[sampled], params, uniforms)
-    return _gather_logprobs(raw_logprobs, token_ids, rows)
+    if not sampled:
+        return processed.argmax(dim=-1)
+    params = [rows[i].params for i in sampled]
+    uniforms = _draw_uniforms([rows[i].generator for i in sampled], processed.device)
+    if len(sampled) == len(rows):
+        return sample_filtered(processed, params, uniforms)
+    idx = _to_device(sampled, torch.long, processed.device)
+    token_ids = processed.argmax(dim=-1)
+    return token_ids.index_copy_(0, idx, sample_filtered(processed.index_select(0, idx), params, uniforms))
+
+
+def _to_device(values, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small host list / tensor on `device` without a host synchronisation (pinned, non-blocking on CUDA)."""
+    host = values if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def apply_penalties(logits: Tensor, rows: Sequence[SamplerInput]) -> Tensor:
@@ -146,7 +174,7 @@ def sample_filtered(logits: Tensor, params: Sequence[SamplingParams], uniforms: 
     Needs at least one finite logit per row. `logits` is not modified.
     """
     device, vocab = logits.device, logits.shape[1]
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)[:, None]
+    temperature = _to_device([p.temperature for p in params], torch.float32, device)[:, None]
     # Subtract the row max before dividing so a tiny temperature cannot overflow to inf (inf - inf = nan).
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if all((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1 and p.min_p <= 0 for p in params):
@@ -154,18 +182,18 @@ def sample_filtered(logits: Tensor, params: Sequence[SamplingParams], uniforms: 
     sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
     positions = torch.arange(vocab, device=device)[None, :]
 
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)[:, None]
+    top_k = _to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)[:, None]
     sorted_logits = sorted_logits.masked_fill(positions >= top_k, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
 
     # top-p: keep token j while the mass strictly before it is < top_p (position 0 always stays).
     # top_p == 1 disables the cut (fp32 cumsum may exceed 1 and would drop tail tokens otherwise).
-    top_p = torch.tensor([p.top_p if p.top_p < 1 else float("inf") for p in params], device=device)[:, None]
+    top_p = _to_device([p.top_p if p.top_p < 1 else float("inf") for p in params], torch.float32, device)[:, None]
     mass_before = torch.cumsum(probs, dim=-1) - probs
     probs = probs.masked_fill(mass_before >= top_p, 0.0)
 
     # min-p: the ratio p / p_max does not change under renormalisation; p_max is position 0.
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)[:, None]
+    min_p = _to_device([p.min_p for p in params], torch.float32, device)[:, None]
     probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)
 
     # Kept tokens are a prefix of the sorted order.
@@ -262,7 +290,7 @@ def _draw_uniforms(generators: Sequence[torch.Generator | None], device: torch.d
     for i, g in enumerate(generators):
         if g is not None:
             values[i] = torch.rand((), generator=g, dtype=torch.float64, device=g.device).item()
-    return values.to(device)
+    return _to_device(values, torch.float64, device)
 
 
 def _top_n(logprobs: Tensor, n: int) -> list[list[tuple[int, float]]]:
