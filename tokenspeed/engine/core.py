@@ -1,4 +1,6 @@
-"""The engine core: one loop of schedule -> execute -> update, plus request intake and abort.
+"""The engine core: one loop of schedule -> execute -> update, plus request intake and abort. With asynchronous
+scheduling the loop is schedule N+1 -> launch N+1 -> read back N: the host work of one step overlaps the GPU work
+of the previous (`docs/gpu.md`).
 
 Owns the model runner, the scheduler and the cache manager, and speaks tokens only: text (tokenization, stop
 strings, detokenization) is the `OutputProcessor`'s job, in the caller's process. Single-threaded: callers (the
