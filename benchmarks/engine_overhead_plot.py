@@ -13,7 +13,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def main() -> None:
@@ -23,8 +23,8 @@ def main() -> None:
     args = ap.parse_args()
     data = json.loads(Path(args.json).read_text())
     runs = data["sections"]["engine"]
-    labels = [f"{'async' if r['async_scheduling'] else 'sync'}\n{'greedy' if not r.get('temperature') else 'T=%g' % r['temperature']}"
-              for r in runs]
+    labels = [f"{'async' if r['async_scheduling'] else 'sync'}\n"
+              + ("greedy" if not r.get("temperature") else f"T={r['temperature']:g}") for r in runs]
     x = range(len(runs))
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.bar([i - 0.2 for i in x], [r["step_wall_ms"] for r in runs], 0.4, label="engine step (wall)")

@@ -47,7 +47,7 @@ def _all_free(llm: LLM) -> None:
 def test_mixed_batch_equals_sync(model: str) -> None:
     prompts = _prompts(16, 1)
     params = [GREEDY.clone(max_tokens=random.Random(i).randint(1, 12)) for i in range(16)]
-    kw = dict(chunked_prefill_size=16, max_num_batched_tokens=48)
+    kw = {"chunked_prefill_size": 16, "max_num_batched_tokens": 48}
     expected = _run(_llm(model, "off", **kw), prompts, params)
     llm = _llm(model, **kw)
     assert llm.engine.async_scheduling

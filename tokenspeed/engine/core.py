@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from tokenspeed.cache import CacheManager
 from tokenspeed.config import EngineConfig
-from dataclasses import dataclass
-
 from tokenspeed.core.request import Request, RequestState
 from tokenspeed.core.sampling_params import RequestError, SamplingParams
 from tokenspeed.engine.memory import kv_cache_torch_dtype, plan_cache, resolve_dtype
@@ -274,11 +273,11 @@ class EngineCore:
                                         time.monotonic() - start, len(batch.preempted))
         return outputs
 
-    def _take_in_flight(self) -> "_InFlight | None":
+    def _take_in_flight(self) -> _InFlight | None:
         step, self._in_flight = self._in_flight, None
         return step
 
-    def _read_back(self, step: "_InFlight") -> list[EngineOutput]:
+    def _read_back(self, step: _InFlight) -> list[EngineOutput]:
         """Read a launched step's tokens (waits for it), resolve its placeholders, commit its pages, finish."""
         tokens = iter(step.launched.token_ids())
         outputs: list[EngineOutput] = []

@@ -15,15 +15,7 @@ import torch
 from torch import Tensor
 
 from tokenspeed.core.request import PLACEHOLDER
-
-
-def device_longs(values: Sequence[int], device: torch.device) -> Tensor:
-    """int64 [len(values)] on `device` without a host synchronisation (a pinned buffer and a non-blocking copy on
-    CUDA; a plain tensor on the CPU)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.long, device=device)
-    host = torch.tensor(values, dtype=torch.long, pin_memory=True)
-    return host.to(device, non_blocking=True)
+from tokenspeed.executor.h2d import device_longs
 
 
 @dataclass
@@ -37,7 +29,7 @@ class LaunchedStep:
     _event: torch.cuda.Event | None = None
 
     @classmethod
-    def start(cls, request_ids: list[str], token_ids: Tensor, num_tokens: int) -> "LaunchedStep":
+    def start(cls, request_ids: list[str], token_ids: Tensor, num_tokens: int) -> LaunchedStep:
         """Queue the device -> host copy of `token_ids` behind the step's kernels; returns immediately."""
         step = cls(request_ids, token_ids, num_tokens)
         if token_ids.is_cuda:

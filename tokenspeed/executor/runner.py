@@ -12,7 +12,8 @@ from torch import Tensor
 
 from tokenspeed.cache import CachePlan
 from tokenspeed.executor.cuda_graphs import DecodeGraphs
-from tokenspeed.executor.launched import LaunchedStep, device_longs, feed_placeholders
+from tokenspeed.executor.h2d import device_longs
+from tokenspeed.executor.launched import LaunchedStep, feed_placeholders
 from tokenspeed.executor.sampler import (
     SamplerInput,
     is_plain_greedy,

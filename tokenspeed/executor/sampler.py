@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from tokenspeed.core.sampling_params import SamplingParams
+from tokenspeed.executor.h2d import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,17 +112,9 @@ def _choose(processed: Tensor, rows: Sequence[SamplerInput]) -> Tensor:
     uniforms = _draw_uniforms([rows[i].generator for i in sampled], processed.device)
     if len(sampled) == len(rows):
         return sample_filtered(processed, params, uniforms)
-    idx = _to_device(sampled, torch.long, processed.device)
+    idx = to_device(sampled, torch.long, processed.device)
     token_ids = processed.argmax(dim=-1)
     return token_ids.index_copy_(0, idx, sample_filtered(processed.index_select(0, idx), params, uniforms))
-
-
-def _to_device(values, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A small host list / tensor on `device` without a host synchronisation (pinned, non-blocking on CUDA)."""
-    host = values if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def apply_penalties(logits: Tensor, rows: Sequence[SamplerInput]) -> Tensor:
@@ -174,7 +167,7 @@ def sample_filtered(logits: Tensor, params: Sequence[SamplingParams], uniforms: 
     Needs at least one finite logit per row. `logits` is not modified.
     """
     device, vocab = logits.device, logits.shape[1]
-    temperature = _to_device([p.temperature for p in params], torch.float32, device)[:, None]
+    temperature = to_device([p.temperature for p in params], torch.float32, device)[:, None]
     # Subtract the row max before dividing so a tiny temperature cannot overflow to inf (inf - inf = nan).
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if all((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1 and p.min_p <= 0 for p in params):
@@ -182,18 +175,18 @@ def sample_filtered(logits: Tensor, params: Sequence[SamplingParams], uniforms: 
     sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
     positions = torch.arange(vocab, device=device)[None, :]
 
-    top_k = _to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)[:, None]
+    top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)[:, None]
     sorted_logits = sorted_logits.masked_fill(positions >= top_k, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
 
     # top-p: keep token j while the mass strictly before it is < top_p (position 0 always stays).
     # top_p == 1 disables the cut (fp32 cumsum may exceed 1 and would drop tail tokens otherwise).
-    top_p = _to_device([p.top_p if p.top_p < 1 else float("inf") for p in params], torch.float32, device)[:, None]
+    top_p = to_device([p.top_p if p.top_p < 1 else float("inf") for p in params], torch.float32, device)[:, None]
     mass_before = torch.cumsum(probs, dim=-1) - probs
     probs = probs.masked_fill(mass_before >= top_p, 0.0)
 
     # min-p: the ratio p / p_max does not change under renormalisation; p_max is position 0.
-    min_p = _to_device([p.min_p for p in params], torch.float32, device)[:, None]
+    min_p = to_device([p.min_p for p in params], torch.float32, device)[:, None]
     probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)
 
     # Kept tokens are a prefix of the sorted order.
@@ -290,7 +283,7 @@ def _draw_uniforms(generators: Sequence[torch.Generator | None], device: torch.d
     for i, g in enumerate(generators):
         if g is not None:
             values[i] = torch.rand((), generator=g, dtype=torch.float64, device=g.device).item()
-    return _to_device(values, torch.float64, device)
+    return to_device(values, torch.float64, device)
 
 
 def _top_n(logprobs: Tensor, n: int) -> list[list[tuple[int, float]]]:
