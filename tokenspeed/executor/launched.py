@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from tokenspeed.core.request import PLACEHOLDER
-from tokenspeed.executor.h2d import device_longs
+from tokenspeed.ops.h2d import device_longs
 
 
 @dataclass

@@ -12,7 +12,6 @@ from torch import Tensor
 
 from tokenspeed.cache import CachePlan
 from tokenspeed.executor.cuda_graphs import DecodeGraphs
-from tokenspeed.executor.h2d import device_longs
 from tokenspeed.executor.launched import LaunchedStep, feed_placeholders
 from tokenspeed.executor.sampler import (
     SamplerInput,
@@ -23,6 +22,7 @@ from tokenspeed.executor.sampler import (
     sample_on_device,
 )
 from tokenspeed.models import CacheBuffers, ForwardBatch, KimiForCausalLM
+from tokenspeed.ops.h2d import device_longs
 from tokenspeed.scheduler.batch import ZERO_SLOT, ScheduledBatch, ScheduledRequest
 from tokenspeed.spec.acceptance import accept_chain
 from tokenspeed.spec.eagle3 import Eagle3Drafter

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from tokenspeed.core.sampling_params import SamplingParams
-from tokenspeed.executor.h2d import to_device
+from tokenspeed.ops.h2d import to_device
 
 
 @dataclass(frozen=True, slots=True)

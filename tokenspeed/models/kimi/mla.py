@@ -19,6 +19,7 @@ from tokenspeed.distributed import ParallelContext
 from tokenspeed.models.batch import CacheBuffers, ForwardBatch
 from tokenspeed.models.config import KimiConfig
 from tokenspeed.models.layers import Linear, RMSNorm
+from tokenspeed.ops.h2d import to_device
 
 # A sequence with at most this many new tokens attends in the absorbed (latent) form.
 ABSORBED_MAX_QUERY_LEN = 8
@@ -112,31 +113,37 @@ class MLAAttention(nn.Module):
         qlens = batch.query_lens_host
         short = [n for n, ql in enumerate(qlens) if 0 < ql <= ABSORBED_MAX_QUERY_LEN]
         long = [n for n, ql in enumerate(qlens) if ql > ABSORBED_MAX_QUERY_LEN]
+        if len(short) == len(qlens) or len(long) == len(qlens):  # one form for the whole batch: no gathers
+            fn = self._attend_absorbed if short else self._attend_expanded
+            return fn(q, list(range(len(qlens))), batch, latent_cache, kv_scale, batch.page_table)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         for subset, fn in ((short, self._attend_absorbed), (long, self._attend_expanded)):
             if subset:
-                tokens = torch.cat([torch.arange(batch.cu_seqlens_host[n], batch.cu_seqlens_host[n + 1])
-                                    for n in subset]).to(q.device)
-                out[tokens] = fn(q[tokens], subset, batch, latent_cache, kv_scale)
+                cu = batch.cu_seqlens_host
+                tokens = to_device([t for n in subset for t in range(cu[n], cu[n + 1])], torch.long, q.device)
+                pages = batch.page_table.index_select(0, to_device(subset, torch.long, q.device))
+                out.index_copy_(0, tokens, fn(q.index_select(0, tokens), subset, batch, latent_cache, kv_scale,
+                                              pages))
         return out
 
-    def _attend_absorbed(self, q, subset, batch, latent_cache, kv_scale) -> Tensor:
+    def _attend_absorbed(self, q, subset, batch, latent_cache, kv_scale, page_table) -> Tensor:
+        """`subset`'s sequences (host indices into the batch), their query rows `q` and page-table rows."""
         w_uk, w_uv = self._kv_b()
         q = q.float()
         q_abs = torch.cat([torch.einsum("thn,hnr->thr", q[..., : self.nope], w_uk), q[..., self.nope :]], dim=-1)
         cu = _cumsum([batch.query_lens_host[n] for n in subset])
         o_latent = ops.mla_attention_paged(
-            q_abs, latent_cache, batch.page_table[subset], cu, [batch.kv_lens_host[n] for n in subset],
+            q_abs, latent_cache, page_table, cu, [batch.kv_lens_host[n] for n in subset],
             self.scale, self.kv_lora_rank, kv_scale,
         )
         return torch.einsum("thr,hvr->thv", o_latent, w_uv).to(self.kv_b_proj.weight.dtype)
 
-    def _attend_expanded(self, q, subset, batch, latent_cache, kv_scale) -> Tensor:
+    def _attend_expanded(self, q, subset, batch, latent_cache, kv_scale, page_table) -> Tensor:
         """Keys/values expanded per head from the cached latent rows; fp32 on the CPU (the reference numerics),
         the model dtype on CUDA (tensor cores, fused SDPA with an fp32 softmax)."""
         cdt = q.dtype if q.is_cuda else torch.float32
         kv_lens = [batch.kv_lens_host[n] for n in subset]
-        latent = ops.mla_gather_latent(latent_cache, batch.page_table[subset], kv_lens, cdt, kv_scale)
+        latent = ops.mla_gather_latent(latent_cache, page_table, kv_lens, cdt, kv_scale)
         kv = nn.functional.linear(latent[:, : self.kv_lora_rank], self.kv_b_proj.weight.to(cdt))
         kv = kv.view(-1, self.num_heads, self.nope + self.v_dim)
         k_pe = latent[:, None, self.kv_lora_rank :].expand(-1, self.num_heads, -1)
