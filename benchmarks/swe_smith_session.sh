@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The swe-smith-like sweep (issue 8: TPS/user vs output tok/s/GPU frontier) against a `tokenspeed serve` started
+# here, in one call; the server is stopped at the end. Results (JSON, JSONL, frontier PNG) and the server log go to
+# $OUT. Settings by environment (defaults: the GPU run):
+#   MODEL=kimi-linear-48b-a3b DEVICE=cuda SCALE=0.1 CONC=1,4,16 SESSIONS=8 MAX_NUM_SEQS=32 MAX_LEN=16384
+#   e.g. CPU check: MODEL=tiny-k3 DEVICE=cpu SCALE=0.005 CONC=1,2 SESSIONS=2 OUT=/tmp/swe bash benchmarks/swe_smith_session.sh
+# On the GPU machine the carried wheels (.whl/: fla-core, fastapi, uvicorn, pydantic, pyzmq, ...) are installed
+# first (benchmarks/gpu_env.sh).
+set -u
+MODEL=${MODEL:-kimi-linear-48b-a3b}
+DEVICE=${DEVICE:-cuda}
+SCALE=${SCALE:-0.1}
+CONC=${CONC:-1,4,16}
+SESSIONS=${SESSIONS:-8}
+PORT=${PORT:-8301}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [[ $DEVICE == cuda ]]; then
+  source benchmarks/gpu_env.sh
+  extra=(--load-format dummy --gpu-memory-utilization 0.9)
+else
+  export PYTHONPATH=.
+  extra=(--cache-memory-gb 0.3)
+fi
+python3 -m tokenspeed.cli serve "$MODEL" --device "$DEVICE" --port "$PORT" --max-num-seqs "${MAX_NUM_SEQS:-32}" \
+  --max-model-len "${MAX_LEN:-16384}" "${extra[@]}" > "$OUT/swe_server.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
+for _ in $(seq 600); do  # model build, dummy init and graph capture
+  curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
+  kill -0 $server 2>/dev/null || { echo "server exited:"; tail -30 "$OUT/swe_server.log"; exit 1; }
+  sleep 1
+done
+vocab=$(python3 -c "from tokenspeed.models import resolve_config as r; print(r('$MODEL')[0].vocab_size)")
+python3 -m tokenspeed.cli bench --base-url "http://127.0.0.1:$PORT" --workload swe-smith-like --scale "$SCALE" \
+  --concurrency "$CONC" --num-sessions "$SESSIONS" --vocab-size "$vocab" --result-dir "$OUT" \
+  --result-name "swe_smith_${DEVICE}_${MODEL}" 2>&1 | tail -25
