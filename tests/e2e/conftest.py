@@ -65,6 +65,9 @@ def stop_server(server: Server, timeout: float = 60.0) -> int:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    srv = start_server("--max-model-len", "2048", "--page-size", "8", api_key="test-key")
+    """With asynchronous scheduling forced on (the GPU default), so the server tests also cover steps launched
+    before the previous one is read back (aborts, metrics, streams); `test_default_model_served` and the queue-cap
+    test run the CPU default (synchronous)."""
+    srv = start_server("--max-model-len", "2048", "--page-size", "8", "--async-scheduling", "on", api_key="test-key")
     yield srv
     assert stop_server(srv) == 0

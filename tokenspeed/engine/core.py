@@ -159,7 +159,9 @@ class EngineCore:
             if self._can_pipeline():
                 return self._step_async()
             if self._in_flight is not None:  # the next step needs the host to know every token first
-                return self._read_back(self._take_in_flight())
+                outputs = self._read_back(self._take_in_flight())
+                self.last_step = self.stats()  # the counters after the read-back (a request may have ended)
+                return outputs
         return self._step_sync()
 
     def _step_sync(self) -> list[EngineOutput]:
@@ -268,7 +270,9 @@ class EngineCore:
                 self.num_async_steps += 1
         if prev is not None:
             outputs = self._read_back(prev)
-        if not batch.is_empty:
+        if batch.is_empty:
+            self.last_step = self.stats()  # nothing launched: the counters after the read-back
+        else:
             self.last_step = self.stats(self._in_flight.launched.num_tokens, len(batch.requests),
                                         time.monotonic() - start, len(batch.preempted))
         return outputs
