@@ -113,6 +113,38 @@ def default_config(M: int, N: int, K: int, elt_size: int = 2, num_sms: int = _NU
 
 
 @triton.jit
+def _tiles(X, W, M, N, K, k_split, stride_xm, stride_xk, stride_wn,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A program's (split, row, column, k) offsets, its K range [k_lo, k_hi) and the first W / x tile pointers
+    (rows clamped to N-1 / M-1, so loads need no row mask; stores mask them)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
+    k_lo = pid_s * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    w_ptrs = W + rows_w[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = X + rows_x[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
+    return pid_s, offs_m, offs_n, offs_k, k_lo, k_hi, w_ptrs, x_ptrs
+
+
+@triton.jit
+def _load_k_step(w_ptrs, x_ptrs, k0, offs_k, K, EVEN_K: tl.constexpr):
+    """The W [BLOCK_N, BLOCK_K] and x [BLOCK_M, BLOCK_K] tiles at k0 (columns >= K read as 0 unless EVEN_K)."""
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+        x = tl.load(x_ptrs)
+    else:
+        k_ok = (k0 + offs_k) < K
+        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+    return w, x
+
+
+@triton.jit
 def _gemv_fma_kernel(
     X, W, Out,
     M, N, K, k_split,
@@ -126,26 +158,11 @@ def _gemv_fma_kernel(
     if PDL:  # launched as a programmatic dependent: wait for the producer of x, then let our dependents launch
         gdc_wait()
         gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: loads need no row mask
-    rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
-    k_lo = pid_s * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
-    w_ptrs = W + rows_w[:, None] * stride_wn + (k_lo + offs_k)[None, :]
-    x_ptrs = X + rows_x[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
+    pid_s, offs_m, offs_n, offs_k, k_lo, k_hi, w_ptrs, x_ptrs = _tiles(
+        X, W, M, N, K, k_split, stride_xm, stride_xk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs)
-        else:
-            k_ok = (k0 + offs_k) < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        w, x = _load_k_step(w_ptrs, x_ptrs, k0, offs_k, K, EVEN_K)
         prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         acc += tl.sum(prod, axis=2)
         w_ptrs += BLOCK_K
@@ -170,26 +187,11 @@ def _gemv_dot_kernel(
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
-    rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
-    k_lo = pid_s * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
-    w_ptrs = W + rows_w[:, None] * stride_wn + (k_lo + offs_k)[None, :]
-    x_ptrs = X + rows_x[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
+    pid_s, offs_m, offs_n, offs_k, k_lo, k_hi, w_ptrs, x_ptrs = _tiles(
+        X, W, M, N, K, k_split, stride_xm, stride_xk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs)
-        else:
-            k_ok = (k0 + offs_k) < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        w, x = _load_k_step(w_ptrs, x_ptrs, k0, offs_k, K, EVEN_K)
         if IEEE:
             acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
         else:
