@@ -149,25 +149,20 @@ class ModelRunner:
         else:
             drafts = {r.request.request_id: self._drafts(r) for r in reqs if r.num_draft_tokens}
         tokens = [r.new_token_ids + drafts.get(r.request.request_id, []) for r in reqs]
-        forward = ForwardBatch.build(
-            tokens, [r.num_computed_tokens for r in reqs], [r.page_table for r in reqs], [r.slot for r in reqs],
-            self.buffers.page_size, self.device, verify=bool(drafts),
-        )
+        forward = self._build(reqs, tokens, verify=bool(drafts))
         rows, row_of = self._logits_rows(reqs, forward.cu_seqlens_host, drafts)
         features = None
-        graphs = self.graphs.get(forward.uniform_query_len or 0)
-        if graphs is not None and not (graphs.can_run(forward) and rows == list(range(forward.num_tokens))):
-            graphs = None
+        graphs = self._graphs_for(forward, rows)
         if graphs is not None:
             logits = graphs.run(forward)
             if self.drafter is not None:  # copied: the pool is rewritten by the next replay
                 features = graphs.last_features(forward.num_tokens).clone()
         elif self.drafter is not None:
-            idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-            logits, captured = self.model(forward, self.buffers, idx, capture_layers=self.drafter.capture_layers)
+            logits, captured = self.model(forward, self.buffers, device_longs(rows, self.device),
+                                          capture_layers=self.drafter.capture_layers)
             features = torch.cat(captured, dim=-1)
         else:
-            logits = self.model(forward, self.buffers, device_longs(rows, torch.device(self.device)))
+            logits = self.model(forward, self.buffers, device_longs(rows, self.device))
         sampled = self._sample(reqs, logits, row_of, drafts)
         fed = [len(sampled[r.request.request_id]) if r.request.request_id in drafts else len(tokens[i])
                for i, r in enumerate(reqs)]  # positions whose computation counts (accepted ones when verifying)
@@ -193,18 +188,15 @@ class ModelRunner:
         self.copy_states(batch.state_copies_before)
         reqs = batch.requests
         tokens = [r.new_token_ids for r in reqs]
-        forward = ForwardBatch.build(
-            tokens, [r.num_computed_tokens for r in reqs], [r.page_table for r in reqs], [r.slot for r in reqs],
-            self.buffers.page_size, self.device,
-        )
+        forward = self._build(reqs, tokens, verify=False)
         feed_placeholders(forward.input_ids, forward.cu_seqlens_host, tokens,
                           [r.request.request_id for r in reqs], prev)
         rows, row_of = self._logits_rows(reqs, forward.cu_seqlens_host, {})
-        graphs = self.graphs.get(forward.uniform_query_len or 0)
-        if graphs is not None and graphs.can_run(forward) and rows == list(range(forward.num_tokens)):
+        graphs = self._graphs_for(forward, rows)
+        if graphs is not None:
             logits = graphs.run(forward)
         else:
-            logits = self.model(forward, self.buffers, device_longs(rows, torch.device(self.device)))
+            logits = self.model(forward, self.buffers, device_longs(rows, self.device))
         todo = [r.request for r in reqs if r.sample]
         picked = [row_of[req.request_id][-1] for req in todo]
         if picked != list(range(logits.shape[0])):
@@ -217,11 +209,30 @@ class ModelRunner:
         self.copy_states(batch.state_copies_after)
         return launched
 
-    def _sampler_input(self, req) -> SamplerInput:
-        """The sampler row of `req` (its random stream created on first use and kept across steps)."""
+    def _build(self, reqs: list[ScheduledRequest], tokens: list[list[int]], verify: bool) -> ForwardBatch:
+        """The device batch of `reqs` feeding `tokens` (each request's new tokens, plus drafts when verifying)."""
+        return ForwardBatch.build(
+            tokens, [r.num_computed_tokens for r in reqs], [r.page_table for r in reqs], [r.slot for r in reqs],
+            self.buffers.page_size, self.device, verify=verify,
+        )
+
+    def _graphs_for(self, forward: ForwardBatch, rows: list[int]) -> DecodeGraphs | None:
+        """The captured graphs that can run `forward` (uniform query length, fitting shapes, logits wanted at
+        every row), or None: run it eagerly."""
+        graphs = self.graphs.get(forward.uniform_query_len or 0)
+        if graphs is not None and graphs.can_run(forward) and rows == list(range(forward.num_tokens)):
+            return graphs
+        return None
+
+    def _generator(self, req) -> torch.Generator | None:
+        """The request's random stream, created on first use and kept across steps (released with it)."""
         if req.request_id not in self.generators:
             self.generators[req.request_id] = make_generator(req.params.seed)
-        return SamplerInput(req.params, req.prompt_token_ids, req.output_token_ids, self.generators[req.request_id],
+        return self.generators[req.request_id]
+
+    def _sampler_input(self, req) -> SamplerInput:
+        """The sampler row of `req` for a step that samples from its current tokens."""
+        return SamplerInput(req.params, req.prompt_token_ids, req.output_token_ids, self._generator(req),
                             req.eos_token_ids)
 
     def _drafts(self, r: ScheduledRequest) -> list[int]:
@@ -266,13 +277,11 @@ class ModelRunner:
         inputs, rows, owners = [], [], []
         for r in todo:
             req = r.request
-            if req.request_id not in self.generators:
-                self.generators[req.request_id] = make_generator(req.params.seed)
+            generator = self._generator(req)
             window = drafts.get(req.request_id, [])
             for i, row in enumerate(row_of[req.request_id][-(len(window) + 1):]):
                 outputs = req.output_token_ids + window[:i] if i else req.output_token_ids  # no copy when plain
-                inputs.append(SamplerInput(req.params, req.prompt_token_ids, outputs,
-                                           self.generators[req.request_id], req.eos_token_ids))
+                inputs.append(SamplerInput(req.params, req.prompt_token_ids, outputs, generator, req.eos_token_ids))
                 rows.append(row)
                 owners.append(req.request_id)
         out = sample(logits[rows], inputs)

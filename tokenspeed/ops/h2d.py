@@ -18,10 +18,13 @@ def to_device(values: Sequence[int] | Sequence[float] | Tensor, dtype: torch.dty
     """`values` (a host list or CPU tensor) as a `dtype` tensor on `device`, without a host synchronisation on
     CUDA (pinned, non-blocking); a plain copy elsewhere."""
     device = torch.device(device)
-    host = values.to(dtype) if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+        return (values.to(dtype) if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)).to(device)
+    if isinstance(values, Tensor):
+        host = values.to(dtype).pin_memory()
+    else:
+        host = torch.tensor(values, dtype=dtype, pin_memory=True)
+    return host.to(device, non_blocking=True)
 
 
 def device_longs(values: Sequence[int], device: torch.device | str) -> Tensor:

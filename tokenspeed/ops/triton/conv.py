@@ -268,7 +268,7 @@ def causal_conv1d(
             permuted, so that each of the G channel groups comes out contiguous).
 
     Returns:
-        ``y`` ``[T, C]`` in x.dtype (fp32 accumulation, SiLU in fp32, one rounding).
+        ``y`` ``[T, C]`` in x.dtype (fp32 accumulation, SiLU in fp32, one rounding), or ``out`` when given.
 
     Mutates:
         ``conv_state[state_indices[n]]`` for each sequence with >= 1 token and slot >= 0: the last W-1 inputs of
