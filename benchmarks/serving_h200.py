@@ -296,13 +296,16 @@ def prefill(model, name: str, tokens: int, matmul_tflops: float | None) -> dict:
 
     ms = cuda_ms(step, iters=5, warmup=2)
     kernel_ms = _kernel_ms(step)
+    syncs = _sync_sites(step)
     copies_ms = _with_qkv_copies(lambda: cuda_ms(step, iters=5, warmup=2))
+    fresh_ms = _with_fresh_fla_offsets(lambda: cuda_ms(step, iters=5, warmup=2))
     active = active_params(model)
     attn = sum(4 * tokens * tokens / 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
                for _ in cfg.mla_layers)
     flops = 2 * active * tokens + attn
     rate = flops / ms / 1e9
     out = {"geometry": name, "tokens": tokens, "ms": ms, "kernel_ms": kernel_ms, "ms_with_qkv_copies": copies_ms,
+           "ms_with_fla_sync_per_layer": fresh_ms, "host_syncs": syncs,
            "tok_s": tokens / ms * 1e3, "tflops": rate,
            "active_params": active, "fraction_of_matmul": rate / matmul_tflops if matmul_tflops else None}
     log(out)
@@ -319,6 +322,50 @@ def _kernel_ms(fn) -> float:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
     return sum(getattr(e, "device_time_total", 0) or 0 for e in kernels) / 1e3
+
+
+def _sync_sites(fn) -> list:
+    """The host synchronisations of one call of fn: torch's sync debug mode warns at each one; returned as
+    [count, innermost tokenspeed/fla frames] rows, most frequent first."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    sites: Counter = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "tokenspeed" in f.filename or "/fla/" in f.filename]
+        sites[" <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}:{f.name}" for f in frames[::-1][:4])] += 1
+
+    torch.cuda.synchronize()
+    old = warnings.showwarning
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = old
+    torch.cuda.synchronize()
+    rows = [[n, site] for site, n in sites.most_common()]
+    log({"host_syncs": rows})
+    return rows
+
+
+def _with_fresh_fla_offsets(fn):
+    """fn() with a new CPU offsets tensor per KDA layer (before: every layer missed fla's identity-keyed chunk
+    table cache and synchronised): an A/B of that change in one run."""
+    from tokenspeed.ops.cuda import kda_chunk
+
+    orig = kda_chunk._host_offsets
+    kda_chunk._host_offsets = lambda cu, host: torch.tensor(host, dtype=torch.int64)
+    try:
+        return fn()
+    finally:
+        kda_chunk._host_offsets = orig
 
 
 def _with_qkv_copies(fn):

@@ -77,3 +77,44 @@ def test_fused_fla_chunk_matches_reference(lower_bound: float | None, K: int) ->
     err_s = ((state_gpu - state_ref).norm() / state_ref.norm()).item()
     assert err_o < 1e-2 and err_s < 1e-2, (err_o, err_s)
     torch.testing.assert_close(state_gpu[[2, 4]], inp["state"][[2, 4]], rtol=0, atol=0)
+
+
+def test_fla_host_offsets_shared_within_a_forward() -> None:
+    """Every KDA layer of one forward gets the same CPU offsets tensor (fla's identity-keyed index cache then
+    hits, so it builds and uploads its chunk table once per forward, not once per layer); a new batch or changed
+    values get a new tensor."""
+    from tokenspeed.ops.cuda.kda_chunk import _host_offsets
+
+    cu = torch.tensor([0, 5, 9])
+    first = _host_offsets(cu, [0, 5, 9])
+    assert _host_offsets(cu, [0, 5, 9]) is first
+    assert first.tolist() == [0, 5, 9] and first.dtype == torch.int64 and first.device.type == "cpu"
+    other = _host_offsets(torch.tensor([0, 5, 9]), [0, 5, 9])
+    assert other is not first
+    changed = _host_offsets(cu, [0, 4, 9])
+    assert changed is not first and changed.tolist() == [0, 4, 9]
+
+
+@needs_fla
+def test_fused_fla_chunk_second_layer_does_not_synchronise() -> None:
+    """The second KDA layer of a forward (same batch offsets) issues fla's kernels without a device sync."""
+    inp = _inputs([300, 64, 129], H=4, K=128, seed=2)
+    dev = {n: inp[n].to("cuda", torch.bfloat16) for n in ("q", "k", "v", "f", "b")}
+    state = torch.zeros(4, 4, 128, 128, device="cuda")
+    slots = torch.tensor([0, 1, 2], device="cuda")
+    host = [0, 300, 364, 493]
+    cu = torch.tensor(host, device="cuda")
+    a_log, dt_bias = inp["A_log"].cuda(), inp["dt_bias"].cuda()
+
+    def layer() -> Tensor:
+        return ops.kda_prefill(dev["q"], dev["k"], dev["v"], dev["f"], dev["b"], a_log, dt_bias, -5.0, scale=128 ** -0.5, state=state, state_indices=slots,
+                               cu_seqlens=cu, cu_seqlens_host=host)
+
+    layer()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from tokenspeed.models.config import KimiConfig
+from tokenspeed.ops.h2d import device_longs
 
 
 @dataclass
@@ -233,8 +234,8 @@ class CacheBuffers:
         )
 
     def reset_slots(self, slots: Sequence[int]) -> None:
-        """Zero the KDA state of `slots` (a sequence starting from token 0). Mutates the buffers."""
-        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.kda_conv[0].device) if self.kda_conv else None
+        """Zero the KDA state of `slots` (a sequence starting from token 0). Mutates the buffers; no host sync."""
+        idx = device_longs(list(slots), self.kda_conv[0].device) if self.kda_conv else None
         for conv, rec in zip(self.kda_conv, self.kda_recurrent, strict=False):
             conv[idx] = 0
             rec[idx] = 0

@@ -10,6 +10,11 @@ q/k L2 norm, the gate (K3's bounded `lambda * sigmoid(exp(A) (f + dt_bias))` thr
 Kimi-Linear's `-exp(A) softplus(f + dt_bias)`) and the beta sigmoid inside its kernels, so none of the [T, H, K]
 fp32 intermediates of the composed path is written to memory. The host copy of cu_seqlens spares fla its
 device-to-host read of the lengths.
+
+fla memoises its chunk index table (`prepare_chunk_indices`) by the identity of its arguments, and builds it with a
+blocking host-to-device copy, which drains the stream. `_host_offsets` hands every layer of one forward the same
+CPU tensor, so only the first KDA layer of a forward pays that synchronisation: with a fresh tensor per call, all
+20 layers of Kimi-Linear did, each time idling the GPU while the host issued fla's kernels.
 """
 
 from __future__ import annotations
@@ -24,6 +29,21 @@ def available() -> bool:
     except Exception:  # pragma: no cover - depends on the install
         return False
     return True
+
+
+_last_offsets: tuple[Tensor, list[int], Tensor] | None = None
+
+
+def _host_offsets(cu_seqlens: Tensor, cu_seqlens_host: list[int]) -> Tensor:
+    """A CPU int64 tensor of `cu_seqlens_host`, the same object for repeated calls with the same device tensor and
+    values (one forward's layers), so fla's identity-keyed caches hit."""
+    global _last_offsets
+    last = _last_offsets
+    if last is not None and last[0] is cu_seqlens and last[1] == cu_seqlens_host:
+        return last[2]
+    host = torch.tensor(cu_seqlens_host, dtype=torch.int64)
+    _last_offsets = (cu_seqlens, list(cu_seqlens_host), host)
+    return host
 
 
 def kda_chunk_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float, state: Tensor,
@@ -53,7 +73,7 @@ def kda_chunk_fused(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_log
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
         safe_gate=bounded, lower_bound=lower_bound, A_log=A_log.float().contiguous(),
         dt_bias=dt_bias.float().reshape(-1).contiguous(),
-        cu_seqlens=cu_seqlens.to(torch.int64), cu_seqlens_cpu=torch.tensor(cu_seqlens_host, dtype=torch.int64),
+        cu_seqlens=cu_seqlens.to(torch.int64), cu_seqlens_cpu=_host_offsets(cu_seqlens, cu_seqlens_host),
     )
     state[state_indices] = final.float()
     return o.squeeze(0)
