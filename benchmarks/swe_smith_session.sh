@@ -4,6 +4,8 @@
 # $OUT. Settings by environment (defaults: the GPU run):
 #   MODEL=kimi-linear-48b-a3b DEVICE=cuda SCALE=0.1 CONC=1,4,16 SESSIONS=8 MAX_NUM_SEQS=32 MAX_LEN=16384
 #   e.g. CPU check: MODEL=tiny-k3 DEVICE=cpu SCALE=0.005 CONC=1,2 SESSIONS=2 OUT=/tmp/swe bash benchmarks/swe_smith_session.sh
+# `--history live`: each turn appends the server's own output (swe-smith semantics), and every stream chunk carries
+# its token ids, so per-token timing holds even when a random model's tokens decode to no text.
 # On the GPU machine the carried wheels (.whl/: fla-core, fastapi, uvicorn, pydantic, pyzmq, ...) are installed
 # first (benchmarks/gpu_env.sh).
 set -u
@@ -34,4 +36,4 @@ done
 vocab=$(python3 -c "from tokenspeed.models import resolve_config as r; print(r('$MODEL')[0].vocab_size)")
 python3 -m tokenspeed.cli bench --base-url "http://127.0.0.1:$PORT" --workload swe-smith-like --scale "$SCALE" \
   --concurrency "$CONC" --num-sessions "$SESSIONS" --vocab-size "$vocab" --result-dir "$OUT" \
-  --result-name "swe_smith_${DEVICE}_${MODEL}" 2>&1 | tail -25
+  --history live --result-name "swe_smith_${DEVICE}_${MODEL}" 2>&1 | tail -25

@@ -54,6 +54,15 @@ def test_chunk_sizes(solo, chunk: int) -> None:
     assert _tokens(llm, prompts, params) == expected
 
 
+def test_start_up_warm_up_touches_no_request_state(solo) -> None:
+    """The GPU start-up warm-up (prefill forwards on the scratch page and slot 0, run here on the CPU) changes no
+    request's tokens."""
+    model, prompts, params, expected = solo
+    llm = _llm(model)
+    llm.engine.runner.warm_up([70, 9, 1])
+    assert _tokens(llm, prompts, params) == expected
+
+
 def test_cache_disabled(solo) -> None:
     model, prompts, params, expected = solo
     assert _tokens(_llm(model, enable_prefix_caching=False), prompts, params) == expected

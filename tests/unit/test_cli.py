@@ -42,3 +42,21 @@ def test_refused_flags_exit_2_with_a_message(flags, message, capsys) -> None:
 def test_inspect_full_k3_costs_no_memory(capsys) -> None:
     assert main(["inspect", "kimi-k3"]) == 0
     assert "2,779,484,476,000" in capsys.readouterr().out
+
+
+def test_token_budgets_default_by_device_and_keep_what_the_user_set() -> None:
+    """Unset budgets: 8K budget and chunk on a GPU (prefill near the matmul rate), 2048 / 512 on the CPU; a value
+    the user gives is kept; a zero is refused with the flag's name."""
+    from tokenspeed.config import EngineConfig
+    from tokenspeed.errors import ConfigError
+
+    cpu = EngineConfig.create(model="tiny-k3").scheduler
+    assert (cpu.max_num_batched_tokens, cpu.chunked_prefill_size) == (2048, 512)
+    gpu = EngineConfig.create(model="tiny-k3", device="cuda").scheduler
+    assert (gpu.max_num_batched_tokens, gpu.chunked_prefill_size) == (8192, 8192)
+    mine = EngineConfig.create(model="tiny-k3", device="cuda", max_num_batched_tokens=4096).scheduler
+    assert (mine.max_num_batched_tokens, mine.chunked_prefill_size) == (4096, 4096)
+    mine = EngineConfig.create(model="tiny-k3", max_num_batched_tokens=256).scheduler
+    assert (mine.max_num_batched_tokens, mine.chunked_prefill_size) == (256, 256)
+    with pytest.raises(ConfigError, match="chunked_prefill_size"):
+        SchedulerConfig(chunked_prefill_size=0)

@@ -50,6 +50,8 @@ class EngineCore:
                                    num_spec_tokens=config.spec.num_draft_tokens, max_model_len=self.max_model_len)
         self.runner = ModelRunner(self.model, plan, kv_dtype, make_proposer(config.spec),
                                   config.spec.speculative_force_accept_length, self._drafter(plan, dtype))
+        if mc.device.startswith("cuda"):
+            self._warm_up(config.scheduler.chunked_prefill_size)
         if self._use_cuda_graphs():
             k = config.spec.num_draft_tokens
             self.runner.capture_graphs(mc.cuda_graph_max_bs or config.scheduler.max_num_seqs, self.max_model_len,
@@ -64,6 +66,13 @@ class EngineCore:
         self._num_sync_requests = 0  # live requests whose parameters need the synchronous step
         self.num_async_steps = 0  # steps launched before the previous step's tokens were read (for tests, bench)
         torch.manual_seed(mc.seed)
+
+    def _warm_up(self, chunk: int) -> None:
+        """Compile the prefill kernels before serving: a full chunk and a few short prompts (their tiles differ)."""
+        start = time.perf_counter()
+        lengths = sorted({min(chunk, n) for n in (chunk, 1024, 100, 17)}, reverse=True)
+        self.runner.warm_up([n for n in lengths if n <= self.max_model_len])
+        logger.info("warmed up prefill kernels for %s-token prompts in %.1f s", lengths, time.perf_counter() - start)
 
     def _use_cuda_graphs(self) -> bool:
         """Graphs need a CUDA device and the Triton ops (the references synchronise). With EAGLE3 the target's

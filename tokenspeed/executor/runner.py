@@ -94,6 +94,19 @@ class ModelRunner:
                 continue
             self.graphs[q] = graphs
 
+    def warm_up(self, lengths: list[int]) -> None:
+        """One eager prefill forward per length in `lengths` (one sequence of that many tokens), so the kernels
+        that compile or autotune per shape class (Triton tiles chosen by rows per expert, fla's chunked scan) do it
+        at start-up, not in the first requests. The sequence writes only the scratch page (every page of its
+        table) and KDA slot 0, whose state every sequence that takes it later zeroes or restores first."""
+        page_size = self.buffers.page_size
+        for n in lengths:
+            pages = [self.num_pages] * (-(-n // page_size))
+            forward = ForwardBatch.build([[0] * n], [0], [pages], [0], page_size, self.device)
+            self.model(forward, self.buffers, device_longs([n - 1], self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
     def release(self, request_id: str) -> None:
         """Forget per-request state (its random stream) once the request has ended."""
         self.generators.pop(request_id, None)
