@@ -237,5 +237,5 @@ class CacheBuffers:
         """Zero the KDA state of `slots` (a sequence starting from token 0). Mutates the buffers; no host sync."""
         idx = device_longs(list(slots), self.kda_conv[0].device) if self.kda_conv else None
         for conv, rec in zip(self.kda_conv, self.kda_recurrent, strict=False):
-            conv[idx] = 0
-            rec[idx] = 0
+            conv.index_fill_(0, idx, 0)  # `conv[idx] = 0` would copy the 0 to the device and synchronise
+            rec.index_fill_(0, idx, 0)
