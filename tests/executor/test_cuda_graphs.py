@@ -141,3 +141,21 @@ def test_default_model_graphs_equal_cpu() -> None:
     assert 1 in llm.engine.runner.graphs
     _release(llm)
     assert _greedy(default_model_path(), "cuda") == _greedy(default_model_path(), "cpu")
+
+
+@needs_cuda
+def test_second_engine_in_a_process_gets_the_memory_of_a_deleted_one() -> None:
+    """An engine sized from the free device memory after another engine was deleted gets the same cache: the
+    first one's blocks, cached by torch's allocator, count as free (they used to shrink the second cache)."""
+    def pages() -> int:
+        llm = LLM("tiny-k3", device="cuda", dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True,
+                  max_num_seqs=4)
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+        n = llm.engine.cache.plan.num_pages
+        del llm
+        return n
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    first = pages()
+    assert pages() == first

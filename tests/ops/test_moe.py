@@ -9,7 +9,8 @@ Scenarios:
 * moe_experts == a dense formula computed differently (every expert on every token, the activation written
   out by hand, then a one-hot-mask weighted sum) for silu and situ, fp32 rel < 1e-5; expert ids outside
   [0, E) (-1, E) contribute nothing; a token whose ids are all non-local gets zeros; bf16 in -> bf16 out,
-  close to fp32, with each expert output rounded to bf16 before the fp32 combine.
+  close to fp32, with each expert output rounded to bf16 before the fp32 combine; add=s (the shared experts) is
+  the rounded routed sum plus s, rounded again (== `moe_experts(...) + s`).
 """
 
 from __future__ import annotations
@@ -243,3 +244,26 @@ def test_experts_bf16(kind: str) -> None:
         unrounded += (weights * (ids == e)).sum(-1, keepdim=True) * h
     assert rel_err(unrounded, combined) < 2e-2
     assert not torch.equal(unrounded.bfloat16(), got)
+
+
+@pytest.mark.parametrize("kind", ["silu", "situ"])
+def test_experts_add_rounds_twice(kind: str) -> None:
+    """add=s (the shared experts' output) is `moe_experts(...) + s`: the routed sum rounded to bf16 first, then the
+    add rounded again; one rounding of the fp32 sum plus s is a different function on this data."""
+    T = 24
+    x = torch.randn(T, D).bfloat16()
+    w1, w3, w2 = make_experts(torch.bfloat16, seed=3)
+    weights, ids = random_routing(T, seed=3)
+    s = (torch.randn(T, D) * 0.3).bfloat16()
+    routed = moe_experts(x, w1, w3, w2, weights, ids, Activation(kind))
+    got = moe_experts(x, w1, w3, w2, weights, ids, Activation(kind), add=s)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, routed + s)
+    per_expert = torch.stack([moe_experts(x, w1, w3, w2, torch.ones(T, 1), torch.full((T, 1), e),
+                                          Activation(kind)).float() for e in range(E)])
+    fp32_sum = torch.zeros(T, D)
+    for e in range(E):  # the reference's combine order: expert by expert
+        fp32_sum += (weights * (ids == e)).sum(-1, keepdim=True) * per_expert[e]
+    assert torch.equal(got, (fp32_sum.bfloat16().float() + s.float()).bfloat16())
+    assert not torch.equal(got, (fp32_sum + s.float()).bfloat16())
+    with pytest.raises(ValueError, match="add must be"):
+        moe_experts(x, w1, w3, w2, weights, ids, Activation(kind), add=s.float())

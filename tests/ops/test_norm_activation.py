@@ -9,6 +9,9 @@ Scenarios:
   small |a|, |u|; saturation: gate branch -> beta as a -> +inf and -> 0 as a -> -inf, up branch clipped to
   +-lin; |SiTU| <= beta * lin everywhere.
 * silu kind == silu(a)*u; bf16 in, bf16 out; an unknown activation kind raises ValueError.
+* gated_activation_merged(gate_up) == gated_activation of its two halves, bit for bit; an odd width raises.
+* add_rms_norm(x, r) == (rms_norm(r + x), r + x) bit for bit in bf16 (the residual junction it replaces), and the
+  norm of the unrounded fp32 sum differs on the same data.
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import rel_err
-from tokenspeed.ops import Activation, gated_activation, gated_rms_norm, rms_norm
+from tokenspeed.ops import (
+    Activation,
+    add_rms_norm,
+    gated_activation,
+    gated_activation_merged,
+    gated_rms_norm,
+    rms_norm,
+)
 
 # --------------------------------------------------------------------------------------------- RMSNorm
 
@@ -155,3 +165,28 @@ def test_activation_bf16(kind: str) -> None:
 def test_unknown_activation_raises(kind: str) -> None:
     with pytest.raises(ValueError):
         gated_activation(torch.randn(4), torch.randn(4), Activation(kind))
+
+
+@pytest.mark.parametrize("kind", ["silu", "situ"])
+def test_merged_equals_halves(kind: str) -> None:
+    gu = (torch.randn(9, 2, 2 * 40) * 5).bfloat16()
+    got = gated_activation_merged(gu, Activation(kind))
+    assert got.shape == (9, 2, 40) and got.dtype == torch.bfloat16
+    assert torch.equal(got, gated_activation(gu[..., :40], gu[..., 40:], Activation(kind)))
+    with pytest.raises(ValueError, match="even"):
+        gated_activation_merged(gu[..., :-1], Activation(kind))
+
+
+# --------------------------------------------------------------------------------------------- residual junction
+
+
+def test_add_rms_norm_is_the_junction_bf16() -> None:
+    x = (torch.randn(33, 96) * 2).bfloat16()
+    r = (torch.randn(33, 96) * 3).bfloat16()
+    w = (torch.rand(96) * 2 + 0.1).bfloat16()
+    normed, summed = add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(summed, r + x) and torch.equal(normed, rms_norm(r + x, w, 1e-6))
+    s32 = r.float() + x.float()  # the fusion done wrong: the norm of the unrounded sum
+    wrong = (w.float() * (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16().float())
+    assert not torch.equal(normed, wrong.bfloat16())
+    assert summed.data_ptr() not in (x.data_ptr(), r.data_ptr())  # inputs untouched, new tensors out

@@ -11,11 +11,11 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
 
-from tokenspeed import ops  # noqa: E402
-from tokenspeed.ops import dispatch  # noqa: E402
-from tokenspeed.ops.reference import attn_res as ref_attn_res  # noqa: E402
-from tokenspeed.ops.reference import moe as ref_moe  # noqa: E402
-from tokenspeed.ops.reference import norm as ref_norm  # noqa: E402
+from tokenspeed import ops
+from tokenspeed.ops import dispatch
+from tokenspeed.ops.reference import attn_res as ref_attn_res
+from tokenspeed.ops.reference import moe as ref_moe
+from tokenspeed.ops.reference import norm as ref_norm
 
 INTERP = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -43,10 +43,14 @@ def test_cpu_tensors_take_the_reference(monkeypatch):
 def test_public_signatures_unchanged():
     import inspect
 
+    from tokenspeed.ops.reference import activation as ref_act
+
     for name, ref in [("rms_norm", ref_norm.rms_norm), ("gated_rms_norm", ref_norm.gated_rms_norm),
+                      ("add_rms_norm", ref_norm.add_rms_norm), ("gated_activation", ref_act.gated_activation),
+                      ("gated_activation_merged", ref_act.gated_activation_merged),
                       ("attn_res_mix", ref_attn_res.attn_res_mix),
                       ("attn_res_mix_rms_norm", ref_attn_res.attn_res_mix_rms_norm),
-                      ("moe_route", ref_moe.moe_route)]:
+                      ("moe_route", ref_moe.moe_route), ("moe_experts", ref_moe.moe_experts)]:
         assert inspect.signature(getattr(ops, name)) == inspect.signature(ref), name
         assert getattr(ops, name).__doc__ == ref.__doc__
         assert name in ops.__all__
@@ -64,6 +68,10 @@ def test_forced_triton_on_cpu_interpreter(monkeypatch):
     wk, ik = ops.moe_route(x, None, 3)
     wr, ir = ref_moe.moe_route(x, None, 3)
     assert torch.equal(ik, ir) and torch.allclose(wk, wr, atol=1e-6)
+    for a, b in zip(ops.add_rms_norm(g, x, w, 1e-5), ref_norm.add_rms_norm(g, x, w, 1e-5), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    _, sk = ops.add_rms_norm(g, x.double(), w, 1e-5)  # mixed dtypes: outside the region, the reference
+    assert sk.dtype == torch.float64 and torch.equal(sk, x.double() + g)
 
 
 def _spy(monkeypatch, module: str, name: str) -> list:
@@ -100,3 +108,24 @@ def test_cuda_tensors_take_triton_and_env_forces_reference(monkeypatch):
     assert [len(c) for c in calls] == [1] * 5
     for a, b in zip(fast, slow):
         assert ((a.double() - b.double()).abs().max() / b.double().abs().max()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_fusions_take_triton(monkeypatch):
+    """add_rms_norm, gated_activation(_merged) and moe_experts(add=) on CUDA run their kernels (one call each)."""
+    monkeypatch.delenv("TOKENSPEED_OPS", raising=False)
+    calls = [_spy(monkeypatch, "norm", "add_rms_norm"), _spy(monkeypatch, "activation", "gated_activation"),
+             _spy(monkeypatch, "activation", "gated_activation_merged"), _spy(monkeypatch, "moe_experts", "moe_experts")]
+    dev, bf = "cuda", torch.bfloat16
+    x, r, w = (torch.randn(3, 2304, device=dev, dtype=bf) for _ in range(3))
+    gu = torch.randn(3, 2048, device=dev, dtype=bf)
+    act = ops.Activation("silu")
+    ops.add_rms_norm(x, r, w, 1e-5)
+    ops.gated_activation(*gu.chunk(2, dim=-1), act)
+    ops.gated_activation_merged(gu, act)
+    w1, w3 = (torch.randn(8, 64, 2304, device=dev, dtype=bf) * 0.02 for _ in range(2))
+    w2 = torch.randn(8, 2304, 64, device=dev, dtype=bf) * 0.1
+    tw, ids = torch.rand(3, 2, device=dev), torch.randint(0, 8, (3, 2), device=dev)
+    ops.moe_experts(x, w1, w3, w2, tw, ids, act, add=r)
+    assert [len(c) for c in calls] == [1, 1, 1, 1]

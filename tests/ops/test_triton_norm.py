@@ -1,22 +1,22 @@
-"""Triton RMSNorm, gated RMSNorm and AttnRes mix (+ fused RMSNorm) against the torch reference.
+"""Triton RMSNorm, gated RMSNorm, residual add + RMSNorm and AttnRes mix (+ fused RMSNorm) against the torch
+reference.
 
-CPU: the Triton interpreter (fp32, small shapes; it truncates fp32 -> bf16, so bf16 is checked on CUDA only).
-CUDA (`-m gpu`): K3 TP8 per-rank shapes and odd ones, bf16 within 1e-2 and fp32 within 1e-5 relative.
-Every output starts poisoned (NaN) so an unwritten element fails.
+CPU: the Triton interpreter (fp32, small shapes; it truncates fp32 -> bf16, so bf16 is checked on CUDA only; fp16
+it rounds to nearest, so `add_rms_norm`'s two roundings are checked in fp16 there: the sum bit for bit, the norm
+bit for bit against the unfused Triton `rms_norm` of that sum, and a norm of the unrounded sum fails).
+CUDA (`-m gpu`): K3 TP8 per-rank shapes, the kimi-linear hidden 2304 at T = 1, 64, 8192, and odd ones, bf16 within
+1e-2 and fp32 within 1e-5 relative; `add_rms_norm` bit for bit against torch's add followed by the Triton
+`rms_norm` (the path it replaces). Every output starts poisoned (NaN) so an unwritten element fails.
 """
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # noqa: E402,F401 - sets up Triton first
-
-from tokenspeed.ops.reference import attn_res as ref_attn_res  # noqa: E402
-from tokenspeed.ops.reference import norm as ref_norm  # noqa: E402
-
-
+from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # first: sets up the Triton interpreter
+from tokenspeed.ops.reference import attn_res as ref_attn_res
+from tokenspeed.ops.reference import norm as ref_norm
 
 
 def tol(dtype: torch.dtype) -> float:
@@ -42,6 +42,35 @@ def check_rms(shape, dtype, device):
     y = norm.rms_norm(x, w, 1e-5, out=out)
     assert y is out
     assert rel_err(y, ref_norm.rms_norm(x, w, 1e-5)) < tol(dtype)
+
+
+def check_add_rms(shape, dtype, device, *, strided=False, in_place=False):
+    """add_rms_norm vs the reference: poisoned outputs, summed == residual + x exactly, normed within tol.
+    Returns (normed, summed, x, residual) (x, residual as passed; residual cloned before an in-place call)."""
+    norm, _ = kernels()
+    d = shape[-1]
+    g = torch.Generator(device="cpu").manual_seed(d + len(shape))
+    if strided:  # rows of a wider buffer (row stride d + 16)
+        x = (torch.randn(*shape[:-1], d + 16, generator=g) * 2).to(device=device, dtype=dtype)[..., 5:5 + d]
+    else:
+        x = (torch.randn(shape, generator=g) * 2).to(device=device, dtype=dtype)
+    residual = (torch.randn(shape, generator=g) * 3).to(device=device, dtype=dtype)
+    w = (1 + 0.5 * torch.randn(d, generator=g)).to(device=device, dtype=dtype)
+    ref_normed, ref_summed = ref_norm.add_rms_norm(x, residual, w, 1e-5)
+    out = poison(shape, dtype, device)
+    if in_place:
+        res_in = residual.clone()
+        normed, summed = norm.add_rms_norm(x, res_in, w, 1e-5, out=out, summed=res_in)
+        assert summed is res_in
+    else:
+        summed_buf = poison(shape, dtype, device)
+        normed, summed = norm.add_rms_norm(x, residual, w, 1e-5, out=out, summed=summed_buf)
+        assert summed is summed_buf
+    assert normed is out
+    assert not torch.isnan(summed).any()
+    assert torch.equal(summed, ref_summed)  # one rounding of an exact fp32 sum, in both
+    assert rel_err(normed, ref_normed) < tol(dtype)
+    return normed, summed, x, residual, w
 
 
 def check_gated(T, H, D, dtype, device, strided: bool):
@@ -82,6 +111,45 @@ def test_rms_norm_interp(shape):
 
 
 @cpu_interp
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("shape", [(3, 5, 48), (7, 130), (1, 1), (37, 2304)])
+def test_add_rms_norm_interp(shape, strided, in_place):
+    check_add_rms(shape, torch.float32, "cpu", strided=strided, in_place=in_place)
+
+
+@cpu_interp
+def test_add_rms_norm_fp16_roundings_interp():
+    """fp16: the norm reads the rounded sum. Bit for bit the unfused Triton pair (torch add, then `rms_norm`),
+    within one ulp of the torch reference (rare flips: fp32 statistics summed in another order), and clearly not
+    the norm of the unrounded fp32 sum (the fusion done wrong)."""
+    norm, _ = kernels()
+    normed, _, x, residual, w = check_add_rms((64, 200), torch.float16, "cpu")
+    assert torch.equal(normed, norm.rms_norm(residual + x, w, 1e-5))
+    ref = ref_norm.rms_norm(residual + x, w, 1e-5)
+    ulp = torch.finfo(torch.float16).eps * ref.float().abs().clamp_min(2 ** -14)
+    assert ((normed.float() - ref.float()).abs() <= ulp).all()
+    assert (normed != ref).double().mean().item() < 0.01
+    s32 = residual.float() + x.float()  # the sum left unrounded, the rest as rms_norm does it
+    wrong = (w.float() * (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + 1e-5)).half().float()).half()
+    assert (wrong != ref).double().mean().item() > 0.05
+
+
+@cpu_interp
+def test_add_rms_norm_errors_and_empty_interp():
+    norm, _ = kernels()
+    x, w = torch.randn(3, 8), torch.randn(8)
+    with pytest.raises(ValueError, match="residual must match"):
+        norm.add_rms_norm(x, torch.randn(3, 7), w, 1e-5)
+    with pytest.raises(ValueError, match="residual must match"):
+        norm.add_rms_norm(x, torch.randn(3, 8, dtype=torch.float64), w, 1e-5)
+    with pytest.raises(ValueError, match="summed must be"):
+        norm.add_rms_norm(x, x, w, 1e-5, summed=torch.empty(3, 8).t())
+    normed, summed = norm.add_rms_norm(x[:0], x[:0], w, 1e-5)
+    assert normed.shape == summed.shape == (0, 8)
+
+
+@cpu_interp
 @pytest.mark.parametrize("strided", [False, True])
 def test_gated_rms_norm_interp(strided):
     check_gated(5, 3, 16, torch.float32, "cpu", strided)
@@ -104,6 +172,18 @@ def test_attn_res_interp(n, schedule):
                                    (11, 3584), (2, 129)])
 def test_rms_norm_gpu(shape, dtype):
     check_rms(shape, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 2304), (64, 2304), (8192, 2304), (37, 7168), (3, 7, 512), (2, 129)])
+def test_add_rms_norm_gpu(shape, dtype):
+    """Bit for bit the path it replaces (torch add, then the Triton rms_norm), plus the reference tolerance."""
+    norm, _ = kernels()
+    normed, _, x, residual, w = check_add_rms(shape, dtype, "cuda", strided=shape[0] == 37)
+    assert torch.equal(normed, norm.rms_norm(residual + x, w, 1e-5))
+    check_add_rms(shape, dtype, "cuda", in_place=True)
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -39,6 +40,10 @@ def _plan_name(dtype: torch.dtype) -> str:
 
 def _budget_bytes(cache: CacheConfig, device: str) -> int:
     if str(device).startswith("cuda"):
+        # Memory an engine deleted earlier in this process left in torch's caching allocator is free to us, but
+        # the driver counts it as used until it is handed back.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         used = total - free
         return int(total * cache.gpu_memory_utilization) - used

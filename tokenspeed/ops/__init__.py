@@ -2,9 +2,9 @@
 
 Models import `tokenspeed.ops` only, never a concrete kernel. Each function runs its plain torch reference
 (`tokenspeed.ops.reference.*`, the ground truth and the CPU path) or, for CUDA tensors, the Triton kernel of the
-same contract in `tokenspeed.ops.triton` (`rms_norm`, `gated_rms_norm`, `attn_res_mix`, `attn_res_mix_rms_norm`,
-`moe_route`, `kda_decode`, `kda_replay_layers`, `moe_experts`, `mla_decode`, and `linear` where the GEMV
-routing table picks it).
+same contract in `tokenspeed.ops.triton` (`rms_norm`, `gated_rms_norm`, `add_rms_norm`, `gated_activation`,
+`gated_activation_merged`, `attn_res_mix`, `attn_res_mix_rms_norm`, `moe_route`, `kda_decode`, `kda_replay_layers`,
+`moe_experts`, `mla_decode`, and `linear` where the GEMV routing table picks it).
 `TOKENSPEED_OPS=reference` forces the reference; `tokenspeed.ops.dispatch` has the rule.
 """
 
@@ -16,14 +16,15 @@ import torch
 from torch import Tensor
 
 from tokenspeed.ops import dispatch as _dispatch
+from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors
+from tokenspeed.ops.reference import activation as _ref_act
 from tokenspeed.ops.reference import attn_res as _ref_attn_res
+from tokenspeed.ops.reference import conv as _ref_conv
+from tokenspeed.ops.reference import mla as _ref_mla
 from tokenspeed.ops.reference import moe as _ref_moe
 from tokenspeed.ops.reference import norm as _ref_norm
-from tokenspeed.ops.reference.activation import Activation, gated_activation
-from tokenspeed.ops.reference import conv as _ref_conv
-from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors
+from tokenspeed.ops.reference.activation import Activation
 from tokenspeed.ops.reference.kda import kda_chunk, kda_gate, kda_recurrent, l2_normalize
-from tokenspeed.ops.reference import mla as _ref_mla
 from tokenspeed.ops.reference.mla import (
     mla_attention_paged,
     mla_gather_latent,
@@ -77,6 +78,24 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return _ref_norm.rms_norm(x, weight, eps)
 
 
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    if _dispatch.use_triton(x, residual, weight) and _dispatch.add_norm_supported(x, residual):
+        return _dispatch.kernels("norm").add_rms_norm(x, residual, weight, eps)
+    return _ref_norm.add_rms_norm(x, residual, weight, eps)
+
+
+def gated_activation(gate: Tensor, up: Tensor, act: Activation) -> Tensor:
+    if _dispatch.use_triton(gate, up) and _dispatch.activation_supported(gate, up, act):
+        return _dispatch.kernels("activation").gated_activation(gate, up, act)
+    return _ref_act.gated_activation(gate, up, act)
+
+
+def gated_activation_merged(gate_up: Tensor, act: Activation) -> Tensor:
+    if _dispatch.use_triton(gate_up) and _dispatch.activation_merged_supported(gate_up, act):
+        return _dispatch.kernels("activation").gated_activation_merged(gate_up, act)
+    return _ref_act.gated_activation_merged(gate_up, act)
+
+
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     if _dispatch.use_triton(x, gate, weight) and _dispatch.norm_supported(x) and gate.shape == x.shape:
         return _dispatch.kernels("norm").gated_rms_norm(x, gate, weight, eps)
@@ -119,10 +138,11 @@ def moe_route(
 
 
 def moe_experts(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-                act: Activation) -> Tensor:
-    if _dispatch.use_triton(x, w1, w3, w2, topk_weights, topk_ids) and _dispatch.moe_experts_supported(x, w1, act):
-        return _dispatch.kernels("moe_experts").moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act)
-    return _ref_moe.moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act)
+                act: Activation, *, add: Tensor | None = None) -> Tensor:
+    if _dispatch.use_triton(x, w1, w3, w2, topk_weights, topk_ids, add) and _dispatch.moe_experts_supported(
+            x, w1, act):
+        return _dispatch.kernels("moe_experts").moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act, add=add)
+    return _ref_moe.moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act, add=add)
 
 
 def mla_attention_expanded(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: list[int], cu_seqlens_k: list[int],
@@ -140,7 +160,10 @@ def mla_decode(q: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, sc
 
 
 for _fn, _ref in ((moe_experts, _ref_moe.moe_experts), (mla_decode, _ref_mla.mla_decode),
-                  (mla_attention_expanded, _ref_mla.mla_attention_expanded), (rms_norm, _ref_norm.rms_norm), (gated_rms_norm, _ref_norm.gated_rms_norm),
+                  (mla_attention_expanded, _ref_mla.mla_attention_expanded), (rms_norm, _ref_norm.rms_norm),
+                  (gated_rms_norm, _ref_norm.gated_rms_norm), (add_rms_norm, _ref_norm.add_rms_norm),
+                  (gated_activation, _ref_act.gated_activation),
+                  (gated_activation_merged, _ref_act.gated_activation_merged),
                   (attn_res_mix, _ref_attn_res.attn_res_mix),
                   (attn_res_mix_rms_norm, _ref_attn_res.attn_res_mix_rms_norm), (moe_route, _ref_moe.moe_route)):
     _fn.__doc__ = _ref.__doc__
@@ -354,11 +377,13 @@ __all__ = [
     "Activation",
     "KdaLayerTable",
     "KdaLayerTensors",
+    "add_rms_norm",
     "apply_rope",
     "attn_res_mix",
     "attn_res_mix_rms_norm",
     "causal_conv1d",
     "gated_activation",
+    "gated_activation_merged",
     "gated_rms_norm",
     "kda_chunk",
     "kda_decode",

@@ -101,6 +101,26 @@ def norm_supported(x: Tensor) -> bool:
     return x.dim() >= 1 and 0 < x.shape[-1] <= MAX_NORM_DIM and x.is_floating_point()
 
 
+def add_norm_supported(x: Tensor, residual: Tensor) -> bool:
+    """Triton `add_rms_norm`: `norm_supported(x)` and a residual of x's shape and dtype (torch's `+` would promote
+    mixed dtypes; those take the reference)."""
+    return norm_supported(x) and residual.shape == x.shape and residual.dtype == x.dtype
+
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def activation_supported(gate: Tensor, up: Tensor, act) -> bool:
+    """Triton `gated_activation`: SiLU or SiTU, gate and up of one shape (>= 1 dim), 16-bit or fp32."""
+    return act.kind in ("silu", "situ") and gate.dim() >= 1 and up.shape == gate.shape \
+        and gate.dtype in ACTIVATION_DTYPES and up.dtype in ACTIVATION_DTYPES
+
+
+def activation_merged_supported(gate_up: Tensor, act) -> bool:
+    """Triton `gated_activation_merged`: `activation_supported` for the two halves of an even last dim."""
+    return gate_up.dim() >= 1 and gate_up.shape[-1] % 2 == 0 and activation_supported(gate_up, gate_up, act)
+
+
 def attn_res_supported(blocks: Tensor, partial: Tensor) -> bool:
     return partial.dim() == 2 and blocks.dim() == 3 and 0 < partial.shape[-1] <= MAX_NORM_DIM \
         and blocks.shape[0] <= 31

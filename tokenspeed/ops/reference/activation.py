@@ -37,9 +37,19 @@ def situ_and_mul(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> T
 
 
 def gated_activation(gate: Tensor, up: Tensor, act: Activation) -> Tensor:
-    """Apply `act` to a (gate, up) pair of the same shape."""
+    """Apply `act` to a (gate, up) pair of the same shape: fp32 inside, one rounding to gate.dtype. Pure."""
     if act.kind == "silu":
         return silu_and_mul(gate, up)
     if act.kind == "situ":
         return situ_and_mul(gate, up, act.beta, act.linear_beta)
     raise ValueError(f"unknown gated activation {act.kind!r}; supported: 'silu', 'situ'")
+
+
+def gated_activation_merged(gate_up: Tensor, act: Activation) -> Tensor:
+    """`act` of the merged projection gate_up [..., 2I] (gate = the first I columns, up = the last I), as a gated
+    MLP's `gate_up_proj` returns it: `gated_activation(*gate_up.chunk(2, -1), act)` -> [..., I] in gate_up.dtype.
+    Pure."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dim must be even (gate ; up); got {gate_up.shape[-1]}")
+    gate, up = gate_up.chunk(2, dim=-1)
+    return gated_activation(gate, up, act)

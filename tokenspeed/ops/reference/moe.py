@@ -48,13 +48,19 @@ def moe_experts(
     topk_weights: Tensor,
     topk_ids: Tensor,
     act: Activation,
+    *,
+    add: Tensor | None = None,
 ) -> Tensor:
     """Routed experts: out_t = sum_j w_tj * cast(W2_e act(W1_e x_t, W3_e x_t)), e = topk_ids[t, j].
 
     x: [T, D]; w1, w3: [E, I, D] (gate, up); w2: [E, D, I]; topk_weights: [T, k] fp32; topk_ids: [T, k].
     Each expert output is rounded to x.dtype, the weighted combine is fp32, the result is x.dtype [T, D].
     Expert ids outside [0, E) contribute nothing (used by expert parallelism for non-local experts).
+    add: [T, D] in x.dtype (e.g. the shared experts' output), or None: returns cast(out) + add, i.e. the routed
+    sum rounded to x.dtype first, then the add rounded again (torch's `+` of the two x.dtype tensors). Inputs are
+    not mutated.
     """
+    check_add(add, x, w2.shape[1])
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         if not 0 <= e < w1.shape[0]:
@@ -64,4 +70,11 @@ def moe_experts(
         h = gated_activation(xe @ w1[e].t(), xe @ w3[e].t(), act) @ w2[e].t()
         weight = topk_weights[token_idx, slot_idx].unsqueeze(-1)
         out.index_add_(0, token_idx, weight * h.to(x.dtype).float())
-    return out.to(x.dtype)
+    return out.to(x.dtype) if add is None else out.to(x.dtype) + add
+
+
+def check_add(add: Tensor | None, x: Tensor, d: int) -> None:
+    """`moe_experts`' add must be None or [T, d] in x.dtype on x's device (ValueError otherwise)."""
+    if add is not None and (add.shape != (x.shape[0], d) or add.dtype != x.dtype or add.device != x.device):
+        raise ValueError(f"add must be [{x.shape[0]}, {d}] {x.dtype} on {x.device}; got {tuple(add.shape)} "
+                         f"{add.dtype} on {add.device}")

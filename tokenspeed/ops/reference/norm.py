@@ -17,6 +17,17 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (weight * normed).to(x.dtype)
 
 
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """A pre-norm residual junction: summed = residual + x (torch's `+`: one rounding to the common dtype), then
+    normed = rms_norm(summed, weight, eps) of the rounded sum (the rounding of `rms_norm`).
+
+    x, residual: [..., D] of one shape; weight: [D]. Returns (normed, summed), both new tensors; nothing is mutated
+    (summed is the residual stream the next junction adds to).
+    """
+    summed = residual + x
+    return rms_norm(summed, weight, eps), summed
+
+
 def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm(x) * sigmoid(gate), all in fp32 (KDA output norm, FLA `FusedRMSNormGated`).
 

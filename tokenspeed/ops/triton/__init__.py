@@ -4,7 +4,8 @@ Nothing here is imported by `tokenspeed.ops` until a call needs it (`tokenspeed.
 module lazily), so CPU-only runs never import Triton. Each module mirrors one reference module in
 `tokenspeed.ops.reference` and computes the same function (see docs/kernels.md for the numerics and the layouts):
 
-- `norm`:       `rms_norm`, `gated_rms_norm`
+- `norm`:       `rms_norm`, `gated_rms_norm`, `add_rms_norm` (residual add fused with the norm)
+- `activation`: `gated_activation`, `gated_activation_merged` (SiLU / SiTU of gate and up, one pass)
 - `attn_res`:   `attn_res_mix`, `attn_res_mix_rms_norm`
 - `moe_route`:  `moe_route` (sigmoid / softmax, bias-corrected top-k, renormalise) in one launch
 - `kda_decode`: `kda_decode`, the fused conv + SiLU + L2 norm + gate + beta + recurrence step for 1..k tokens

@@ -26,7 +26,8 @@ the intermediate h [max_blocks * BLOCK_M, I] (x.dtype). Blocks of the invalid bu
 Kernel 2 (grid max_blocks x cdiv(D, BLOCK_N)): h rows @ W2[e]^T in fp32, rounded to x.dtype and stored at the
 pair's row of a per-pair buffer [P, D] (x.dtype); blocks of the invalid bucket store zeros, so every row of the
 buffer is written (it is allocated with torch.empty). Kernel 3, the combine (grid T x cdiv(D, 1024)): each token's
-k rows times their fp32 routing weights, summed in fp32 and rounded to x.dtype. Program id 0 (the M-block) varies fastest, so the blocks of one expert run
+k rows times their fp32 routing weights, summed in fp32 and rounded to x.dtype (then, with `add`, plus that row,
+rounded again). Program id 0 (the M-block) varies fastest, so the blocks of one expert run
 side by side and share each weight tile through L2.
 
 Bytes per call (elt = x.element_size(), c_e = pairs routed to expert e, touched = experts with c_e > 0):
@@ -47,6 +48,7 @@ import triton.language as tl
 from torch import Tensor
 
 from tokenspeed.ops.reference.activation import Activation
+from tokenspeed.ops.reference.moe import check_add
 
 
 @dataclass(frozen=True)
@@ -219,8 +221,10 @@ def _down_kernel(
 
 
 @triton.jit
-def _combine_kernel(Buf, TopkW, Out, D, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[t] = sum_j w[t, j] * buf[t * k + j] in fp32, cast to out.dtype (grid T x cdiv(D, BLOCK_D))."""
+def _combine_kernel(Buf, TopkW, Out, Add, D, stride_add, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HAS_ADD: tl.constexpr):
+    """out[t] = sum_j w[t, j] * buf[t * k + j] in fp32, cast to out.dtype (grid T x cdiv(D, BLOCK_D)); with HAS_ADD
+    then cast(out[t] + add[t]) in fp32 (the reference's two roundings: the routed sum, then the add)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = offs < D
@@ -228,7 +232,11 @@ def _combine_kernel(Buf, TopkW, Out, D, TOP_K: tl.constexpr, BLOCK_D: tl.constex
     for j in tl.static_range(TOP_K):
         w = tl.load(TopkW + t * TOP_K + j)
         acc += w * tl.load(Buf + (t * TOP_K + j) * D + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(Out + t * D + offs, acc.to(Out.dtype.element_ty), mask=m)
+    y = acc.to(Out.dtype.element_ty)
+    if HAS_ADD:
+        y = (y.to(tl.float32) + tl.load(Add + t * stride_add + offs, mask=m, other=0.0).to(tl.float32)).to(
+            Out.dtype.element_ty)
+    tl.store(Out + t * D + offs, y, mask=m)
 
 
 def align_pairs(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
@@ -363,9 +371,11 @@ def moe_experts(
     topk_ids: Tensor,
     act: Activation,
     *,
+    add: Tensor | None = None,
     config: ExpertsConfig | None = None,
 ) -> Tensor:
-    """Triton `ops.moe_experts` (same contract): returns [T, D] in x.dtype. `config` overrides the tiles."""
+    """Triton `ops.moe_experts` (same contract, `add` too: added in the combine kernel, no extra launch): returns
+    [T, D] in x.dtype. `config` overrides the tiles."""
     if act.kind not in ("silu", "situ"):
         raise ValueError(f"unknown gated activation {act.kind!r}; supported: 'silu', 'situ'")
     T, D = x.shape
@@ -379,10 +389,12 @@ def moe_experts(
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights and topk_ids must both be [{T}, k]; got {tuple(topk_weights.shape)}, "
                          f"{tuple(topk_ids.shape)}")
+    check_add(add, x, D)
     k = topk_ids.shape[1]
     P = T * k
     if P == 0 or D == 0:
-        return torch.zeros(T, D, dtype=x.dtype, device=x.device)
+        out = torch.zeros(T, D, dtype=x.dtype, device=x.device)
+        return out if add is None else out + add
     cfg = config or default_config(T, k, E, D, DI, x.element_size())
     bm = cfg.block_m
     tiles = (bm, cfg.block_n1, cfg.block_k1, cfg.block_n2, cfg.block_k2)
@@ -419,5 +431,9 @@ def moe_experts(
     )
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     block_d = min(1024, triton.next_power_of_2(D))
-    _combine_kernel[(T, triton.cdiv(D, block_d))](buf, tw, out, D, TOP_K=k, BLOCK_D=block_d, num_warps=4)
+    if add is not None and add.stride(1) != 1:
+        add = add.contiguous()
+    _combine_kernel[(T, triton.cdiv(D, block_d))](
+        buf, tw, out, out if add is None else add, D, 0 if add is None else add.stride(0),
+        TOP_K=k, BLOCK_D=block_d, HAS_ADD=add is not None, num_warps=4)
     return out
