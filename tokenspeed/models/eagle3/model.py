@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tokenspeed import ops
 from tokenspeed.distributed import ParallelContext
 from tokenspeed.errors import ConfigError
 from tokenspeed.models.batch import CacheBuffers, ForwardBatch
@@ -89,8 +90,9 @@ class Eagle3DecoderLayer(nn.Module):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        r = residual + self.self_attn(x, batch, cache)
-        return r + self.mlp(self.post_attention_layernorm(r))
+        post = self.post_attention_layernorm
+        x, r = ops.add_rms_norm(self.self_attn(x, batch, cache), residual, post.weight, post.eps)  # r = residual + a
+        return r + self.mlp(x)
 
 
 @dataclass

@@ -3,7 +3,10 @@
 Block AttnRes (K3, section 2.3 of k3-architecture.md):
   1. x_a = mix_attn(blocks + [P]) (P itself when there are no blocks); 2. at a block boundary snapshot P, P = empty
   3. a = Attn(input_norm(x_a)); 4. P += a; 5. x_m = mix_mlp(blocks + [P]); 6. f = FFN(post_norm(x_m)); 7. P += f
-Plain pre-norm residual (Kimi Linear): h += Attn(input_norm(h)); h += FFN(post_norm(h)).
+Plain pre-norm residual (Kimi Linear): h += Attn(input_norm(h)); h += FFN(post_norm(h)). Each add is fused with
+the norm that reads its result (`ops.add_rms_norm`, one kernel per junction on CUDA): the layer takes its input
+already normed and returns its FFN output un-added, and the model adds it fused with the next layer's input norm
+(or the final norm).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from tokenspeed import ops
 from tokenspeed.distributed import ParallelContext
 from tokenspeed.models.batch import CacheBuffers, ForwardBatch
 from tokenspeed.models.config import KimiConfig
@@ -70,7 +74,13 @@ class DecoderLayer(nn.Module):
         query = depth_query(self.mlp_res_norm, self.mlp_res_proj)
         stream.add(self.ffn(mix_and_norm(stream, query, self.eps, self.post_attention_layernorm)))
 
-    def forward_plain(self, hidden: Tensor, batch: ForwardBatch, cache: CacheBuffers) -> Tensor:
-        """Pre-norm residual: returns the new hidden [T, hidden]."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, cache)
-        return hidden + self.ffn(self.post_attention_layernorm(hidden))
+    def forward_plain(self, hidden: Tensor, normed: Tensor, batch: ForwardBatch, cache: CacheBuffers
+                      ) -> tuple[Tensor, Tensor]:
+        """Pre-norm residual with the adds left to fused junctions. hidden: the stream h entering the layer [T, hidden];
+        normed: input_layernorm(h) (the caller fuses it with the add that made h). Returns (h', f): h' = h +
+        Attn(normed) and f = FFN(post_attention_layernorm(h')), the FFN output not yet added: the layer's output
+        stream is h' + f (the caller adds it with `ops.add_rms_norm` and the next norm). Nothing is mutated but the
+        cache."""
+        post = self.post_attention_layernorm
+        x, hidden = ops.add_rms_norm(self.self_attn(normed, batch, cache), hidden, post.weight, post.eps)
+        return hidden, self.ffn(x)

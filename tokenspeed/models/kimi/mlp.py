@@ -42,6 +42,5 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [T, hidden] -> [T, hidden] (a partial sum over ranks when reduce_output is False)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        y = self.down_proj(ops.gated_activation(gate, up, self.act))
+        y = self.down_proj(ops.gated_activation_merged(self.gate_up_proj(x), self.act))
         return self.parallel.all_reduce(y) if self.reduce_output else y

@@ -63,12 +63,15 @@ class KimiModel(nn.Module):
         wanted = _capture_slots(capture_layers, c.num_hidden_layers)
         captured: list[Tensor] = [embeddings] * len(capture_layers)
         if c.attn_res_block_size is None:
-            hidden = embeddings
+            first_norm = self.layers[0].input_layernorm if len(self.layers) else self.norm
+            hidden, x = embeddings, first_norm(embeddings)
             for i, layer in enumerate(self.layers):
-                hidden = layer.forward_plain(hidden, batch, cache)
+                hidden, f = layer.forward_plain(hidden, x, batch, cache)
+                norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+                x, hidden = ops.add_rms_norm(f, hidden, norm.weight, norm.eps)  # h += FFN output; next input norm
                 for slot in wanted.get(i, ()):
                     captured[slot] = hidden
-            out = self.norm(hidden)
+            out = x
         else:
             stream = ResidualStream.start(embeddings, math.ceil(c.num_hidden_layers / c.attn_res_block_size))
             for i, layer in enumerate(self.layers):

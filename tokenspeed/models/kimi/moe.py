@@ -84,16 +84,16 @@ class SparseMoE(nn.Module):
             routed_scaling_factor=c.routed_scaling_factor,
         )
         if self.latent is None:
-            y = ops.moe_experts(x, self.w1, self.w3, self.w2, weights, ids, self.act)
-        else:
-            z = ops.moe_experts(self.routed_expert_down_proj(x), self.w1, self.w3, self.w2, weights, ids, self.act)
-            z = self.parallel.all_reduce(z)
-            if hasattr(self, "routed_expert_norm"):
-                z = self.routed_expert_norm(z)
-            y = self.routed_expert_up_proj(z)
-            if hasattr(self, "shared_experts"):
-                return y + self.parallel.all_reduce(self.shared_experts(x))
-            return y
+            # routed + shared in the experts' combine (one rounding of the routed sum, then the add, as `y + s`),
+            # all-reduced once after the add
+            shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
+            return self.parallel.all_reduce(
+                ops.moe_experts(x, self.w1, self.w3, self.w2, weights, ids, self.act, add=shared))
+        z = ops.moe_experts(self.routed_expert_down_proj(x), self.w1, self.w3, self.w2, weights, ids, self.act)
+        z = self.parallel.all_reduce(z)
+        if hasattr(self, "routed_expert_norm"):
+            z = self.routed_expert_norm(z)
+        y = self.routed_expert_up_proj(z)
         if hasattr(self, "shared_experts"):
-            y = y + self.shared_experts(x)
-        return self.parallel.all_reduce(y)
+            return y + self.parallel.all_reduce(self.shared_experts(x))
+        return y
