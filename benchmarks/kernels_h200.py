@@ -291,13 +291,13 @@ def bench_kda(quick: bool):
                         t_peer = graph_us(peer)
                     except Exception as e:
                         print("fla graph capture failed:", type(e).__name__, e)
-                bv_d, nw_d = k_kda.default_config(N * H, D)
+                cfg_d = k_kda.default_config(N * H, D, L)
                 record(f"kda_{mode}", f"H={H} N={N} q_len={L}", all_b, cold, t_ref, t_peer,
                        "fla fused_recurrent_kda", err=err, state_bytes=state_b,
                        state_bw_frac=state_b / (cold * 1e-6) / HBM,
                        best_config=best_cfg, best_us=numeric[best_cfg],
                        best_state_bw_frac=state_b / (numeric[best_cfg] * 1e-6) / HBM,
-                       configs=configs, default_config=f"BV={bv_d},w={nw_d}", ours_warm_us=warm,
+                       configs=configs, default_config=cfg_d.label, ours_warm_us=warm,
                        ours_eager_us=eager, peer_eager_us=t_peer_eager, ref_mode="eager (host syncs)",
                        speedup_vs_peer_eager=(t_peer_eager / cold) if t_peer_eager else None)
                 del inp

@@ -6,7 +6,8 @@
 Checked: outputs, the recurrent-state pool and the conv-state pool (slots not in the batch untouched), both gate
 forms, the V split (and its last-arriver conv-state write), strided qkv / b read from a merged projection,
 zero-length sequences, padding slots (-1), verify mode with per-token states, and CUDA-graph replay; head dims
-that are not powers of two (padded, masked tiles; V split with and without a masked tail).
+that are not powers of two (padded, masked tiles; V split with and without a masked tail); the chunked variant
+(one program per head walking its V tiles: `KdaConfig(chunked=True)`) in every mode, and the launch-config table.
 Tolerances: fp32 io within 1e-5 (outputs and fp32 state), bf16 io within 1e-2 relative. Outputs start poisoned.
 Out-of-bounds guards: the memory just past qkv's columns, f, dt_bias, the conv weight, the pools and the outputs
 is NaN, so a stray read shows up as NaN and a stray write as a changed tail (`tails_intact`).
@@ -294,6 +295,112 @@ def test_pad_config_and_dispatch_region():
         assert dispatch.kda_decode_supported(x["qkv"], x["conv_weight"], x["dt_bias"])
 
 
+# ----------------------------------------------------------------------------- chunked variant (one program per head)
+# (D, BV, num_stages): whole tiles (D=16: 2 and 4 tiles), padded K and V with a fully masked last tile (D=48, BV 16:
+# 3 real tiles of 4) and a partly masked one (D=48, BV 32), D=80 (BK 128, BV 16: 5 real tiles of 8). The interpreter
+# ignores num_stages (the pipelining is a compiled-code transform) but it reaches the tile loop's tl.range.
+CHUNK_CASES = [(16, 8, 2), (16, 4, 3), (48, 16, 3), (48, 32, 1), (80, 16, None)]
+
+
+def poison_idle(inp):
+    """NaN in every pool slot outside the batch (and in slot 0 when only a padding row may read it)."""
+    used = {s for s in inp["state_indices"].tolist() if s >= 0}
+    idle = [s for s in range(inp["state"].shape[0]) if s not in used]
+    inp["state"][idle] = float("nan")
+    inp["conv_state"][idle] = float("nan")
+    return used, idle
+
+
+@cpu_interp
+@pytest.mark.parametrize("D,BV,stages", CHUNK_CASES)
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_chunked_decode_interp(D, BV, stages, lower_bound):
+    """Chunked decode: 1, 3 (several tokens: the state and conv window pass between tokens through the pools), 0 and
+    2 tokens, a padding row; idle slots NaN-poisoned and untouched; outputs poisoned (every row written)."""
+    from tokenspeed.ops.triton.kda_decode import KdaConfig
+
+    lens, slots = [1, 3, 0, 2, 1], [4, 1, 6, -1, 0]
+    inp = make(lens, 1, D, torch.float32, "cpu", slots=slots)
+    _, idle = poison_idle(inp)
+    scale = D ** -0.5
+    a, r = clone(inp), clone(inp)
+    o = run_fused(a, lower_bound, scale, config=KdaConfig(BV, chunked=True, num_stages=stages))
+    o_ref = composed(r, lower_bound, scale)
+    used = [s for s in slots if s >= 0]
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(a["state"][used], r["state"][used]) < 1e-5
+    assert torch.equal(a["conv_state"][used], r["conv_state"][used])
+    assert a["state"][idle].isnan().all() and a["conv_state"][idle].isnan().all()
+
+
+@cpu_interp
+def test_chunked_two_decode_steps_interp():
+    """Two chunked launches on the same pools equal two reference steps (the per-token conv-state shift)."""
+    D, lens, slots = 48, [1, 1, 1], [3, -1, 6]
+    scale = D ** -0.5
+    inp = make(lens, 1, D, torch.float32, "cpu", slots=slots)
+    a, r = clone(inp), clone(inp)
+    for step in range(2):
+        new = make(lens, 1, D, torch.float32, "cpu", slots=slots, seed=10 + step)
+        for key in ("qkv", "f", "b"):
+            a[key] = r[key] = new[key]
+        o = run_fused(a, -5.0, scale, BV=16, chunked=True)
+        o_ref = composed(r, -5.0, scale)
+        assert rel_err(o, o_ref) < 1e-5 and rel_err(a["state"], r["state"]) < 1e-5
+        assert torch.equal(a["conv_state"], r["conv_state"])
+
+
+@cpu_interp
+@pytest.mark.parametrize("D,BV", [(16, 8), (48, 16), (48, 32)])
+def test_chunked_verify_interp(D, BV):
+    """Chunked verify (pools untouched): with per-token step states, and outputs only."""
+    check_verify([3, 1, 2], 1, D, torch.float32, "cpu", slots=[4, -1, 0], BV=BV, chunked=True)
+    inp = make([2, 3], 1, D, torch.float32, "cpu")
+    a, r = clone(inp), clone(inp)
+    o = run_fused(a, -5.0, D ** -0.5, update_state=False, BV=BV, chunked=True, num_stages=2)
+    assert torch.equal(a["state"], inp["state"]) and torch.equal(a["conv_state"], inp["conv_state"])
+    assert rel_err(o, composed(r, -5.0, D ** -0.5)) < 1e-5
+
+
+@cpu_interp
+@pytest.mark.parametrize("D,BV", [(16, 8), (48, 16)])
+def test_chunked_seq_lens_replay_interp(D, BV):
+    """seq_lens (replay of accepted drafts, read in place) with the chunked variant vs the reference composition."""
+    from tokenspeed.ops import _kda_decode_reference
+    from tokenspeed.ops.triton.kda_decode import kda_decode
+
+    inp = make([3, 3, 3, 2], 1, D, torch.float32, "cpu", slots=[2, 7, -1, 0])
+    acc = torch.tensor([0, 3, 2, 5])
+    a, r = clone(inp), clone(inp)
+    o = kda_decode(**a, lower_bound=-5.0, scale=D ** -0.5, seq_lens=acc, BV=BV, chunked=True)
+    o_ref = _kda_decode_reference(**r, lower_bound=-5.0, scale=D ** -0.5, update_state=True, step_states=None,
+                                  seq_lens=acc)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(a["state"], r["state"]) < 1e-5
+    assert torch.equal(a["conv_state"], r["conv_state"])
+
+
+def test_launch_config_table_and_validation():
+    """default_config: the decode table by N * H, legacy for verify / replay and head dims < 64; the original
+    choice is `legacy_config`; overrides are validated."""
+    from tokenspeed.ops.triton.kda_decode import DECODE_TABLE, KdaConfig, default_config, kda_decode, legacy_config
+
+    assert [b for b, _ in DECODE_TABLE] == sorted(b for b, _ in DECODE_TABLE) and DECODE_TABLE[0][0] == 0
+    for nh in (1, 12, 96, 100, 511, 512, 6144, 10 ** 6):
+        want = [row for b, row in DECODE_TABLE if b <= nh][-1]
+        assert default_config(nh, 128) == want
+        assert default_config(nh, 128, tokens_per_seq=4) == legacy_config(nh, 128)
+    assert default_config(6144, 48) == legacy_config(6144, 48) == KdaConfig(64)
+    assert default_config(6144, 80).block_v == 16  # _fit_bv: no masked tail
+    assert legacy_config(12, 128) == KdaConfig(32) and legacy_config(6144, 128) == KdaConfig(64)
+    assert KdaConfig(32, chunked=True, num_stages=3).label == "bv32-chunked-w4-s3"
+    assert KdaConfig(64, hints=True).label == "bv64-split-w4-hints"
+    inp = make([1], 1, 48, torch.float32, "cpu")
+    bad = [({"BV": 24}, "BV must be"), ({"BV": 128}, "BV must be"), ({"num_warps": 3}, "num_warps"),
+           ({"num_stages": 0}, "num_stages"), ({"config": KdaConfig(16, num_stages=9)}, "num_stages")]
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            kda_decode(**inp, lower_bound=-5.0, scale=1.0, **kw)
+
+
 # ----------------------------------------------------------------------------- CUDA
 K3_TP8 = {"H": 12, "D": 128}
 
@@ -309,16 +416,22 @@ def test_fused_k3_tp8_gpu(lens, lower_bound, dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("BV,num_warps", [(32, 4), (64, 4), (128, 8), (128, 16)])
+@pytest.mark.parametrize("cfg", [(32, False, 4, None), (64, False, 4, None), (128, False, 8, None),
+                                 (128, False, 16, None), (32, True, 4, 3), (16, True, 4, 3), (16, True, 4, 4),
+                                 (64, True, 4, 2), (32, True, 2, 3), (32, True, 4, 1)])
 @pytest.mark.parametrize("lens", [[1] * 3, [2, 1, 4]])
-def test_fused_configs_gpu(lens, BV, num_warps):
-    check(lens, 12, 128, torch.bfloat16, "cuda", BV=BV, num_warps=num_warps)
+def test_fused_configs_gpu(lens, cfg):
+    from tokenspeed.ops.triton.kda_decode import KdaConfig
+
+    check(lens, 12, 128, torch.bfloat16, "cuda", config=KdaConfig(*cfg))
+    check_verify(lens, 12, 128, torch.bfloat16, "cuda", config=KdaConfig(*cfg))
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_fused_96_heads_and_padding_gpu():
-    check([1, 1, 1, 1], 96, 128, torch.bfloat16, "cuda", slots=[3, -1, 7, 0])
+@pytest.mark.parametrize("chunked", [None, True])
+def test_fused_96_heads_and_padding_gpu(chunked):
+    check([1, 1, 1, 1], 96, 128, torch.bfloat16, "cuda", slots=[3, -1, 7, 0], chunked=chunked)
 
 
 @pytest.mark.gpu
@@ -330,8 +443,8 @@ def test_verify_gpu(dtype):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("BV", [None, 64, 128])
-def test_cuda_graph_replay_gpu(BV):
+@pytest.mark.parametrize("BV,chunked", [(None, None), (64, None), (128, None), (32, True), (16, True)])
+def test_cuda_graph_replay_gpu(BV, chunked):
     """Captured once, replayed on new inputs: two decode steps equal two reference steps."""
     from tokenspeed.ops.triton.kda_decode import kda_decode
 
@@ -341,11 +454,11 @@ def test_cuda_graph_replay_gpu(BV):
     static["qkv"] = inp["qkv"].clone()
     static["f"], static["b"] = inp["f"].clone(), inp["b"].clone()
     warm = clone(inp)
-    kda_decode(**warm, lower_bound=-5.0, scale=D ** -0.5, BV=BV)  # compile + counters, outside the capture
+    kda_decode(**warm, lower_bound=-5.0, scale=D ** -0.5, BV=BV, chunked=chunked)  # compile + counters, outside
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = kda_decode(**static, lower_bound=-5.0, scale=D ** -0.5, BV=BV)
+        out = kda_decode(**static, lower_bound=-5.0, scale=D ** -0.5, BV=BV, chunked=chunked)
     static["state"].copy_(inp["state"])
     static["conv_state"].copy_(inp["conv_state"])
     ref = clone(inp)

@@ -5,8 +5,9 @@ weights each the head of its own NaN-tailed buffer), so the kernel must address 
 Checked, on the CPU interpreter in fp32: conv and recurrent pools equal L reference `ops.kda_decode` replays
 (seq_lens = accepted counts 0..k, one clamped past k, a padding row) within 1e-5; state slots outside the batch
 (poisoned with NaN) untouched; one kernel launch; the V split's per-(layer, sequence, head) counters back at zero;
-a power-of-two and a padded head dim (48); a table built once and reused for a second replay; non-uniform layers
-(no offset table, per-layer fallback) and the host checks of `KdaLayerTable` / `layer_offsets`.
+a power-of-two and a padded head dim (48), split and chunked launch variants; a table built once and reused for a
+second replay; non-uniform layers (no offset table, per-layer fallback) and the host checks of `KdaLayerTable` /
+`layer_offsets`.
 """
 
 from __future__ import annotations
@@ -75,14 +76,15 @@ def assert_pools_match(got: list[torch.Tensor], want: list[torch.Tensor], used: 
         assert a[idle].isnan().all()
 
 
-# (D, BV): D=16 whole V per program and split V (NV=2: the counters), D=48 padded (BK=BV=64, NV=1) and split
-# with a masked tail block (BV 32, NV=2).
-CASES = [(16, None), (16, 8), (48, None), (48, 32)]
+# (D, BV, chunked): D=16 whole V per program and split V (NV=2: the counters), D=48 padded (BK=BV=64, NV=1) and
+# split with a masked tail block (BV 32, NV=2); the chunked variant (one program per (layer, sequence, head) walking
+# its tiles, token by token through the pools) for D=16 (2 tiles) and D=48 (BV 16: 3 real tiles of 4).
+CASES = [(16, None, None), (16, 8, None), (48, None, None), (48, 32, None), (16, 8, True), (48, 16, True)]
 
 
 @cpu_interp
-@pytest.mark.parametrize("D,BV", CASES)
-def test_multi_layer_replay_equals_per_layer_reference(D, BV, monkeypatch):
+@pytest.mark.parametrize("D,BV,chunked", CASES)
+def test_multi_layer_replay_equals_per_layer_reference(D, BV, chunked, monkeypatch):
     from tokenspeed.ops.triton import kda_decode as mod
 
     H, k, L, S = (2 if D == 16 else 1), 4, 3, 11
@@ -95,9 +97,9 @@ def test_multi_layer_replay_equals_per_layer_reference(D, BV, monkeypatch):
     monkeypatch.setenv("TOKENSPEED_OPS", "triton")
     calls = count_launches(monkeypatch)
     table = KdaLayerTable.build([tensors(inp) for inp in layers], strict=True)
-    if BV is not None:  # the public op takes the default split; this one forces the V split
+    if BV is not None:  # the public op takes the default split; this one forces the V split / the chunked variant
         monkeypatch.setattr(mod, "kda_replay_layers", lambda *a, _f=mod.kda_replay_layers, **kw: (
-            calls.__setitem__("multi", calls["multi"] + 1), _f(*a, BV=BV, **kw))[-1])
+            calls.__setitem__("multi", calls["multi"] + 1), _f(*a, BV=BV, chunked=chunked, **kw))[-1])
     ops.kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], accepted, lower_bound=LOWER)
     assert calls["multi"] >= 1 and calls["single"] == 0
     assert_pools_match(pools(layers), want, used)
@@ -178,7 +180,8 @@ def test_layer_offsets_host_checks():
 # ----------------------------------------------------------------------------- GPU (bf16, Kimi-Linear shapes)
 @needs_cuda
 @pytest.mark.parametrize("N", [1, 8])
-def test_multi_layer_replay_graph_gpu(N):
+@pytest.mark.parametrize("chunked", [None, True])
+def test_multi_layer_replay_graph_gpu(N, chunked):
     """kimi-linear-48b-a3b replay shapes (20 KDA layers, 32 heads, head dim 128, k = 4): the multi-layer launch,
     captured in a CUDA graph with its table built before capture, equals 20 per-layer Triton replays."""
     from tokenspeed.ops.triton.kda_decode import kda_decode, kda_replay_layers
@@ -197,14 +200,14 @@ def test_multi_layer_replay_graph_gpu(N):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up (compiles), then restore the pools
-        kda_replay_layers(table, si, cu, acc, lower_bound=LOWER)
+        kda_replay_layers(table, si, cu, acc, lower_bound=LOWER, chunked=chunked)
     torch.cuda.current_stream().wait_stream(side)
     for x, (cs, st) in zip(layers, zip(before[::2], before[1::2])):
         x["conv_state"].copy_(cs)
         x["state"].copy_(st)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kda_replay_layers(table, si, cu, acc, lower_bound=LOWER)
+        kda_replay_layers(table, si, cu, acc, lower_bound=LOWER, chunked=chunked)
     graph.replay()
     torch.cuda.synchronize()
     for x, w in zip(layers, want):

@@ -1,7 +1,7 @@
 """KDA decode / k-token verify in one launch per layer.
 
 For each sequence n (tokens cu_seqlens[n]..cu_seqlens[n+1], any count, normally 1 for decode and k for verify),
-its state slot s = state_indices[n], and each head h, one program (per V-block) does, token by token:
+its state slot s = state_indices[n], and each head h, the kernel does, token by token:
 
     x_t   = qkv[t, {q,k,v} channels of head h]            (strided rows of the merged projection, read in place)
     y     = cast(SiLU(sum_j conv_w[c, j] * x_{t-3+j}), io)  (window from conv_state[s] then the new tokens)
@@ -10,9 +10,24 @@ its state slot s = state_indices[n], and each head h, one program (per V-block) 
     beta  = sigmoid(b[t, h])
     S     = diag(exp(g)) S;  S += k (beta (v - S^T k))^T;  o_t = S^T q
 
-with S [K, V] fp32 held in registers for the whole sequence (read once from state[s, h], written once). That is
-`ops.causal_conv1d` + `ops.l2_normalize` + `ops.kda_gate` + sigmoid + `ops.kda_recurrent` fused, with the same
-roundings (the conv output is rounded to the io dtype, as the reference's conv returns it).
+That is `ops.causal_conv1d` + `ops.l2_normalize` + `ops.kda_gate` + sigmoid + `ops.kda_recurrent` fused, with the
+same roundings (the conv output is rounded to the io dtype, as the reference's conv returns it). Two schedules
+(`KdaConfig.chunked`, chosen per launch by `default_config`):
+
+- split (the original): program (v, n*H + h) holds the [K, BV] slice v of S in registers for the whole sequence
+  (read once from state[s, h], written once). Few programs per SM at large N * H: a [128, 64] tile needs 203
+  registers per thread (sm_90, Triton 3.9's ptxas: 2 CTAs of 4 warps per SM, 64 KB of state in flight), a
+  [128, 32] tile 127 (4 CTAs, 64 KB), and a program has its state read in flight only between its slot load and
+  its first reduction: the rest of its life (conv, norms, counter, conv-state epilogue) moves no state.
+- chunked: program (0, n*H + h) walks the NC = BK / BV tiles of the head. Decode and replay (update_state):
+  token by token, q / k / gate computed once, then the tiles in a `tl.range(num_stages=STAGES)` loop that Triton
+  software-pipelines (STAGES - 1 tiles in flight through shared memory via cp.async while one is updated), each
+  read from and written back to the pool; after each token the head's conv state is shifted in place, so the next
+  token again reads its window as token 0 (compile-time tap masks) and nothing is live across the q / k work but
+  one tile: 126 registers at BV 32 (4 CTAs), 96 at BV 16 (5 CTAs), no V-split counter and no recomputed q / k
+  conv. Several tokens pass the state between tokens through the pool (one read and write per token; the default
+  keeps such launches on split). Verify (update_state False): tile by tile, each carried through all tokens in
+  registers, the next tile prefetched into registers.
 
 `update_state=True` (decode): conv_state[s] and state[s] are advanced in place. `update_state=False` (verify):
 neither pool is written; `step_states` [T, H, K, V] fp32, if given, receives the state after every token, so
@@ -22,10 +37,10 @@ CUDA-graph safe: no host synchronisation (lengths and slots are read on the devi
 tensor shapes, and outputs allocated by shape. A slot < 0 marks a padding row of a graph bucket: its outputs are
 zeros and no state is touched.
 
-When the V dimension is split over several programs (BV < V, more parallelism for small batches) every program of
-a head computes the q/k conv of that head, so the q/k conv-state columns must be written only after all of them
-have read the old ones: each program bumps a per-(sequence, head) counter after its reads (acq_rel atomic) and the
-last one writes those columns and resets the counter to zero for the next launch.
+When the V dimension is split over several programs (split, BV < V: more parallelism for small batches) every
+program of a head computes the q/k conv of that head, so the q/k conv-state columns must be written only after all
+of them have read the old ones: each program bumps a per-(sequence, head) counter after its reads (acq_rel atomic)
+and the last one writes those columns and resets the counter to zero for the next launch.
 
 Any head dim D: the K axis of the tile is padded to BK = next_pow2(D) and the V axis split into NV = ceil(D / BV)
 blocks of a power-of-two BV (tl.arange needs powers of two). Padded lanes are masked on every load and store and
@@ -43,6 +58,8 @@ those branches away.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -138,6 +155,91 @@ def _load_state(p_s, lane, EVEN: tl.constexpr, HINTS: tl.constexpr):
 
 
 @triton.jit
+def _store_out(O, t, H, h, D, ov, o, lv, EVEN_V: tl.constexpr):
+    """o[t, h, ov] = o in O's dtype (padded lanes, `lv` False, masked unless EVEN_V)."""
+    if EVEN_V:
+        tl.store(O + (t * H + h) * D + ov, o.to(O.dtype.element_ty))
+    else:
+        tl.store(O + (t * H + h) * D + ov, o.to(O.dtype.element_ty), mask=lv)
+
+
+@triton.jit
+def _store_state(p_s, b_s, mask, HINTS: tl.constexpr):
+    """The state tile back to the pool; HINTS: a streaming (.cs) store."""
+    if HINTS:
+        tl.store(p_s, b_s, mask=mask, cache_modifier=".cs")
+    else:
+        tl.store(p_s, b_s, mask=mask)
+
+
+@triton.jit
+def _store_conv_states3(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cv, mv, cq, ck, mqk):
+    """`_store_conv_state` of the v channels `cv` (mask mv) and the q / k channels (mask mqk): all nine inputs read,
+    then one barrier, then the writes."""
+    v0 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 3, cv, mv)
+    v1 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 2, cv, mv)
+    v2 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 1, cv, mv)
+    q0 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 3, cq, mqk)
+    q1 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 2, cq, mqk)
+    q2 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 1, cq, mqk)
+    k0 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 3, ck, mqk)
+    k1 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 2, ck, mqk)
+    k2 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 1, ck, mqk)
+    tl.debug_barrier()
+    ty = cs.dtype.element_ty
+    tl.store(cs + cv * stride_csc + 0 * stride_csw, v0.to(ty), mask=mv)
+    tl.store(cs + cv * stride_csc + 1 * stride_csw, v1.to(ty), mask=mv)
+    tl.store(cs + cv * stride_csc + 2 * stride_csw, v2.to(ty), mask=mv)
+    tl.store(cs + cq * stride_csc + 0 * stride_csw, q0.to(ty), mask=mqk)
+    tl.store(cs + cq * stride_csc + 1 * stride_csw, q1.to(ty), mask=mqk)
+    tl.store(cs + cq * stride_csc + 2 * stride_csw, q2.to(ty), mask=mqk)
+    tl.store(cs + ck * stride_csc + 0 * stride_csw, k0.to(ty), mask=mqk)
+    tl.store(cs + ck * stride_csc + 1 * stride_csw, k1.to(ty), mask=mqk)
+    tl.store(cs + ck * stride_csc + 2 * stride_csw, k2.to(ty), mask=mqk)
+
+
+@triton.jit
+def _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh,
+                  DT, h, bos, i, cq, ck, ok, mk, lk, rate, lower_bound, scale, D: tl.constexpr, EVEN_K: tl.constexpr,
+                  HAS_LB: tl.constexpr, STORE_OUT: tl.constexpr, OUT_TY: tl.constexpr):
+    """Token i's per-head vectors (q, k, exp(g)) [BK] and beta: q/k conv + SiLU + L2 norm (q scaled), the gate.
+    Without STORE_OUT the q path is skipped and q is a placeholder (k)."""
+    t = bos + i
+    if STORE_OUT:
+        yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, lk, EVEN_K, OUT_TY)
+    yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, lk, EVEN_K, OUT_TY)
+    f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
+    braw = tl.load(Bt + t * stride_bt + h * stride_bh).to(tl.float32)
+    k = yk * tl.rsqrt(tl.sum(yk * yk, axis=0) + 1e-6)
+    if STORE_OUT:
+        q = yq * tl.rsqrt(tl.sum(yq * yq, axis=0) + 1e-6) * scale
+    else:
+        q = k
+    xg = f + _load_lanes(DT + h * D + ok, lk, EVEN_K).to(tl.float32)
+    if HAS_LB:
+        g = lower_bound / (1.0 + tl.exp(-(rate * xg)))
+    else:
+        sp = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))
+        g = -rate * sp
+    beta = 1.0 / (1.0 + tl.exp(-braw))
+    return q, k, tl.exp(g), beta
+
+
+@triton.jit
+def _delta_step(b_s, q, k, decay, beta, yv, mv, STORE_OUT: tl.constexpr):
+    """One token on a [BK, BV] state tile: S = diag(decay) S; S += k (beta (v - S^T k))^T; o = S^T q (0 off mv)."""
+    b_s = b_s * decay[:, None]
+    pred = tl.sum(b_s * k[:, None], axis=0)
+    nu = beta * (yv - pred)
+    b_s = b_s + k[:, None] * nu[None, :]
+    if STORE_OUT:
+        o = tl.where(mv, tl.sum(b_s * q[:, None], axis=0), 0.0)
+    else:
+        o = nu  # unused
+    return b_s, o
+
+
+@triton.jit
 def _kda_decode_kernel(
     QKV, stride_qkv,
     F, stride_ft, stride_fh,
@@ -162,6 +264,8 @@ def _kda_decode_kernel(
     HAS_LENS: tl.constexpr,
     MULTI_LAYER: tl.constexpr = False,
     STORE_OUT: tl.constexpr = True,
+    CHUNKS: tl.constexpr = 1,
+    STAGES: tl.constexpr = 1,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
@@ -190,7 +294,7 @@ def _kda_decode_kernel(
     slot = tl.maximum(slot_raw, 0)
 
     ok = tl.arange(0, BK)                # key channel within the head (BK = D unless D is padded)
-    ov = pid_v * BV + tl.arange(0, BV)   # value channel within the head
+    ov = pid_v * (CHUNKS * BV) + tl.arange(0, BV)   # value channel within the head (chunked: of the first tile)
     lk = ok < D                          # real lanes; used only when padded (not EVEN_*)
     lv = ov < D
     # Masks as full vectors (scalar & vector masks trip the CPU interpreter).
@@ -208,48 +312,113 @@ def _kda_decode_kernel(
     # Recurrent state [K, BV] of this head / V-block: read once, kept in registers, written once.
     p_s = S + slot * stride_ss + h * D * D + ok[:, None] * D + ov[None, :]
     ms = mk[:, None] & mv[None, :]
-    b_s = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
-    b_s = tl.where(ms, b_s, 0.0)  # a padding row reads slot 0 (lanes only, unmasked when even), then zeros
+    if CHUNKS == 1:
+        b_s = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
+        b_s = tl.where(ms, b_s, 0.0)  # a padding row reads slot 0 (lanes only, unmasked when even), then zeros
 
     rate = tl.exp(tl.load(A_log + h).to(tl.float32))
 
-    for i in range(seq_len):
-        t = bos + i
-        # Short conv + SiLU: the window is re-read per token (L1/L2 hits) instead of carried in registers.
-        if STORE_OUT:  # the q path (conv, norm, o = S^T q): a state replay (STORE_OUT False) needs none of it
-            yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, lk, EVEN_K, OUT_TY)
-        yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, lk, EVEN_K, OUT_TY)
-        yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv, mv, lv, EVEN_V, OUT_TY)
-        f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
-        braw = tl.load(Bt + t * stride_bt + h * stride_bh).to(tl.float32)
+    if CHUNKS == 1:
+        for i in range(seq_len):  # (the original code, kept verbatim: the same SASS as before the chunked paths)
+            t = bos + i
+            # Short conv + SiLU: the window is re-read per token (L1/L2 hits) instead of carried in registers.
+            if STORE_OUT:  # the q path (conv, norm, o = S^T q): a state replay (STORE_OUT False) needs none of it
+                yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, lk, EVEN_K, OUT_TY)
+            yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, lk, EVEN_K, OUT_TY)
+            yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv, mv, lv, EVEN_V, OUT_TY)
+            f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
+            braw = tl.load(Bt + t * stride_bt + h * stride_bh).to(tl.float32)
 
-        if STORE_OUT:
-            q = yq * tl.rsqrt(tl.sum(yq * yq, axis=0) + 1e-6) * scale
-        k = yk * tl.rsqrt(tl.sum(yk * yk, axis=0) + 1e-6)
-        xg = f + _load_lanes(DT + h * D + ok, lk, EVEN_K).to(tl.float32)
-        if HAS_LB:
-            g = lower_bound / (1.0 + tl.exp(-(rate * xg)))
-        else:
-            sp = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))
-            g = -rate * sp
-        beta = 1.0 / (1.0 + tl.exp(-braw))
-
-        b_s = b_s * tl.exp(g)[:, None]
-        pred = tl.sum(b_s * k[:, None], axis=0)
-        nu = beta * (yv - pred)
-        b_s = b_s + k[:, None] * nu[None, :]
-        if STORE_OUT:
-            o = tl.sum(b_s * q[:, None], axis=0)
-            o = tl.where(mv, o, 0.0)
-            if EVEN_V:
-                tl.store(O + (t * H + h) * D + ov, o.to(OUT_TY))
+            if STORE_OUT:
+                q = yq * tl.rsqrt(tl.sum(yq * yq, axis=0) + 1e-6) * scale
+            k = yk * tl.rsqrt(tl.sum(yk * yk, axis=0) + 1e-6)
+            xg = f + _load_lanes(DT + h * D + ok, lk, EVEN_K).to(tl.float32)
+            if HAS_LB:
+                g = lower_bound / (1.0 + tl.exp(-(rate * xg)))
             else:
-                tl.store(O + (t * H + h) * D + ov, o.to(OUT_TY), mask=lv)
-        if STORE_STEPS:
-            tl.store(STEP + (t * H + h) * D * D + ok[:, None] * D + ov[None, :], b_s, mask=ms,
-                     cache_modifier=".cs")
+                sp = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))
+                g = -rate * sp
+            beta = 1.0 / (1.0 + tl.exp(-braw))
 
-    if UPDATE:
+            b_s = b_s * tl.exp(g)[:, None]
+            pred = tl.sum(b_s * k[:, None], axis=0)
+            nu = beta * (yv - pred)
+            b_s = b_s + k[:, None] * nu[None, :]
+            if STORE_OUT:
+                o = tl.sum(b_s * q[:, None], axis=0)
+                o = tl.where(mv, o, 0.0)
+                if EVEN_V:
+                    tl.store(O + (t * H + h) * D + ov, o.to(OUT_TY))
+                else:
+                    tl.store(O + (t * H + h) * D + ov, o.to(OUT_TY), mask=lv)
+            if STORE_STEPS:
+                tl.store(STEP + (t * H + h) * D * D + ok[:, None] * D + ov[None, :], b_s, mask=ms,
+                         cache_modifier=".cs")
+    elif UPDATE:
+        # Chunked, one program per head (decode, replay): token by token. The token's q / k / gate once, then the
+        # CHUNKS V tiles in a software-pipelined loop (STAGES > 1: the next tiles' state in flight, through shared
+        # memory, while this one is updated), each read from and written back to the pool slot; then the head's conv
+        # state advanced by this token. So the state and the conv window pass between tokens through the pools, every
+        # token reads its window as token 0 (compile-time tap masks) and no tile is live across the q / k work: the
+        # registers of one tile. One token (decode): each tile read and written once.
+        ow = tl.arange(0, CHUNKS * BV)  # the head's value channels (CHUNKS * BV >= D)
+        mw = ((ow * 0 + slot_raw) >= 0) & (ow < D)
+        for i in range(seq_len):
+            t = bos + i
+            q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft, stride_fh,
+                                              Bt, stride_bt, stride_bh, DT, h, t, 0, cq, ck, ok, mk, lk, rate,
+                                              lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY)
+            for c in tl.range(0, CHUNKS, num_stages=STAGES):
+                ovc = ov + c * BV
+                lvc = ovc < D
+                mvc = mv
+                if not EVEN_V:
+                    mvc = mv & lvc
+                msc = mk[:, None] & mvc[None, :]
+                b_s = _load_state(p_s + c * BV, lk[:, None] & lvc[None, :], EVEN_K and EVEN_V, HINTS)
+                b_s = tl.where(msc, b_s, 0.0)
+                yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, t, 0, cv + c * BV, mvc, lvc, EVEN_V,
+                                OUT_TY)
+                b_s, o = _delta_step(b_s, q, k, decay, beta, yv, mvc, STORE_OUT)
+                if STORE_OUT:
+                    _store_out(O, t, H, h, D, ovc, o, lvc, EVEN_V)
+                _store_state(p_s + c * BV, b_s, msc, HINTS)
+            # this token's window reads (all threads) -> barrier -> the shifted window written -> barrier
+            _store_conv_states3(QKV, stride_qkv, cs, stride_csc, stride_csw, t, 1, 2 * HD + h * D + ow, mw, cq, ck,
+                                mk)
+            tl.debug_barrier()  # the state and conv-state writes before the next token's reads (other threads)
+    else:
+        # Chunked, one program per head, pools untouched (verify): tile by tile, each carried through all tokens in
+        # registers (the token's q / k / gate recomputed per tile: L1 hits), the state after every token written to
+        # STEP if asked; the next tile is loaded into registers before this tile's token loop.
+        nxt = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
+        for c in range(CHUNKS):
+            ovc = ov + c * BV
+            lvc = ovc < D
+            mvc = mv
+            if not EVEN_V:
+                mvc = mv & lvc
+            msc = mk[:, None] & mvc[None, :]
+            b_s = tl.where(msc, nxt, 0.0)
+            more = (ovc * 0 + c + 1) < CHUNKS  # prefetch the next tile (none after the last)
+            if not EVEN_V:
+                more = more & (ovc + BV < D)
+            nxt = tl.load(p_s + (c + 1) * BV, mask=lk[:, None] & more[None, :], other=0.0)
+            for i in range(seq_len):
+                t = bos + i
+                q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft,
+                                                  stride_fh, Bt, stride_bt, stride_bh, DT, h, bos, i, cq, ck, ok, mk,
+                                                  lk, rate, lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY)
+                yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv + c * BV, mvc, lvc,
+                                EVEN_V, OUT_TY)
+                b_s, o = _delta_step(b_s, q, k, decay, beta, yv, mvc, STORE_OUT)
+                if STORE_OUT:
+                    _store_out(O, t, H, h, D, ovc, o, lvc, EVEN_V)
+                if STORE_STEPS:
+                    tl.store(STEP + (t * H + h) * D * D + ok[:, None] * D + ovc[None, :], b_s, mask=msc,
+                             cache_modifier=".cs")
+
+    if UPDATE and CHUNKS == 1:
         mkl = mk & ((ok * 0 + seq_len) > 0)   # live: a real slot and at least one token
         mvl = mv & ((ov * 0 + seq_len) > 0)
         mlast = mkl
@@ -260,23 +429,70 @@ def _kda_decode_kernel(
             arrived = tl.atomic_add(CNT + pid_nh, 1, sem="acq_rel")
             tl.atomic_xchg(CNT + pid_nh, 0, mask=arrived == NV - 1)
             mlast = mkl & ((ok * 0 + arrived) == NV - 1)
-        if HINTS:
-            tl.store(p_s, b_s, mask=mkl[:, None] & mvl[None, :], cache_modifier=".cs")
-        else:
-            tl.store(p_s, b_s, mask=mkl[:, None] & mvl[None, :])
+        _store_state(p_s, b_s, mkl[:, None] & mvl[None, :], HINTS)
         _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cv, mvl)
         _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cq, mlast)
         _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, ck, mlast)
 
 
-def default_config(num_programs_nh: int, head_dim: int) -> tuple[int, int]:
-    """(BV, num_warps); BV is a power of two <= next_pow2(head_dim). Measured on H200
-    (benchmarks/results/kernels_h200.json) for power-of-two head dims: a whole [128, 128] state per program
-    spills; [128, 64] or [128, 32] tiles with 4 warps stream best, the narrower ones when there are too few
-    (sequence, head) pairs to fill 132 SMs. Other head dims take the same choice adjusted by `_fit_bv`."""
+class KdaConfig(NamedTuple):
+    """Launch configuration of `_kda_decode_kernel` (the variants a sweep compares; `default_config` picks one).
+
+    block_v: V columns of one state tile, a power of two <= BK = next_pow2(head_dim).
+    chunked False (the original kernel): the grid has ceil(D / block_v) programs per (sequence, head), each holding
+    one [BK, block_v] tile in registers through all its tokens; with several, every program recomputes the head's
+    q / k conv and the last to finish writes their conv state (a counter).
+    chunked True: one program per (sequence, head) walks its BK / block_v tiles. Decode (update_state): token by
+    token, q / k / gate once, the tiles in a loop that Triton software-pipelines (num_stages - 1 tiles in flight
+    through shared memory), each read from and written to the pool; the conv state advanced per token. Verify
+    (update_state False): tile by tile through all tokens in registers, the next tile prefetched. (block_v = BK
+    leaves one tile: the same launch as split.)
+    num_warps: 1, 2, 4, 8 or 16. num_stages: Triton's num_stages (also the tile loop's); None: Triton's default, 3
+    (the original launches passed none). hints: evict-first state loads and streaming (.cs) state stores."""
+
+    block_v: int
+    chunked: bool = False
+    num_warps: int = 4
+    num_stages: int | None = None
+    hints: bool = False
+
+    @property
+    def label(self) -> str:
+        s = f"bv{self.block_v}-{'chunked' if self.chunked else 'split'}-w{self.num_warps}"
+        s += f"-s{self.num_stages}" if self.num_stages is not None else ""
+        return s + ("-hints" if self.hints else "")
+
+
+def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:
+    """The original default: split V, one tile per program; a whole (padded) head below head dim 64, else [K, 32]
+    tiles when there are too few (sequence, head) pairs to fill 132 SMs (< 96) and [K, 64] tiles otherwise
+    (H200, benchmarks/results/kernels_h200.json: 385 us = 49% of HBM on the state at 96 heads x batch 64)."""
     if head_dim < 64:
-        return next_pow2(head_dim), 4  # the whole (padded) head in one program
-    return _fit_bv(32 if num_programs_nh < 96 else 64, head_dim), 4
+        return KdaConfig(next_pow2(head_dim))  # the whole (padded) head in one program
+    return KdaConfig(_fit_bv(32 if num_programs_nh < 96 else 64, head_dim))
+
+
+# Decode (one token per sequence) configurations by program count N * H (N * H * L for the multi-layer replay):
+# the last row whose bound is <= the count applies. Written for head dim 128; other head dims adapt block_v with
+# `_fit_bv`. To be set from benchmarks/kda_decode_sweep_h200.py (H200); until then a prediction.
+DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
+    (0, KdaConfig(32)),                                  # few heads: split V over 4 programs (latency-bound)
+    (96, KdaConfig(64)),                                 # the original choice
+    (512, KdaConfig(32, chunked=True, num_stages=3)),    # ~4+ heads per SM: one program per head, pipelined tiles
+)
+
+
+def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:
+    """The launch configuration for `num_programs_nh` = N * H (sequence, head) pairs (times L layers for the
+    replay), head dim `head_dim` and `tokens_per_seq` = ceil(T / N). Decode (1 token) reads `DECODE_TABLE`;
+    several tokens per sequence (verify, replay) and head dims below 64 keep `legacy_config`."""
+    if tokens_per_seq > 1 or head_dim < 64:
+        return legacy_config(num_programs_nh, head_dim)
+    cfg = DECODE_TABLE[0][1]
+    for bound, row in DECODE_TABLE:
+        if num_programs_nh >= bound:
+            cfg = row
+    return cfg._replace(block_v=_fit_bv(min(cfg.block_v, next_pow2(head_dim)), head_dim))
 
 
 def _fit_bv(target: int, head_dim: int) -> int:
@@ -314,14 +530,28 @@ def _check_layer(qkv: Tensor, f: Tensor, b: Tensor, conv_weight: Tensor, conv_st
     return f3
 
 
-def _split(num_programs_nh: int, D: int, BV: int | None, num_warps: int | None) -> tuple[int, int, int, int]:
-    """(BK, BV, NV, num_warps) of a launch: defaults from `default_config`, overrides checked."""
-    bv_default, nw_default = default_config(num_programs_nh, D)
-    bv = BV or bv_default
+def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig | None, BV: int | None,
+           num_warps: int | None, hints: bool | None, chunked: bool | None, num_stages: int | None) -> dict:
+    """The kernel's launch constants: `config` (default: `default_config`) with the non-None overrides, checked."""
+    cfg = config if config is not None else default_config(num_programs_nh, D, tokens_per_seq)
+    over = {"block_v": BV, "num_warps": num_warps, "hints": hints, "chunked": chunked, "num_stages": num_stages}
+    cfg = cfg._replace(**{k: v for k, v in over.items() if v is not None})
     bk = next_pow2(D)  # the K axis of the tile, padded (masked) past D
-    if bv <= 0 or bv & (bv - 1) or bv > bk:
+    bv = cfg.block_v
+    if not isinstance(bv, int) or bv <= 0 or bv & (bv - 1) or bv > bk:
         raise ValueError(f"BV must be a power of two <= {bk} (head dim {D} rounded up); got {bv}")
-    return bk, bv, triton.cdiv(D, bv), num_warps or nw_default  # NV: the last V block masked past D if uneven
+    if cfg.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16; got {cfg.num_warps}")
+    if cfg.num_stages is not None and (not isinstance(cfg.num_stages, int) or not 1 <= cfg.num_stages <= 8):
+        raise ValueError(f"num_stages must be in 1..8 or None; got {cfg.num_stages}")
+    tiles = triton.cdiv(D, bv)  # V tiles of a head, the last masked past D if uneven
+    chunks = bk // bv if cfg.chunked else 1  # tiles per program (chunked: all, the last ones masked past D)
+    even_v = D % bv == 0 and (not cfg.chunked or tiles == chunks)  # no masked V lane in any tile
+    opts = {"BK": bk, "BV": bv, "NV": 1 if cfg.chunked else tiles, "CHUNKS": chunks, "STAGES": cfg.num_stages or 3,
+            "EVEN_K": bk == D, "EVEN_V": even_v, "HINTS": bool(cfg.hints), "num_warps": cfg.num_warps}
+    if cfg.num_stages is not None:
+        opts["num_stages"] = cfg.num_stages
+    return opts
 
 
 def kda_decode(
@@ -340,14 +570,17 @@ def kda_decode(
     scale: float,
     update_state: bool = True,
     step_states: Tensor | None = None,
+    config: KdaConfig | None = None,
     BV: int | None = None,
     num_warps: int | None = None,
-    hints: bool = False,
+    hints: bool | None = None,
+    chunked: bool | None = None,
+    num_stages: int | None = None,
     out: Tensor | None = None,
     seq_lens: Tensor | None = None,
 ) -> Tensor:
-    """Triton `ops.kda_decode` (same contract); BV / num_warps / hints (evict-first state load, streaming state
-    store) override the launch configuration."""
+    """Triton `ops.kda_decode` (same contract). `config` (a `KdaConfig`; default `default_config(N * H, D,
+    ceil(T / N))`) and the overrides BV / num_warps / hints / chunked / num_stages (fields of it) set the launch."""
     H, D = dt_bias.shape
     T, N = qkv.shape[0], state_indices.numel()
     f3 = _check_layer(qkv, f, b, conv_weight, conv_state, dt_bias, state, N, cu_seqlens, seq_lens)
@@ -364,7 +597,8 @@ def kda_decode(
             raise ValueError(f"step_states must be a contiguous fp32 [T, {H}, {D}, {D}]")
     if N == 0 or T == 0:
         return out
-    bk, bv, nv, nw = _split(N * H, D, BV, num_warps)
+    opts = _split(N * H, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
+    nv = opts["NV"]
     cnt = _counters(qkv.device, N * H) if (update_state and nv > 1) else cu_seqlens
     _kda_decode_kernel[(nv, N * H)](
         qkv, qkv.stride(0),
@@ -376,9 +610,8 @@ def kda_decode(
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         out, step_states if step_states is not None else state, cnt, cu_seqlens,
         float(lower_bound) if lower_bound is not None else 0.0, float(scale),
-        H=H, D=D, BK=bk, BV=bv, NV=nv, EVEN_K=bk == D, EVEN_V=D % bv == 0, HAS_LB=lower_bound is not None,
-        UPDATE=bool(update_state), STORE_STEPS=step_states is not None, HINTS=bool(hints),
-        HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, num_warps=nw,
+        H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=bool(update_state), STORE_STEPS=step_states is not None,
+        HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, **opts,
     )
     return out
 
@@ -390,13 +623,16 @@ def kda_replay_layers(
     seq_lens: Tensor | None,
     *,
     lower_bound: float | None,
+    config: KdaConfig | None = None,
     BV: int | None = None,
     num_warps: int | None = None,
-    hints: bool = False,
+    hints: bool | None = None,
+    chunked: bool | None = None,
+    num_stages: int | None = None,
 ) -> None:
     """Triton `ops.kda_replay_layers` (same contract): every layer of `table` in one launch, grid
-    (NV, N * H, L), no outputs (the q path is not computed); BV / num_warps / hints as in `kda_decode` (the
-    default split is chosen for the N * H * L programs of a V block). Raises ValueError when
+    (NV, N * H, L), no outputs (the q path is not computed); config and overrides as in `kda_decode` (the default
+    is chosen for the N * H * L programs and ceil(T / N) tokens per sequence). Raises ValueError when
     `dispatch.kda_replay_layers_unsupported(table)` names a reason."""
     why = kda_replay_layers_unsupported(table)
     if why is not None:
@@ -407,7 +643,8 @@ def kda_replay_layers(
     f3 = _check_layer(qkv, f, b, cw, conv_state, dt_bias, state, N, cu_seqlens, seq_lens)
     if N == 0 or T == 0:
         return
-    bk, bv, nv, nw = _split(N * H * L, D, BV, num_warps)
+    opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
+    nv = opts["NV"]
     cnt = _counters(qkv.device, L * N * H) if nv > 1 else cu_seqlens
     _kda_decode_kernel[(nv, N * H, L)](
         qkv, qkv.stride(0),
@@ -419,7 +656,6 @@ def kda_replay_layers(
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         qkv, state, cnt, table.offsets,  # O: unused (STORE_OUT False), typed like the io dtype for the roundings
         float(lower_bound) if lower_bound is not None else 0.0, 1.0,
-        H=H, D=D, BK=bk, BV=bv, NV=nv, EVEN_K=bk == D, EVEN_V=D % bv == 0, HAS_LB=lower_bound is not None,
-        UPDATE=True, STORE_STEPS=False, HINTS=bool(hints), HAS_LENS=seq_lens is not None,
-        MULTI_LAYER=True, STORE_OUT=False, num_warps=nw,
+        H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=True, STORE_STEPS=False, HAS_LENS=seq_lens is not None,
+        MULTI_LAYER=True, STORE_OUT=False, **opts,
     )
