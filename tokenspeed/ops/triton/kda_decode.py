@@ -368,6 +368,8 @@ def _kda_decode_kernel(
             q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft, stride_fh,
                                               Bt, stride_bt, stride_bh, DT, h, t, 0, cq, ck, ok, mk, lk, rate,
                                               lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY)
+            if STAGES == 1:  # no Triton pipelining: the next tile prefetched into registers by hand
+                nxt = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
             for c in tl.range(0, CHUNKS, num_stages=STAGES):
                 ovc = ov + c * BV
                 lvc = ovc < D
@@ -375,8 +377,15 @@ def _kda_decode_kernel(
                 if not EVEN_V:
                     mvc = mv & lvc
                 msc = mk[:, None] & mvc[None, :]
-                b_s = _load_state(p_s + c * BV, lk[:, None] & lvc[None, :], EVEN_K and EVEN_V, HINTS)
-                b_s = tl.where(msc, b_s, 0.0)
+                if STAGES == 1:
+                    b_s = tl.where(msc, nxt, 0.0)
+                    more = (ovc * 0 + c + 1) < CHUNKS  # none after the last tile
+                    if not EVEN_V:
+                        more = more & (ovc + BV < D)
+                    nxt = tl.load(p_s + (c + 1) * BV, mask=lk[:, None] & more[None, :], other=0.0)
+                else:
+                    b_s = _load_state(p_s + c * BV, lk[:, None] & lvc[None, :], EVEN_K and EVEN_V, HINTS)
+                    b_s = tl.where(msc, b_s, 0.0)
                 yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, t, 0, cv + c * BV, mvc, lvc, EVEN_V,
                                 OUT_TY)
                 b_s, o = _delta_step(b_s, q, k, decay, beta, yv, mvc, STORE_OUT)
@@ -444,7 +453,8 @@ class KdaConfig(NamedTuple):
     q / k conv and the last to finish writes their conv state (a counter).
     chunked True: one program per (sequence, head) walks its BK / block_v tiles. Decode (update_state): token by
     token, q / k / gate once, the tiles in a loop that Triton software-pipelines (num_stages - 1 tiles in flight
-    through shared memory), each read from and written to the pool; the conv state advanced per token. Verify
+    through shared memory; num_stages 1: instead the next tile prefetched into registers by hand), each read from
+    and written to the pool; the conv state advanced per token. Verify
     (update_state False): tile by tile through all tokens in registers, the next tile prefetched. (block_v = BK
     leaves one tile: the same launch as split.)
     num_warps: 1, 2, 4, 8 or 16. num_stages: Triton's num_stages (also the tile loop's); None: Triton's default, 3
