@@ -36,6 +36,37 @@ Bytes per call (elt = x.element_size(), c_e = pairs routed to expert e, touched 
   buffer   2 * P * D * elt (write + read by the combine), x gathers (L2-resident) and T * D * elt out.
 Weights dominate: at Kimi-Linear-48B decode (E=256, k=8, D=2304, I=1024, bf16) one expert is 14.16 MB, so
 T=1 touches 8 experts (113 MB, ~24 us at 4.8 TB/s) and T=64 about 222 on average (~3.1 GB, ~0.66 ms).
+
+Prefill variants (`ExpertsConfig` fields, all off by default; `default_config` returns none of them, and with them
+off both GEMM kernels compile to the same sm_90 SASS as before they existed). Examples below: kimi-linear-48b-a3b
+(E 256, k 8, D 2304, I 1024) and k3-slice (E 64, k 16, D 3584, I 3072) at 8K tokens, bf16; L2 is 50 MB.
+  group_m1 / group_m2  program order. The 2-D grid makes one pass over every M-block per N tile, so each pass
+                       re-reads all A rows: kernel 2 re-reads h (kimi 151 MB, k3 805 MB: more than L2) from HBM once
+                       per N tile, 9 x 151 MB = 1.36 GB next to the 1.21 GB of W2 (k3 at BN 128: 28 x 805 MB =
+                       22.5 GB next to 1.41 GB), and kernel 1 re-reads the gathered x rows (P * D * elt per pass, k3
+                       24 x 940 MB through L2, x itself 59 MB). A 1-D grid in groups of GROUP_M M-blocks that sweep all
+                       N tiles reads each A row from HBM about once (a group's rows, e.g. 8 * 128 * 3072 * 2 = 6.3 MB,
+                       stay in L2 while its N tiles run); weights stay about once (blocks of an expert are adjacent).
+  gather_x             one more kernel copies x into the sorted padded rows [max_blocks * BLOCK_M, D] (padding rows
+                       zero): reads the P gathered rows (T * D * elt distinct), writes (used blocks) * BLOCK_M * D *
+                       elt (kimi at BM 128 ~377 MB, k3 ~950 MB: ~0.1 / 0.25 ms at 4 TB/s); kernel 1's A tiles are
+                       then plain tiles (no per-row addresses; TMA-able).
+  tma1 / tma2          host TMA descriptors (triton.tools.tensor_descriptor, Triton >= 3.4) for W1 / W3 over
+                       [E * I, D] and W2 over [E * D, I] (B tiles [BLOCK_N, BLOCK_K], transposed for the dot), for
+                       the sorted x and for h; one copy per tile instead of a 16-byte cp.async per thread (kimi's
+                       64 x (2 x 256) x 64 step: 72 KB, 18 per thread) and no address registers (that kernel: 255
+                       -> ~172 registers per thread, Triton 3.6 for sm_90). Tensors a descriptor cannot take
+                       (non-contiguous, a row not a multiple of 16 bytes) fall back to pointer loads.
+  block_m2             kernel 2 on sub-blocks of the alignment block; a sub-block that starts with padding exits.
+  tail_m1 / tail_m2    a block whose second half is padding runs a BLOCK_M / 2 tile (a second compiled loop):
+                       rows computed per expert ceil(c_e / (BLOCK_M / 2)) * BLOCK_M / 2 while full blocks keep the
+                       larger tile (kimi, 256 +- 16 rows per expert: BM 128 computes ~1.25 x the rows, with the
+                       tail ~1.125 x, as BM 64 does).
+L2 -> shared-memory bytes per FLOP of one tile (each A and B tile is read from L2 by every program that uses it):
+kernel 1 moves (BM + 2 BN) * BK * elt for 4 BM BN BK FLOPs, 2 BM BN / (BM + 2 BN) FLOP/B: 57 at 64 x 256, 85 at
+128 x 128; kernel 2 BM BN / (BM + BN): 51 at 64 x 256, 64 at 128 x 128, 85 at 128 x 256. At 780 TFLOP/s a kernel
+at 57 FLOP/B needs 13.7 TB/s of L2 bandwidth, at 85 FLOP/B 9.2 TB/s: the larger tiles are the ones that can
+approach the matmul rate; the grouped order removes the A re-reads that grow with the number of N tiles.
 """
 
 from __future__ import annotations
@@ -50,10 +81,18 @@ from torch import Tensor
 from tokenspeed.ops.reference.activation import Activation
 from tokenspeed.ops.reference.moe import check_add
 
+try:  # host-side TMA descriptors (Triton >= 3.4); without them the TMA variants fall back to pointer loads
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
 
 @dataclass(frozen=True)
 class ExpertsConfig:
-    """Launch configuration: the M-block (rows per expert block) and each kernel's tiles, warps and stages."""
+    """Launch configuration: the M-block (rows per expert block) and each kernel's tiles, warps and stages, plus
+    the prefill variants (program order, a smaller down M-block, a pre-gathered x, TMA loads); see the module
+    docstring for what each moves. A TMA flag on a call whose tensors a descriptor cannot describe (a non-contiguous
+    weight, a row stride that is not a multiple of 16 bytes) falls back to pointer loads."""
 
     block_m: int = 16
     block_n1: int = 64
@@ -64,6 +103,15 @@ class ExpertsConfig:
     block_k2: int = 128
     num_warps2: int = 4
     num_stages2: int = 4
+    # Prefill variants, all off by default (the defaults compile to the kernels measured before they existed):
+    group_m1: int = 0  # > 0: 1-D grid, groups of this many M-blocks sweep all N tiles before the next group
+    group_m2: int = 0  # the same for the down GEMM
+    block_m2: int = 0  # rows per down-GEMM program (0: block_m); divides block_m, all-padding sub-blocks exit
+    gather_x: bool = False  # copy x into expert-sorted padded rows first, so the gate/up A tiles are plain tiles
+    tma1: bool = False  # gate/up: W1 / W3 (and the sorted x copy) through host TMA descriptors
+    tma2: bool = False  # down: h and W2 through host TMA descriptors
+    tail_m1: bool = False  # gate/up: a block whose second half is padding runs a block_m / 2 row tile
+    tail_m2: bool = False  # the same for the down GEMM (on its block_m2 blocks)
 
 
 def default_config(T: int, k: int, E: int, D: int, DI: int, elt_size: int = 2) -> ExpertsConfig:
@@ -109,9 +157,37 @@ def _tanh(x):
 
 
 @triton.jit
-def _gate_up_kernel(
-    X, W1, W3, H, SortedPair, BlockExpert,
-    P, D, DI, E,
+def _tile_ids(num_m, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(M-block, N tile) of this program. GROUP_M == 0: the 2-D grid (M-block fastest, so the blocks of one expert
+    run side by side per N tile). GROUP_M > 0: a 1-D grid of num_m * cdiv(N, BLOCK_N) programs in groups of GROUP_M
+    M-blocks, the M-block fastest inside a group, so a group's A rows are read by every N tile while they are still
+    in L2 (instead of once per pass over all blocks)."""
+    if GROUP_M == 0:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        pid = tl.program_id(0)
+        width = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first_m = (pid // width) * GROUP_M
+        group_rows = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % group_rows
+        pid_n = (pid % width) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _gate_up_rows(
+    X, W1, W3, H, SortedPair, row0, e, pid_n,
+    P, D, DI,
     stride_xt,
     stride_w1e, stride_w1i, stride_w1d,
     stride_w3e, stride_w3i, stride_w3d,
@@ -123,44 +199,74 @@ def _gate_up_kernel(
     SITU: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
+    A_SORTED: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(BlockExpert + pid_m)
-    if (e < 0) | (e >= E):  # unused block, or the block of invalid ids
-        return
-    e64 = e.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(SortedPair + offs_m)
-    mvalid = pair < P
-    tok = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ld = (offs_n % DI).to(tl.int64)  # wrapped rows for the ragged last tile: loads need no mask
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = X + tok[:, None] * stride_xt + offs_k[None, :]
-    w1_ptrs = W1 + e64 * stride_w1e + n_ld[None, :] * stride_w1i + offs_k[:, None] * stride_w1d
-    w3_ptrs = W3 + e64 * stride_w3e + n_ld[None, :] * stride_w3i + offs_k[:, None] * stride_w3d
-    acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kk in range(tl.cdiv(D, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(x_ptrs, mask=mvalid[:, None], other=0.0)
-            b1 = tl.load(w1_ptrs)
-            b3 = tl.load(w3_ptrs)
+    """h rows row0 .. row0 + BLOCK_M (expert e, N tile pid_n): both GEMMs over D, the activation, the store."""
+    if TMA:
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        w_row = e * DI + pid_n * BLOCK_N
+        if A_SORTED:
+            for kk in range(tl.cdiv(D, BLOCK_K)):
+                a = X.load([row0, kk * BLOCK_K])
+                b1 = W1.load([w_row, kk * BLOCK_K])
+                b3 = W3.load([w_row, kk * BLOCK_K])
+                acc1 = _mma(a, b1.T, acc1, IEEE)
+                acc3 = _mma(a, b3.T, acc3, IEEE)
         else:
-            kmask = offs_k < D - kk * BLOCK_K
-            a = tl.load(x_ptrs, mask=mvalid[:, None] & kmask[None, :], other=0.0)
-            b1 = tl.load(w1_ptrs, mask=kmask[:, None], other=0.0)
-            b3 = tl.load(w3_ptrs, mask=kmask[:, None], other=0.0)
-        if IEEE:
-            acc1 = tl.dot(a, b1, acc1, input_precision="ieee")
-            acc3 = tl.dot(a, b3, acc3, input_precision="ieee")
+            pair = tl.load(SortedPair + offs_m)
+            mvalid = pair < P
+            x_ptrs = X + (pair // TOP_K).to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
+            for kk in range(tl.cdiv(D, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(x_ptrs, mask=mvalid[:, None], other=0.0)
+                else:
+                    a = tl.load(x_ptrs, mask=mvalid[:, None] & (offs_k < D - kk * BLOCK_K)[None, :], other=0.0)
+                b1 = W1.load([w_row, kk * BLOCK_K])
+                b3 = W3.load([w_row, kk * BLOCK_K])
+                acc1 = _mma(a, b1.T, acc1, IEEE)
+                acc3 = _mma(a, b3.T, acc3, IEEE)
+                x_ptrs += BLOCK_K
+    else:
+        e64 = e.to(tl.int64)
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        if A_SORTED:
+            mvalid = offs_m >= 0  # every sorted row exists (padding rows hold zeros)
+            src_rows = offs_m.to(tl.int64)
         else:
-            acc1 = tl.dot(a, b1, acc1)
-            acc3 = tl.dot(a, b3, acc3)
-        x_ptrs += BLOCK_K
-        w1_ptrs += BLOCK_K * stride_w1d
-        w3_ptrs += BLOCK_K * stride_w3d
+            pair = tl.load(SortedPair + offs_m)
+            mvalid = pair < P
+            src_rows = (pair // TOP_K).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ld = (offs_n % DI).to(tl.int64)  # wrapped rows for the ragged last tile: loads need no mask
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = X + src_rows[:, None] * stride_xt + offs_k[None, :]
+        w1_ptrs = W1 + e64 * stride_w1e + n_ld[None, :] * stride_w1i + offs_k[:, None] * stride_w1d
+        w3_ptrs = W3 + e64 * stride_w3e + n_ld[None, :] * stride_w3i + offs_k[:, None] * stride_w3d
+        acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kk in range(tl.cdiv(D, BLOCK_K)):
+            if EVEN_K:
+                if A_SORTED:
+                    a = tl.load(x_ptrs)
+                else:
+                    a = tl.load(x_ptrs, mask=mvalid[:, None], other=0.0)
+                b1 = tl.load(w1_ptrs)
+                b3 = tl.load(w3_ptrs)
+            else:
+                kmask = offs_k < D - kk * BLOCK_K
+                a = tl.load(x_ptrs, mask=mvalid[:, None] & kmask[None, :], other=0.0)
+                b1 = tl.load(w1_ptrs, mask=kmask[:, None], other=0.0)
+                b3 = tl.load(w3_ptrs, mask=kmask[:, None], other=0.0)
+            acc1 = _mma(a, b1, acc1, IEEE)
+            acc3 = _mma(a, b3, acc3, IEEE)
+            x_ptrs += BLOCK_K
+            w1_ptrs += BLOCK_K * stride_w1d
+            w3_ptrs += BLOCK_K * stride_w3d
     # The reference rounds the gate / up GEMM outputs to x.dtype before the fp32 activation.
     g = acc1.to(H.dtype.element_ty).to(tl.float32)
     u = acc3.to(H.dtype.element_ty).to(tl.float32)
@@ -173,8 +279,53 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_kernel(
-    H, W2, Buf, SortedPair, BlockExpert,
+def _gate_up_kernel(
+    X, W1, W3, H, SortedPair, BlockExpert,
+    P, D, DI, E,
+    stride_xt,
+    stride_w1e, stride_w1i, stride_w1d,
+    stride_w3e, stride_w3i, stride_w3d,
+    beta, linear_beta, num_m, XH,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SITU: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr = 0,
+    A_SORTED: tl.constexpr = False,
+    TMA: tl.constexpr = False,
+    TAIL: tl.constexpr = False,
+):
+    """A_SORTED: X is the expert-sorted copy [num_m * BLOCK_M, D] (row r = sorted row r, padding rows zero) and
+    stride_xt its row stride. TMA: W1 and W3 are descriptors over [E * DI, D] with block [BLOCK_N, BLOCK_K] (rows
+    past an expert in a ragged last N tile are the next expert's or zero-filled, and masked at the store), and X
+    too when A_SORTED (block [BLOCK_M, BLOCK_K]); the K tail is zero-filled by the descriptor. TAIL: a block whose
+    second half is padding computes only its first BLOCK_M / 2 rows (XH: X, or the sorted copy's descriptor with
+    block [BLOCK_M / 2, BLOCK_K]); the skipped rows of h stay unwritten and the down kernel never stores them."""
+    pid_m, pid_n = _tile_ids(num_m, DI, BLOCK_N, GROUP_M)
+    e = tl.load(BlockExpert + pid_m)
+    if (e < 0) | (e >= E):  # unused block, or the block of invalid ids
+        return
+    if TAIL:
+        if tl.load(SortedPair + pid_m * BLOCK_M + BLOCK_M // 2) >= P:
+            _gate_up_rows(XH, W1, W3, H, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, stride_xt,
+                          stride_w1e, stride_w1i, stride_w1d, stride_w3e, stride_w3i, stride_w3d, beta, linear_beta,
+                          TOP_K, BLOCK_M // 2, BLOCK_N, BLOCK_K, SITU, EVEN_K, IEEE, A_SORTED, TMA)
+        else:
+            _gate_up_rows(X, W1, W3, H, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, stride_xt,
+                          stride_w1e, stride_w1i, stride_w1d, stride_w3e, stride_w3i, stride_w3d, beta, linear_beta,
+                          TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, SITU, EVEN_K, IEEE, A_SORTED, TMA)
+    else:
+        _gate_up_rows(X, W1, W3, H, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, stride_xt,
+                      stride_w1e, stride_w1i, stride_w1d, stride_w3e, stride_w3i, stride_w3d, beta, linear_beta,
+                      TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, SITU, EVEN_K, IEEE, A_SORTED, TMA)
+
+
+@triton.jit
+def _down_rows(
+    H, W2, Buf, SortedPair, row0, e, pid_n,
     P, D, DI, E,
     stride_w2e, stride_w2d, stride_w2i,
     BLOCK_M: tl.constexpr,
@@ -182,13 +333,10 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(BlockExpert + pid_m)
-    if e < 0:  # unused block
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Buffer rows of the pairs at sorted rows row0 .. row0 + BLOCK_M, N tile pid_n (zeros for the invalid bucket)."""
+    offs_m = row0 + tl.arange(0, BLOCK_M)
     pair = tl.load(SortedPair + offs_m)
     mvalid = pair < P
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -196,28 +344,94 @@ def _down_kernel(
     out_mask = mvalid[:, None] & (offs_n < D)[None, :]
     if e >= E:  # pairs with invalid ids contribute zeros
         tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=Buf.dtype.element_ty), mask=out_mask)
+    else:
+        if TMA:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            w_row = e * D + pid_n * BLOCK_N
+            for kk in range(tl.cdiv(DI, BLOCK_K)):
+                a = H.load([row0, kk * BLOCK_K])
+                b = W2.load([w_row, kk * BLOCK_K])
+                acc = _mma(a, b.T, acc, IEEE)
+        else:
+            e64 = e.to(tl.int64)
+            n_ld = (offs_n % D).to(tl.int64)
+            offs_k = tl.arange(0, BLOCK_K)
+            h_ptrs = H + offs_m.to(tl.int64)[:, None] * DI + offs_k[None, :]
+            w_ptrs = W2 + e64 * stride_w2e + n_ld[None, :] * stride_w2d + offs_k[:, None] * stride_w2i
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for kk in range(tl.cdiv(DI, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(h_ptrs)
+                    b = tl.load(w_ptrs)
+                else:
+                    kmask = offs_k < DI - kk * BLOCK_K
+                    a = tl.load(h_ptrs, mask=kmask[None, :], other=0.0)
+                    b = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
+                acc = _mma(a, b, acc, IEEE)
+                h_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K * stride_w2i
+        tl.store(out_ptrs, acc.to(Buf.dtype.element_ty), mask=out_mask)  # each expert output rounded to x.dtype
+
+
+@triton.jit
+def _down_kernel(
+    H, W2, Buf, SortedPair, BlockExpert,
+    P, D, DI, E,
+    stride_w2e, stride_w2d, stride_w2i, num_m, HH,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr = 0,
+    SUB: tl.constexpr = 1,
+    TMA: tl.constexpr = False,
+    TAIL: tl.constexpr = False,
+):
+    """BLOCK_M here is the down M-block: SUB = alignment block / BLOCK_M programs per alignment block, and a
+    sub-block whose first row is padding (so all its rows are) exits. TMA: H is a descriptor over [num_m * BLOCK_M,
+    DI] (block [BLOCK_M, BLOCK_K]) and W2 over [E * D, DI] (block [BLOCK_N, BLOCK_K]); the K tail is zero-filled.
+    TAIL: a block whose second half is padding runs BLOCK_M / 2 rows (HH: H, or its descriptor with block
+    [BLOCK_M / 2, BLOCK_K])."""
+    pid_m, pid_n = _tile_ids(num_m, D, BLOCK_N, GROUP_M)
+    if SUB == 1:
+        e = tl.load(BlockExpert + pid_m)
+    else:
+        e = tl.load(BlockExpert + pid_m // SUB)
+    if e < 0:  # unused block
         return
-    e64 = e.to(tl.int64)
-    n_ld = (offs_n % D).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    h_ptrs = H + offs_m.to(tl.int64)[:, None] * DI + offs_k[None, :]
-    w_ptrs = W2 + e64 * stride_w2e + n_ld[None, :] * stride_w2d + offs_k[:, None] * stride_w2i
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kk in range(tl.cdiv(DI, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(h_ptrs)
-            b = tl.load(w_ptrs)
+    if SUB > 1:  # noqa: SIM102 - a compile-time branch around a runtime one
+        if tl.load(SortedPair + pid_m * BLOCK_M) >= P:  # padding runs to the end of its block
+            return
+    if TAIL:
+        if tl.load(SortedPair + pid_m * BLOCK_M + BLOCK_M // 2) >= P:
+            _down_rows(HH, W2, Buf, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, E, stride_w2e, stride_w2d,
+                       stride_w2i, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
         else:
-            kmask = offs_k < DI - kk * BLOCK_K
-            a = tl.load(h_ptrs, mask=kmask[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_w2i
-    tl.store(out_ptrs, acc.to(Buf.dtype.element_ty), mask=out_mask)  # each expert output rounded to x.dtype
+            _down_rows(H, W2, Buf, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, E, stride_w2e, stride_w2d,
+                       stride_w2i, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+    else:
+        _down_rows(H, W2, Buf, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, E, stride_w2e, stride_w2d,
+                   stride_w2i, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+
+
+@triton.jit
+def _gather_x_kernel(X, Xs, SortedPair, BlockExpert, P, D, E, stride_xt,
+                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Xs[r] = x[pair(r) // k] for the rows of valid expert blocks, zeros for their padding rows (grid max_blocks
+    x cdiv(D, BLOCK_D)). Rows of unused blocks and of the invalid bucket are not written: the gate/up kernel skips
+    them."""
+    blk = tl.program_id(0)
+    e = tl.load(BlockExpert + blk)
+    if (e < 0) | (e >= E):
+        return
+    offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(SortedPair + offs_m)
+    tok = (pair // TOP_K).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = offs_d < D
+    v = tl.load(X + tok[:, None] * stride_xt + offs_d[None, :], mask=(pair < P)[:, None] & dm[None, :], other=0.0)
+    tl.store(Xs + offs_m.to(tl.int64)[:, None] * D + offs_d[None, :], v, mask=dm[None, :])
 
 
 @triton.jit
@@ -362,6 +576,125 @@ def _align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Te
     return align_pairs(topk_ids, num_experts, block_m)
 
 
+def _check_config(cfg: ExpertsConfig) -> None:
+    bm, bm2 = cfg.block_m, cfg.block_m2 or cfg.block_m
+    tiles = (bm, bm2, cfg.block_n1, cfg.block_k1, cfg.block_n2, cfg.block_k2)
+    if any(b < 16 or b & (b - 1) for b in tiles):
+        raise ValueError(f"block sizes must be powers of two >= 16 (tl.dot); got {cfg}")
+    if bm2 > bm:
+        raise ValueError(f"block_m2 must divide block_m (a down block stays inside one expert block); got {cfg}")
+    if cfg.group_m1 < 0 or cfg.group_m2 < 0:
+        raise ValueError(f"group_m1 / group_m2 must be >= 0; got {cfg}")
+    if (cfg.tail_m1 and bm < 32) or (cfg.tail_m2 and bm2 < 32):
+        raise ValueError(f"a half-block tail needs an M-block of at least 32 rows; got {cfg}")
+
+
+def _tma_ok(*ts: Tensor) -> bool:
+    """Whether each tensor, read as the 2-D [rows, last dim] view of a contiguous tensor, fits a TMA descriptor:
+    16-byte aligned base and row stride (the descriptor class is importable, i.e. Triton >= 3.4)."""
+    return TensorDescriptor is not None and all(
+        t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0 for t in ts)
+
+
+def _rows2d(t: Tensor) -> Tensor:
+    return t.view(-1, t.shape[-1])
+
+
+def gather_sorted_x(x: Tensor, sorted_pair_ids: Tensor, block_expert: Tensor, top_k: int, num_experts: int,
+                    block_m: int) -> Tensor:
+    """The expert-sorted padded copy of x, [max_blocks * block_m, D] (x.dtype): row r holds x[pair(r) // k] for the
+    rows of valid expert blocks, zeros for their padding rows; rows of unused blocks and of the invalid bucket are
+    left unwritten (never read). Bytes: reads P * D * elt of gathered x rows (T * D * elt distinct, mostly L2 hits),
+    writes (used blocks) * block_m * D * elt, about (P + E * block_m / 2) * D * elt."""
+    T, D = x.shape
+    max_blocks = block_expert.numel()
+    xs = torch.empty(max_blocks * block_m, D, dtype=x.dtype, device=x.device)
+    block_d = max(16, min(triton.next_power_of_2(D), 16384 // block_m))
+    _gather_x_kernel[(max_blocks, triton.cdiv(D, block_d))](
+        x, xs, sorted_pair_ids, block_expert, T * top_k, D, num_experts, x.stride(0),
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
+    )
+    return xs
+
+
+def gate_up(x: Tensor, w1: Tensor, w3: Tensor, sorted_pair_ids: Tensor, block_expert: Tensor, top_k: int,
+            act: Activation, cfg: ExpertsConfig, xs: Tensor | None = None) -> Tensor:
+    """Kernel 1: h [max_blocks * block_m, I] (x.dtype) for the alignment (sorted_pair_ids, block_expert) built with
+    cfg.block_m; rows of unused and invalid-bucket blocks (and, with tail_m1, the padding half of a block) are not
+    written. With cfg.gather_x the sorted copy of x is built first (or `xs` from `gather_sorted_x` is used).
+    Bytes (B = expert blocks, elt = x.element_size()): A rows B * block_m * D * elt per N tile (L2 hits when the
+    N tiles of a block run together: group_m1), W1 and W3 2 * I * D * elt per block through L2 (about once per
+    touched expert from HBM), h written B * block_m * I * elt."""
+    T, D = x.shape
+    E, DI, _ = w1.shape
+    bm, bn, bk = cfg.block_m, cfg.block_n1, cfg.block_k1
+    max_blocks = block_expert.numel()
+    a = x
+    if cfg.gather_x:
+        a = xs if xs is not None else gather_sorted_x(x, sorted_pair_ids, block_expert, top_k, E, bm)
+    h = torch.empty(max_blocks * bm, DI, dtype=x.dtype, device=x.device)
+    tma = cfg.tma1 and _tma_ok(w1, w3, *((a,) if cfg.gather_x else ()))
+    a_arg, w1_arg, w3_arg = a, w1, w3
+    if tma:
+        w1_arg = TensorDescriptor.from_tensor(_rows2d(w1), [bn, bk])
+        w3_arg = TensorDescriptor.from_tensor(_rows2d(w3), [bn, bk])
+        if cfg.gather_x:
+            a_arg = TensorDescriptor.from_tensor(a, [bm, bk])
+    a_half = None
+    if cfg.tail_m1:
+        a_half = TensorDescriptor.from_tensor(a, [bm // 2, bk]) if tma and cfg.gather_x else a_arg
+    n_tiles = triton.cdiv(DI, bn)
+    grid = (max_blocks * n_tiles,) if cfg.group_m1 else (max_blocks, n_tiles)
+    _gate_up_kernel[grid](
+        a_arg, w1_arg, w3_arg, h, sorted_pair_ids, block_expert,
+        T * top_k, D, DI, E,
+        a.stride(0),
+        w1.stride(0), w1.stride(1), w1.stride(2),
+        w3.stride(0), w3.stride(1), w3.stride(2),
+        float(act.beta), float(act.linear_beta), max_blocks, a_half,
+        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SITU=act.kind == "situ",
+        EVEN_K=D % bk == 0, IEEE=x.dtype == torch.float32, GROUP_M=cfg.group_m1, A_SORTED=cfg.gather_x, TMA=tma,
+        TAIL=cfg.tail_m1,
+        num_warps=cfg.num_warps1, num_stages=cfg.num_stages1,
+    )
+    return h
+
+
+def down(h: Tensor, w2: Tensor, sorted_pair_ids: Tensor, block_expert: Tensor, num_pairs: int,
+         cfg: ExpertsConfig) -> Tensor:
+    """Kernel 2: the per-pair buffer [P, D] (h.dtype), every row written (zeros for invalid ids), from `gate_up`'s
+    h. Programs of cfg.block_m2 rows (default cfg.block_m) inside the alignment's blocks. Bytes: h rows
+    B * block_m * I * elt per N tile (from HBM on every pass unless group_m2 keeps a block's N tiles together),
+    W2 D * I * elt per block through L2 (about once per touched expert from HBM), the buffer P * D * elt written."""
+    E, D, DI = w2.shape
+    bm = cfg.block_m
+    bm2 = cfg.block_m2 or bm
+    bn, bk = cfg.block_n2, cfg.block_k2
+    sub = bm // bm2
+    num_m = block_expert.numel() * sub
+    buf = torch.empty(num_pairs, D, dtype=h.dtype, device=h.device)
+    tma = cfg.tma2 and _tma_ok(h, w2)
+    h_arg, w2_arg = h, w2
+    if tma:
+        h_arg = TensorDescriptor.from_tensor(h, [bm2, bk])
+        w2_arg = TensorDescriptor.from_tensor(_rows2d(w2), [bn, bk])
+    h_half = None
+    if cfg.tail_m2:
+        h_half = TensorDescriptor.from_tensor(h, [bm2 // 2, bk]) if tma else h
+    n_tiles = triton.cdiv(D, bn)
+    grid = (num_m * n_tiles,) if cfg.group_m2 else (num_m, n_tiles)
+    _down_kernel[grid](
+        h_arg, w2_arg, buf, sorted_pair_ids, block_expert,
+        num_pairs, D, DI, E,
+        w2.stride(0), w2.stride(1), w2.stride(2), num_m, h_half,
+        BLOCK_M=bm2, BLOCK_N=bn, BLOCK_K=bk,
+        EVEN_K=DI % bk == 0, IEEE=h.dtype == torch.float32, GROUP_M=cfg.group_m2, SUB=sub, TMA=tma,
+        TAIL=cfg.tail_m2,
+        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
+    )
+    return buf
+
+
 def moe_experts(
     x: Tensor,
     w1: Tensor,
@@ -396,10 +729,7 @@ def moe_experts(
         out = torch.zeros(T, D, dtype=x.dtype, device=x.device)
         return out if add is None else out + add
     cfg = config or default_config(T, k, E, D, DI, x.element_size())
-    bm = cfg.block_m
-    tiles = (bm, cfg.block_n1, cfg.block_k1, cfg.block_n2, cfg.block_k2)
-    if any(b < 16 or b & (b - 1) for b in tiles):
-        raise ValueError(f"block sizes must be powers of two >= 16 (tl.dot); got {cfg}")
+    _check_config(cfg)
     if x.stride(1) != 1:
         x = x.contiguous()
     tw = topk_weights.reshape(-1)
@@ -407,28 +737,9 @@ def moe_experts(
         tw = tw.float()
     if not tw.is_contiguous():
         tw = tw.contiguous()
-    sorted_pair_ids, block_expert = _align(topk_ids, E, bm)
-    max_blocks = block_expert.numel()
-    h = torch.empty(max_blocks * bm, DI, dtype=x.dtype, device=x.device)
-    buf = torch.empty(P, D, dtype=x.dtype, device=x.device)
-    ieee = x.dtype == torch.float32
-    _gate_up_kernel[(max_blocks, triton.cdiv(DI, cfg.block_n1))](
-        x, w1, w3, h, sorted_pair_ids, block_expert,
-        P, D, DI, E,
-        x.stride(0),
-        w1.stride(0), w1.stride(1), w1.stride(2),
-        w3.stride(0), w3.stride(1), w3.stride(2),
-        float(act.beta), float(act.linear_beta),
-        TOP_K=k, BLOCK_M=bm, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, SITU=act.kind == "situ",
-        EVEN_K=D % cfg.block_k1 == 0, IEEE=ieee, num_warps=cfg.num_warps1, num_stages=cfg.num_stages1,
-    )
-    _down_kernel[(max_blocks, triton.cdiv(D, cfg.block_n2))](
-        h, w2, buf, sorted_pair_ids, block_expert,
-        P, D, DI, E,
-        w2.stride(0), w2.stride(1), w2.stride(2),
-        BLOCK_M=bm, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
-        EVEN_K=DI % cfg.block_k2 == 0, IEEE=ieee, num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
-    )
+    sorted_pair_ids, block_expert = _align(topk_ids, E, cfg.block_m)
+    h = gate_up(x, w1, w3, sorted_pair_ids, block_expert, k, act, cfg)
+    buf = down(h, w2, sorted_pair_ids, block_expert, P, cfg)
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     block_d = min(1024, triton.next_power_of_2(D))
     if add is not None and add.stride(1) != 1:
