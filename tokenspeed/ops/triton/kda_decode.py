@@ -16,7 +16,7 @@ same roundings (the conv output is rounded to the io dtype, as the reference's c
 
 - split (the original): program (v, n*H + h) holds the [K, BV] slice v of S in registers for the whole sequence
   (read once from state[s, h], written once). Few programs per SM at large N * H: a [128, 64] tile needs 203
-  registers per thread (sm_90, Triton 3.9's ptxas: 2 CTAs of 4 warps per SM, 64 KB of state in flight), a
+  registers per thread (sm_90; 221 with Triton 3.6: 2 CTAs of 4 warps per SM, 64 KB of state in flight), a
   [128, 32] tile 127 (4 CTAs, 64 KB), and a program has its state read in flight only between its slot load and
   its first reduction: the rest of its life (conv, norms, counter, conv-state epilogue) moves no state.
 - chunked: program (0, n*H + h) walks the NC = BK / BV tiles of the head. Decode and replay (update_state):
@@ -24,10 +24,12 @@ same roundings (the conv output is rounded to the io dtype, as the reference's c
   software-pipelines (STAGES - 1 tiles in flight through shared memory via cp.async while one is updated), each
   read from and written back to the pool; after each token the head's conv state is shifted in place, so the next
   token again reads its window as token 0 (compile-time tap masks) and nothing is live across the q / k work but
-  one tile: 126 registers at BV 32 (4 CTAs), 96 at BV 16 (5 CTAs), no V-split counter and no recomputed q / k
-  conv. Several tokens pass the state between tokens through the pool (one read and write per token; the default
-  keeps such launches on split). Verify (update_state False): tile by tile, each carried through all tokens in
-  registers, the next tile prefetched into registers.
+  one tile. v is computed for the whole head with q / k and staged in o[t, h] (rounded to o's dtype, as the
+  reference rounds it); each tile reads its slice back and overwrites it with o. 125 registers at BV 32 (128 with
+  Triton 3.6; 4 CTAs), 95 at BV 16 (120), 72 at BV 8 (87); no V-split counter, no recomputed q / k conv. Several
+  tokens pass the state between tokens through the pool (one read and write per token; the default keeps such
+  launches on split). The replay (no outputs) convolves v per tile instead. Verify (update_state False): tile by
+  tile, each carried through all tokens in registers, the next tile prefetched into registers.
 
 `update_state=True` (decode): conv_state[s] and state[s] are advanced in place. `update_state=False` (verify):
 neither pool is written; `step_states` [T, H, K, V] fp32, if given, receives the state after every token, so
@@ -368,6 +370,13 @@ def _kda_decode_kernel(
             q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft, stride_fh,
                                               Bt, stride_bt, stride_bh, DT, h, t, 0, cq, ck, ok, mk, lk, rate,
                                               lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY)
+            if STORE_OUT:
+                # v for the whole head with q / k, staged in o[t, h] (it is rounded to o's dtype anyway): the tile
+                # loop reads its slice back and overwrites it with o, instead of a v conv per tile
+                yw = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, t, 0, 2 * HD + h * D + ow, mw,
+                                ow < D, EVEN_V, OUT_TY)
+                tl.store(O + (t * H + h) * D + ow, yw.to(OUT_TY), mask=ow < D)
+                tl.debug_barrier()  # visible to the threads that read it back
             if STAGES == 1:  # no Triton pipelining: the next tile prefetched into registers by hand
                 nxt = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
             for c in tl.range(0, CHUNKS, num_stages=STAGES):
@@ -386,8 +395,11 @@ def _kda_decode_kernel(
                 else:
                     b_s = _load_state(p_s + c * BV, lk[:, None] & lvc[None, :], EVEN_K and EVEN_V, HINTS)
                     b_s = tl.where(msc, b_s, 0.0)
-                yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, t, 0, cv + c * BV, mvc, lvc, EVEN_V,
-                                OUT_TY)
+                if STORE_OUT:
+                    yv = _load_lanes(O + (t * H + h) * D + ovc, lvc, EVEN_V).to(tl.float32)
+                else:
+                    yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, t, 0, cv + c * BV, mvc, lvc,
+                                    EVEN_V, OUT_TY)
                 b_s, o = _delta_step(b_s, q, k, decay, beta, yv, mvc, STORE_OUT)
                 if STORE_OUT:
                     _store_out(O, t, H, h, D, ovc, o, lvc, EVEN_V)
