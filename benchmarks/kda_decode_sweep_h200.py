@@ -1,0 +1,418 @@
+"""KDA decode launch variants on one H200: parity against the torch reference, CUDA-graph time, % of HBM.
+
+    PYTHONPATH=. python benchmarks/kda_decode_sweep_h200.py --out benchmarks/results/kda_decode_sweep_h200.json
+    PYTHONPATH=. python benchmarks/kda_decode_sweep_h200.py --device cpu --out /tmp/kda_sweep_smoke.json  # plumbing
+
+For each shape (H heads x N sequences, one token each, head dim K = V = 128: 12 x 1, 32 x 1, 32 x 8, 32 x 16,
+32 x 64, 96 x 16, 96 x 64) and each `KdaConfig` of VARIANTS (the original split launches, `legacy_config`, and
+the chunked schedule with several tile widths / warps / stages; `default_config`'s choice is marked), this
+  1. checks parity on the GPU against `ops._kda_decode_reference` (the composition of torch reference ops) from
+     the same pools: max |o - o_ref| and its relative value, the relative error of the new state rows, whether the
+     new conv-state rows are equal and the pool slots outside the batch untouched;
+  2. times the launch from a CUDA graph of `calls` launches after a side-stream warm-up: CUDA events around each
+     replay, median of `--reps` (>= 50) replays, divided by `calls`. The state keeps advancing in place.
+     L2 is not flushed by default: at the large shapes the state read (403 MB at 96 x 64, 201 MB at 96 x 16,
+     134 MB at 32 x 64) is far bigger than the 60 MB L2, so it streams from HBM anyway; at 12 x 1 / 32 x 1 (0.8 /
+     2 MB) it stays in L2 across replays, so those are warm-L2 latency numbers (--cold flushes L2 with a 128 MiB
+     memset before every call inside the graph and subtracts a graph of the memsets alone, as
+     benchmarks/kernels_h200.py does);
+  3. times fla-core's `fused_recurrent_kda` on the same shape, called as benchmarks/kernels_h200.py calls it (the
+     K3 flags: L2 norm, gate and beta sigmoid in-kernel; it does not do the short conv; h0 a contiguous copy of
+     the batch's states, final state written to a new buffer: the same state bytes).
+Bandwidth: state bytes = N * H * K * V * 4 * 2 (fp32 state read and written once) / time, as a % of 4.27 TB/s
+(the H200 copy rate of shared/docs/h200-baseline.md); the conv state, projections and outputs (~4% more bytes)
+are not counted. Registers / spills / shared memory of each compiled variant come from the launched kernel.
+
+Inputs: bf16 projections shaped like the model's merged projection (qkv and b strided column slices of one
+[T, 3HD + 2D + H] GEMM output), bf16 conv-state pool and fp32 state pool with 2N + 8 slots, random slot indices.
+Robust: a variant that fails (compile error, out of resources, a parity exception) is recorded with its error and
+skipped. Triton compiles every (variant, H) once (~3 s each); --jobs worker processes compile them in parallel
+first (one tiny launch each, same specialisation; the on-disk Triton cache then serves the main process).
+The whole default run should take about a minute on the H200 host.
+--device cpu: tiny shapes (H 2, N 1 / 3, D 32, fp32) on the Triton interpreter, block_v scaled by D / 128, no
+graphs, no fla: checks the script's plumbing only.
+Writes JSON (--out) and prints a table per shape and the best variant per shape (for `DECODE_TABLE`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+
+def _device_arg(argv: list[str]) -> str:
+    for i, a in enumerate(argv):
+        if a == "--device" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--device="):
+            return a.split("=", 1)[1]
+    return "cuda"
+
+
+if _device_arg(sys.argv) == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import
+
+import torch
+import triton
+
+from tokenspeed import ops as public_ops
+from tokenspeed.ops.triton import kda_decode as k_kda
+from tokenspeed.ops.triton.kda_decode import KdaConfig
+
+HBM = 4.27e12  # bytes/s
+LOWER = -5.0
+# (H, N): the issue's shapes, plus 32 x 8 and 32 x 16 (256 / 512 heads, where split and chunked should cross; no
+# extra compiles, H = 32 is compiled anyway)
+SHAPES = [(12, 1), (32, 1), (32, 8), (32, 16), (32, 64), (96, 16), (96, 64)]
+D_GPU = 128
+SMOKE_SHAPES = [(2, 1), (2, 3)]
+D_SMOKE = 32
+
+# The variants (written for head dim 128). split: the original kernel ([K, block_v] tile per program, V split
+# over D / block_v programs); bv32 / bv64 w4 are legacy_config's two choices. chunked: one program per head walks
+# its tiles (num_stages - 1 in flight through shared memory; s1: the next tile prefetched into registers).
+VARIANTS = [
+    KdaConfig(32),
+    KdaConfig(64),
+    KdaConfig(32, num_warps=2),
+    KdaConfig(16),
+    KdaConfig(32, chunked=True, num_stages=3),
+    KdaConfig(32, chunked=True, num_stages=4),
+    KdaConfig(16, chunked=True, num_stages=3),
+    KdaConfig(16, chunked=True, num_stages=4),
+    KdaConfig(8, chunked=True, num_stages=4),
+    KdaConfig(16, chunked=True, num_warps=2, num_stages=4),
+    KdaConfig(32, chunked=True, num_stages=1),
+    KdaConfig(32, chunked=True, num_stages=3, hints=True),
+]
+
+
+def scaled(cfg: KdaConfig, D: int) -> KdaConfig:
+    """cfg for head dim D (the smoke run): block_v scaled by D / 128, at least 2."""
+    return cfg._replace(block_v=max(2, cfg.block_v * D // 128))
+
+
+def make_inputs(H: int, N: int, D: int, dev: str, dtype: torch.dtype, seed: int = 0) -> dict:
+    """One KDA layer's decode inputs: N sequences of one token, pools of 2N + 8 slots, random slots."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    T, C, S = N, 3 * H * D, 2 * N + 8
+
+    def r(*shape, s=1.0):
+        return (torch.randn(*shape, generator=gen) * s).to(dev)
+
+    merged = r(T, C + 2 * D + H).to(dtype)  # [q | k | v | (2D) | b] as one merged projection GEMM writes them
+    return {
+        "qkv": merged[:, :C], "f": r(T, H * D).to(dtype), "b": merged[:, C + 2 * D:],
+        "conv_weight": r(C, 4, s=0.5), "conv_state": r(S, C, 3).to(dtype),
+        "A_log": r(H, s=0.5), "dt_bias": r(H, D, s=0.5), "state": r(S, H, D, D, s=0.3),
+        "state_indices": torch.randperm(S, generator=gen)[:N].to(dev),
+        "cu_seqlens": torch.arange(N + 1, dtype=torch.int64).to(dev),
+    }
+
+
+def clone_pools(inp: dict) -> dict:
+    return {k: (v.clone() if k in ("state", "conv_state") else v) for k, v in inp.items()}
+
+
+def sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+class KernelRecorder:
+    """Stands in for `_kda_decode_kernel` in the kda_decode module: records the compiled kernel each launch
+    returns (registers, spills, shared memory of the variant)."""
+
+    def __init__(self, fn):
+        self.fn, self.last = fn, None
+
+    def __getitem__(self, grid):
+        launch = self.fn[grid]
+
+        def run(*args, **kwargs):
+            self.last = launch(*args, **kwargs)
+            return self.last
+        return run
+
+    def info(self) -> dict:
+        k = self.last
+        md = getattr(k, "metadata", None)
+        return {"regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
+                "shared_bytes": getattr(md, "shared", None)}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def parity(inp: dict, ref: dict, o_ref: torch.Tensor, cfg: KdaConfig, scale: float, dev: str) -> dict:
+    """One launch of cfg on fresh pool copies vs the reference's outputs and pools."""
+    a = clone_pools(inp)
+    o = k_kda.kda_decode(**a, lower_bound=LOWER, scale=scale, config=cfg)
+    sync(dev)
+    slots = inp["state_indices"]
+    idle = torch.ones(inp["state"].shape[0], dtype=torch.bool, device=slots.device)
+    idle[slots] = False
+    tol = 1e-5 if o.dtype == torch.float32 else 1e-2
+    out = {
+        "max_abs_err_o": (o.double() - o_ref.double()).abs().max().item(), "rel_err_o": rel(o, o_ref),
+        "rel_err_state": rel(a["state"][slots], ref["state"][slots]),
+        "conv_state_equal": bool(torch.equal(a["conv_state"][slots], ref["conv_state"][slots])),
+        "idle_untouched": bool(torch.equal(a["state"][idle], inp["state"][idle])
+                               and torch.equal(a["conv_state"][idle], inp["conv_state"][idle])),
+        "has_nan": bool(torch.isnan(o).any() or torch.isnan(a["state"][slots]).any()),
+    }
+    out["parity_ok"] = (out["rel_err_o"] < tol and out["rel_err_state"] < tol and out["conv_state_equal"]
+                        and out["idle_untouched"] and not out["has_nan"])
+    return out
+
+
+_FLUSH = None
+
+
+def time_us(fn, dev: str, calls: int, reps: int, cold: bool) -> float:
+    """Per-call time of fn: CUDA graph of `calls` calls, median of `reps` replays (CUDA events), / calls.
+    cold: a 128 MiB memset before each call inside the graph, a graph of the memsets alone subtracted."""
+    if dev != "cuda":  # smoke: wall time of one interpreted call, plumbing only
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    from graph_timing import replay_ms, warm_up  # benchmarks/graph_timing.py (the script's folder is on sys.path)
+
+    global _FLUSH
+    if cold and _FLUSH is None:
+        _FLUSH = torch.empty(128 << 20, dtype=torch.int8, device=dev)
+    warm_up(fn, 2)
+
+    def capture(with_fn: bool) -> torch.cuda.CUDAGraph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                if cold:
+                    _FLUSH.zero_()
+                if with_fn:
+                    fn()
+        return g
+
+    total = replay_ms(capture(True), reps, warmup=3)
+    base = replay_ms(capture(False), reps, warmup=3) if cold else 0.0
+    return max(total - base, 0.0) / calls * 1e3
+
+
+def fla_fn(inp: dict, H: int, N: int, D: int, dev: str):
+    """fla-core fused_recurrent_kda on this shape, as benchmarks/kernels_h200.py calls it; None if unavailable."""
+    if dev != "cuda":
+        return None
+    from fla.ops.kda import fused_recurrent_kda
+
+    bf = torch.bfloat16
+    q, k, v, g = (torch.randn(N, 1, H, D, device=dev, dtype=bf) for _ in range(4))
+    beta = torch.randn(N, 1, H, device=dev, dtype=torch.float32)
+    h0 = inp["state"][inp["state_indices"]].clone()
+
+    def run():
+        return fused_recurrent_kda(q, k, v, g, beta, A_log=inp["A_log"], dt_bias=inp["dt_bias"], scale=D ** -0.5,
+                                   initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                   use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LOWER)
+    return run
+
+
+def _warm_one(task: tuple) -> tuple:
+    """Worker: compile one (H, D, config) by a tiny launch (N = 1) with the sweep's specialisation."""
+    H, D, cfg_fields, dev = task
+    cfg = KdaConfig(*cfg_fields)
+    try:
+        inp = make_inputs(H, 1, D, dev, torch.bfloat16 if dev == "cuda" else torch.float32)
+        k_kda.kda_decode(**inp, lower_bound=LOWER, scale=D ** -0.5, config=cfg)
+        sync(dev)
+        return H, cfg.label, None
+    except Exception as e:  # noqa: BLE001 - reported by the caller; the main process hits it again
+        return H, cfg.label, f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def precompile(tasks: list[tuple], jobs: int) -> dict:
+    """Compile the (H, D, config) tasks in `jobs` spawned processes (fills the on-disk Triton cache)."""
+    import multiprocessing as mp
+
+    t0 = time.time()
+    try:
+        with mp.get_context("spawn").Pool(jobs) as pool:
+            res = pool.map(_warm_one, tasks, chunksize=1)
+    except Exception as e:  # noqa: BLE001 - a pool failure only loses the head start
+        print(f"precompile failed ({type(e).__name__}: {e}); compiling in the main process", flush=True)
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.time() - t0}
+    errors = {f"H={H} {label}": err for H, label, err in res if err}
+    print(f"precompiled {len(tasks)} kernels in {time.time() - t0:.1f} s with {jobs} processes"
+          + (f"; errors: {errors}" if errors else ""), flush=True)
+    return {"seconds": time.time() - t0, "tasks": len(tasks), "errors": errors}
+
+
+def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: list[KdaConfig], args,
+                rec: KernelRecorder) -> dict:
+    scale = D ** -0.5
+    inp = make_inputs(H, N, D, dev, dtype, seed=H * 1000 + N)
+    state_bytes = N * H * D * D * 4 * 2
+    ref = clone_pools(inp)
+    o_ref = public_ops._kda_decode_reference(**ref, lower_bound=LOWER, scale=scale, update_state=True,
+                                             step_states=None)
+    sync(dev)
+    work = clone_pools(inp)  # the timed launches advance this copy in place
+    calls = args.calls or (20 if N * H < 512 else 5)
+    default = k_kda.default_config(N * H, D, 1)
+    legacy = k_kda.legacy_config(N * H, D)
+    variants = list(variants)
+    for c in (legacy, default):  # both always measured
+        if c not in variants:
+            variants.append(c)
+    row = {"H": H, "N": N, "D": D, "state_bytes": state_bytes, "floor_us": state_bytes / HBM * 1e6,
+           "default": default.label, "legacy": legacy.label, "calls_per_graph": calls, "variants": []}
+    for cfg in variants:
+        v = {"label": cfg.label, "config": cfg._asdict(), "is_default": cfg == default, "is_legacy": cfg == legacy}
+        t0 = time.time()
+        try:
+            rec.last = None
+            v.update(parity(inp, ref, o_ref, cfg, scale, dev))
+            v.update(rec.info())
+            us = time_us(lambda c=cfg, w=work: k_kda.kda_decode(**w, lower_bound=LOWER, scale=scale, config=c),
+                         dev, calls, args.reps, args.cold)
+            v.update(us=us, state_GBps=state_bytes / us * 1e-3, pct_hbm=100 * state_bytes / (us * 1e-6) / HBM)
+        except Exception as e:  # noqa: BLE001 - one failing variant is reported and skipped
+            v["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            try:
+                sync(dev)
+            except Exception as e2:  # noqa: BLE001 - a sticky CUDA error poisons the rest of the run
+                v["error"] += f" | after: {type(e2).__name__}: {str(e2)[:200]}"
+        v["seconds"] = time.time() - t0
+        row["variants"].append(v)
+        print(fmt_variant(v), flush=True)
+    fla = {"label": "fla fused_recurrent_kda"}
+    if not args.no_fla:
+        try:
+            fn = fla_fn(inp, H, N, D, dev)
+            if fn is None:
+                fla["error"] = "skipped (not on CUDA)"
+            else:
+                us = time_us(fn, dev, calls, args.reps, args.cold)
+                fla.update(us=us, state_GBps=state_bytes / us * 1e-3, pct_hbm=100 * state_bytes / (us * 1e-6) / HBM)
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            fla["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(fmt_variant(fla), flush=True)
+    row["fla"] = fla
+    ok = [v for v in row["variants"] if v.get("us") is not None and v.get("parity_ok")]
+    if ok:
+        best = min(ok, key=lambda v: v["us"])
+        leg = next((v for v in ok if v["is_legacy"]), None)
+        row.update(best=best["label"], best_us=best["us"], best_pct_hbm=best["pct_hbm"],
+                   best_speedup_vs_legacy=(leg["us"] / best["us"]) if leg else None,
+                   best_speedup_vs_fla=(fla["us"] / best["us"]) if fla.get("us") else None)
+    del inp, ref, work, o_ref
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def fmt_variant(v: dict) -> str:
+    if v.get("us") is None:
+        return f"  {v['label']:28s} {v.get('error', 'no time')}"
+    tags = ("D" if v.get("is_default") else "") + ("L" if v.get("is_legacy") else "")
+    par = "" if "parity_ok" not in v else (
+        f" err o {v['rel_err_o']:.1e} (abs {v['max_abs_err_o']:.1e}) state {v['rel_err_state']:.1e}"
+        f"{'' if v['parity_ok'] else ' PARITY FAIL'}")
+    regs = f" regs {v['regs']}" if v.get("regs") is not None else ""
+    spills = f" spills {v['spills']}" if v.get("spills") else ""
+    smem = f" smem {v['shared_bytes']}" if v.get("shared_bytes") is not None else ""
+    return (f"  {v['label']:28s}{tags:>2s} {v['us']:9.2f} us {v['state_GBps']:8.1f} GB/s {v['pct_hbm']:6.1f}%"
+            f"{regs}{spills}{smem}{par}")
+
+
+def git_commit() -> str | None:
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=False).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/kda_decode_sweep_h200.json")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--shapes", default=None, help="H:N,... (default: 12:1,32:1,32:8,32:16,32:64,96:16,96:64)")
+    ap.add_argument("--only", default=None, help="comma-separated substrings: keep variants whose label has one")
+    ap.add_argument("--reps", type=int, default=60, help="graph replays per timing (median; >= 50)")
+    ap.add_argument("--calls", type=int, default=None, help="launches per graph (default 20 below 512 heads, 5)")
+    ap.add_argument("--cold", action="store_true", help="flush L2 before every call (see the module docstring)")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="processes that precompile the variants first (default: min(8, CPUs) on CUDA; 0: none)")
+    args = ap.parse_args()
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device (use --device cpu for the interpreter smoke run)")
+    D = D_GPU if dev == "cuda" else D_SMOKE
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    shapes = SHAPES if dev == "cuda" else SMOKE_SHAPES
+    if args.shapes:
+        shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",")]
+    variants = [scaled(c, D) for c in VARIANTS]
+    if args.only:
+        keys = args.only.split(",")
+        variants = [c for c in variants if any(k in c.label for k in keys)]
+    t0 = time.time()
+    pre = None
+    jobs = args.jobs if args.jobs is not None else (min(8, os.cpu_count() or 1) if dev == "cuda" else 0)
+    if jobs > 0:  # (on the CPU only a plumbing check: the interpreter caches nothing)
+        extra = {c for H, N in shapes for c in (k_kda.legacy_config(N * H, D), k_kda.default_config(N * H, D, 1))}
+        cfgs = variants + [c for c in extra if c not in variants]
+        tasks = [(H, D, tuple(c), dev) for H in sorted({h for h, _ in shapes}) for c in cfgs]
+        pre = precompile(tasks, jobs)
+    rec = KernelRecorder(k_kda._kda_decode_kernel)
+    k_kda._kda_decode_kernel = rec
+    rows = []
+    try:
+        for H, N in shapes:
+            print(f"== H={H} N={N} D={D}: state {N * H * D * D * 8 / 1e6:.1f} MB read+written, "
+                  f"floor {N * H * D * D * 8 / HBM * 1e6:.1f} us at 4.27 TB/s; default "
+                  f"{k_kda.default_config(N * H, D, 1).label}, legacy {k_kda.legacy_config(N * H, D).label}",
+                  flush=True)
+            rows.append(sweep_shape(H, N, D, dev, dtype, variants, args, rec))
+    finally:
+        k_kda._kda_decode_kernel = rec.fn
+    try:
+        import fla
+        fla_version = getattr(fla, "__version__", None)
+    except ImportError:
+        fla_version = None
+    meta = {
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter smoke run)",
+        "torch": torch.__version__, "triton": triton.__version__, "fla": fla_version,
+        "python": platform.python_version(), "commit": git_commit(), "seconds": time.time() - t0,
+        "hbm_Bps": HBM, "precompile": pre, "cold_l2": args.cold, "reps": args.reps,
+        "command": " ".join(["PYTHONPATH=. python"] + sys.argv),
+        "timing": "CUDA graph of `calls_per_graph` launches after a side-stream warm-up; CUDA events around each "
+                  "replay, median of `reps` replays / calls; L2 not flushed unless cold_l2 (the state at the "
+                  "large shapes is far bigger than the 60 MB L2; 12x1 and 32x1 are warm-L2 numbers)",
+        "bytes": "state only: N*H*D*D*4 read + written; % of 4.27 TB/s",
+    }
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print("\n=== best per shape (parity ok) ===")
+    for r in rows:
+        fla_us = r["fla"].get("us")
+        print(f"H={r['H']:3d} N={r['N']:3d}: best {r.get('best')} {r.get('best_us') or float('nan'):.2f} us "
+              f"({r.get('best_pct_hbm') or float('nan'):.1f}% of HBM; floor {r['floor_us']:.1f} us), "
+              f"x{r.get('best_speedup_vs_legacy') or float('nan'):.2f} vs legacy {r['legacy']}, "
+              f"fla {fla_us or float('nan'):.2f} us; default {r['default']}")
+    print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
