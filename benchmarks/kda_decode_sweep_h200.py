@@ -11,11 +11,12 @@ the chunked schedule with several tile widths / warps / stages; `default_config`
      new conv-state rows are equal and the pool slots outside the batch untouched;
   2. times the launch from a CUDA graph of `calls` launches after a side-stream warm-up: CUDA events around each
      replay, median of `--reps` (>= 50) replays, divided by `calls`. The state keeps advancing in place.
-     L2 is not flushed by default: at the large shapes the state read (403 MB at 96 x 64, 201 MB at 96 x 16,
-     134 MB at 32 x 64) is far bigger than the 60 MB L2, so it streams from HBM anyway; at 12 x 1 / 32 x 1 (0.8 /
-     2 MB) it stays in L2 across replays, so those are warm-L2 latency numbers (--cold flushes L2 with a 128 MiB
-     memset before every call inside the graph and subtracts a graph of the memsets alone, as
-     benchmarks/kernels_h200.py does);
+     Warm L2 (no flush) is enough where the state is far bigger than the 60 MB L2: the state read is 403 MB at
+     96 x 64 and 134 MB at 32 x 64, so it streams from HBM anyway. Smaller states (100 MB at 96 x 16, 34 / 17 MB
+     at 32 x 16 / 32 x 8, 2 / 0.8 MB at 32 x 1 / 12 x 1) would partly or wholly stay in L2 across replays, which a
+     real decode step (other layers in between) never sees: below 120 MB (--cold auto) each variant is also timed
+     with a cold L2 (a 128 MiB memset before every call inside the graph, a graph of the memsets alone
+     subtracted, as benchmarks/kernels_h200.py does) and that time (`us_cold`) is the one compared (`us`);
   3. times fla-core's `fused_recurrent_kda` on the same shape, called as benchmarks/kernels_h200.py calls it (the
      K3 flags: L2 norm, gate and beta sigmoid in-kernel; it does not do the short conv; h0 a contiguous copy of
      the batch's states, final state written to a new buffer: the same state bytes).
@@ -65,6 +66,7 @@ from tokenspeed.ops.triton import kda_decode as k_kda
 from tokenspeed.ops.triton.kda_decode import KdaConfig
 
 HBM = 4.27e12  # bytes/s
+COLD_BELOW = 120e6  # state bytes read below which a cold-L2 time is taken too (2x the H200's 60 MB L2)
 LOWER = -5.0
 # (H, N): the issue's shapes, plus 32 x 8 and 32 x 16 (256 / 512 heads, where split and chunked should cross; no
 # extra compiles, H = 32 is compiled anyway)
@@ -99,18 +101,18 @@ def scaled(cfg: KdaConfig, D: int) -> KdaConfig:
 
 def make_inputs(H: int, N: int, D: int, dev: str, dtype: torch.dtype, seed: int = 0) -> dict:
     """One KDA layer's decode inputs: N sequences of one token, pools of 2N + 8 slots, random slots."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=dev).manual_seed(seed)  # drawn on the device: the 96 x 64 pool is 855 MB
     T, C, S = N, 3 * H * D, 2 * N + 8
 
     def r(*shape, s=1.0):
-        return (torch.randn(*shape, generator=gen) * s).to(dev)
+        return torch.randn(*shape, generator=gen, device=dev) * s
 
     merged = r(T, C + 2 * D + H).to(dtype)  # [q | k | v | (2D) | b] as one merged projection GEMM writes them
     return {
         "qkv": merged[:, :C], "f": r(T, H * D).to(dtype), "b": merged[:, C + 2 * D:],
         "conv_weight": r(C, 4, s=0.5), "conv_state": r(S, C, 3).to(dtype),
         "A_log": r(H, s=0.5), "dt_bias": r(H, D, s=0.5), "state": r(S, H, D, D, s=0.3),
-        "state_indices": torch.randperm(S, generator=gen)[:N].to(dev),
+        "state_indices": torch.randperm(S, generator=gen, device=dev)[:N],
         "cu_seqlens": torch.arange(N + 1, dtype=torch.int64).to(dev),
     }
 
@@ -205,6 +207,17 @@ def time_us(fn, dev: str, calls: int, reps: int, cold: bool) -> float:
     return max(total - base, 0.0) / calls * 1e3
 
 
+def measure(fn, dev: str, calls: int, reps: int, cold: bool, state_bytes: int) -> dict:
+    """Warm-L2 time, plus the cold-L2 time when `cold`; `us` (the one compared, and the bandwidth's) is the cold
+    one when measured."""
+    out = {"us_warm": time_us(fn, dev, calls, reps, False)}
+    if cold:
+        out["us_cold"] = time_us(fn, dev, calls, reps, True)
+    us = out.get("us_cold", out["us_warm"])
+    out.update(us=us, state_GBps=state_bytes / us * 1e-3, pct_hbm=100 * state_bytes / (us * 1e-6) / HBM)
+    return out
+
+
 def fla_fn(inp: dict, H: int, N: int, D: int, dev: str):
     """fla-core fused_recurrent_kda on this shape, as benchmarks/kernels_h200.py calls it; None if unavailable."""
     if dev != "cuda":
@@ -264,6 +277,7 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
     sync(dev)
     work = clone_pools(inp)  # the timed launches advance this copy in place
     calls = args.calls or (20 if N * H < 512 else 5)
+    cold = args.cold == "on" or (args.cold == "auto" and state_bytes / 2 < COLD_BELOW)
     default = k_kda.default_config(N * H, D, 1)
     legacy = k_kda.legacy_config(N * H, D)
     variants = list(variants)
@@ -271,7 +285,8 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
         if c not in variants:
             variants.append(c)
     row = {"H": H, "N": N, "D": D, "state_bytes": state_bytes, "floor_us": state_bytes / HBM * 1e6,
-           "default": default.label, "legacy": legacy.label, "calls_per_graph": calls, "variants": []}
+           "default": default.label, "legacy": legacy.label, "calls_per_graph": calls, "cold_l2": cold,
+           "variants": []}
     for cfg in variants:
         v = {"label": cfg.label, "config": cfg._asdict(), "is_default": cfg == default, "is_legacy": cfg == legacy}
         t0 = time.time()
@@ -279,9 +294,8 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
             rec.last = None
             v.update(parity(inp, ref, o_ref, cfg, scale, dev))
             v.update(rec.info())
-            us = time_us(lambda c=cfg, w=work: k_kda.kda_decode(**w, lower_bound=LOWER, scale=scale, config=c),
-                         dev, calls, args.reps, args.cold)
-            v.update(us=us, state_GBps=state_bytes / us * 1e-3, pct_hbm=100 * state_bytes / (us * 1e-6) / HBM)
+            v.update(measure(lambda c=cfg, w=work: k_kda.kda_decode(**w, lower_bound=LOWER, scale=scale, config=c),
+                             dev, calls, args.reps, cold, state_bytes))
         except Exception as e:  # noqa: BLE001 - one failing variant is reported and skipped
             v["error"] = f"{type(e).__name__}: {str(e)[:500]}"
             try:
@@ -298,8 +312,7 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
             if fn is None:
                 fla["error"] = "skipped (not on CUDA)"
             else:
-                us = time_us(fn, dev, calls, args.reps, args.cold)
-                fla.update(us=us, state_GBps=state_bytes / us * 1e-3, pct_hbm=100 * state_bytes / (us * 1e-6) / HBM)
+                fla.update(measure(fn, dev, calls, args.reps, cold, state_bytes))
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             fla["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(fmt_variant(fla), flush=True)
@@ -327,7 +340,8 @@ def fmt_variant(v: dict) -> str:
     regs = f" regs {v['regs']}" if v.get("regs") is not None else ""
     spills = f" spills {v['spills']}" if v.get("spills") else ""
     smem = f" smem {v['shared_bytes']}" if v.get("shared_bytes") is not None else ""
-    return (f"  {v['label']:28s}{tags:>2s} {v['us']:9.2f} us {v['state_GBps']:8.1f} GB/s {v['pct_hbm']:6.1f}%"
+    warm = f" (warm {v['us_warm']:.2f})" if "us_cold" in v else ""
+    return (f"  {v['label']:28s}{tags:>2s} {v['us']:9.2f} us{warm} {v['state_GBps']:8.1f} GB/s {v['pct_hbm']:6.1f}%"
             f"{regs}{spills}{smem}{par}")
 
 
@@ -349,7 +363,8 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated substrings: keep variants whose label has one")
     ap.add_argument("--reps", type=int, default=60, help="graph replays per timing (median; >= 50)")
     ap.add_argument("--calls", type=int, default=None, help="launches per graph (default 20 below 512 heads, 5)")
-    ap.add_argument("--cold", action="store_true", help="flush L2 before every call (see the module docstring)")
+    ap.add_argument("--cold", default="auto", choices=["auto", "on", "off"],
+                    help="also time with L2 flushed before every call: auto = states below 120 MB (docstring)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--jobs", type=int, default=None,
                     help="processes that precompile the variants first (default: min(8, CPUs) on CUDA; 0: none)")
@@ -395,11 +410,12 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter smoke run)",
         "torch": torch.__version__, "triton": triton.__version__, "fla": fla_version,
         "python": platform.python_version(), "commit": git_commit(), "seconds": time.time() - t0,
-        "hbm_Bps": HBM, "precompile": pre, "cold_l2": args.cold, "reps": args.reps,
+        "hbm_Bps": HBM, "precompile": pre, "cold": args.cold, "reps": args.reps,
         "command": " ".join(["PYTHONPATH=. python"] + sys.argv),
         "timing": "CUDA graph of `calls_per_graph` launches after a side-stream warm-up; CUDA events around each "
-                  "replay, median of `reps` replays / calls; L2 not flushed unless cold_l2 (the state at the "
-                  "large shapes is far bigger than the 60 MB L2; 12x1 and 32x1 are warm-L2 numbers)",
+                  "replay, median of `reps` replays / calls. us_warm: L2 not flushed (the state at 96x64 and "
+                  "32x64 is far bigger than the 60 MB L2); us_cold (rows with cold_l2): a 128 MiB memset before "
+                  "each call in the graph, a memset-only graph subtracted; us = us_cold if measured, else us_warm",
         "bytes": "state only: N*H*D*D*4 read + written; % of 4.27 TB/s",
     }
     with open(args.out, "w") as f:
