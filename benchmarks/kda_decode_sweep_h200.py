@@ -29,7 +29,7 @@ Inputs: bf16 projections shaped like the model's merged projection (qkv and b st
 Robust: a variant that fails (compile error, out of resources, a parity exception) is recorded with its error and
 skipped. Triton compiles every (variant, H) once (~3 s each); --jobs worker processes compile them in parallel
 first (one tiny launch each, same specialisation; the on-disk Triton cache then serves the main process).
-The whole default run should take about a minute on the H200 host.
+The whole default run should take about 1.5 minutes on the H200 host (about half of it compiling).
 --device cpu: tiny shapes (H 2, N 1 / 3, D 32, fp32) on the Triton interpreter, block_v scaled by D / 128, no
 graphs, no fla: checks the script's plumbing only.
 Writes JSON (--out) and prints a table per shape and the best variant per shape (for `DECODE_TABLE`).
