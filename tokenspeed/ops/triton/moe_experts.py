@@ -120,9 +120,12 @@ def default_config(T: int, k: int, E: int, D: int, DI: int, elt_size: int = 2) -
     Decode (<= 16 rows per expert, e.g. T <= 64 at E=256, k=8): BLOCK_M=16 so every touched expert streams its
     weights once; [16 x 64] tiles, BLOCK_K=128, 4 stages (3 buffers, ~110 KB of shared memory for kernel 1,
     two programs per SM). When fewer than ~264 programs would run (T=1 at k=8) on a wide layer, a narrower BLOCK_N=32
-    doubles the programs streaming weights. Prefill: BLOCK_M 32 / 64 / 128 as the expert runs grow. The two prefill
-    tiles are the fastest of five measured on the H200 (benchmarks/moe_prefill_h200.py, results/moe_prefill_h200.json):
-    64 x 256 x 64 for 32..256 rows per expert (kimi-linear-48b-a3b, 8K tokens: 3.56 vs 4.09 ms for the previous
+    doubles the programs streaming weights. Prefill: BLOCK_M 32 / 64 / 128 as the expert runs grow. Above 32 rows
+    per expert the 16-bit tiles take the variants that won the H200 sweep (benchmarks/moe_prefill_h200.py,
+    results/moe_prefill_h200.json, 8K tokens): grouped program order and TMA loads in both GEMMs, and from 128 rows
+    up 128-row blocks with half-height gate/up tails and 128 x 256 x 64 down tiles in 3 stages. kimi-linear-48b-a3b
+    (256 rows per expert) 2.42 vs 3.10 ms for the tiles before (1.28x), k3-slice 16.2 vs ~20 ms. The tiles
+    underneath were the fastest of five plain tile choices in an earlier sweep: 64 x 256 x 64 for 32..256 rows per expert (kimi-linear-48b-a3b, 8K tokens: 3.56 vs 4.09 ms for the previous
     64 x 128), 128 x 128 x 64 with 4 stages above (k3-slice, 8K tokens: 21.3 vs 23.1 ms). fp32 (validation only)
     keeps the smaller 64 x 128 / 128 x 64 prefill tiles and drops to 2 stages so the tiles fit in shared memory.
     """
@@ -134,10 +137,11 @@ def default_config(T: int, k: int, E: int, D: int, DI: int, elt_size: int = 2) -
     elif elt_size > 2:  # fp32: the 16-bit prefill tiles would not fit in shared memory
         cfg = ExpertsConfig(64, 128, 64, 8, 3, 128, 64, 4, 4) if rows <= 256 else ExpertsConfig(
             128, 64, 64, 8, 3, 128, 64, 8, 3)
-    elif rows <= 256:
-        cfg = ExpertsConfig(64, 256, 64, 8, 3, 256, 64, 8, 3)
-    else:
-        cfg = ExpertsConfig(128, 128, 64, 8, 4, 128, 64, 8, 4)
+    elif rows <= 128:  # 64 x 256 tiles; grouped program order and TMA loads in both GEMMs, 4-stage down
+        cfg = ExpertsConfig(64, 256, 64, 8, 3, 256, 64, 8, 4, group_m1=8, group_m2=8, tma1=True, tma2=True)
+    else:  # 128-row blocks, half-height tails for gate/up, 128 x 256 x 64 down tiles in 3 stages
+        cfg = ExpertsConfig(128, 128, 64, 8, 4, 256, 64, 8, 3, group_m1=8, group_m2=8, tma1=True, tma2=True,
+                            tail_m1=True)
     P = T * k
     max_blocks = P // cfg.block_m + min(E + 1, P)
     if DI >= 512 and max_blocks * triton.cdiv(DI, cfg.block_n1) < 264:
