@@ -2,7 +2,8 @@
 # The swe-smith-like sweep (issue 8: TPS/user vs output tok/s/GPU frontier) against a `tokenspeed serve` started
 # here, in one call; the server is stopped at the end. Results (JSON, JSONL, frontier PNG) and the server log go to
 # $OUT. Settings by environment (defaults: the GPU run):
-#   MODEL=kimi-linear-48b-a3b DEVICE=cuda SCALE=0.1 CONC=1,4,16 SESSIONS=8 MAX_NUM_SEQS=32 MAX_LEN=16384
+#   MODEL=kimi-linear-48b-a3b DEVICE=cuda SCALE=0.2 CONC=1,4,16 MAX_NUM_SEQS=32 MAX_LEN=16384; SESSIONS unset: the
+#   spec's sessions per concurrency (4 at 1, 8 at 4, 32 at 16; estimated at ~2 minutes on the H200, not yet run), else that many each
 #   e.g. CPU check: MODEL=tiny-k3 DEVICE=cpu SCALE=0.005 CONC=1,2 SESSIONS=2 OUT=/tmp/swe bash benchmarks/swe_smith_session.sh
 # `--history live`: each turn appends the server's own output (swe-smith semantics), and every stream chunk carries
 # its token ids, so per-token timing holds even when a random model's tokens decode to no text.
@@ -11,9 +12,10 @@
 set -u
 MODEL=${MODEL:-kimi-linear-48b-a3b}
 DEVICE=${DEVICE:-cuda}
-SCALE=${SCALE:-0.1}
+SCALE=${SCALE:-0.2}
 CONC=${CONC:-1,4,16}
-SESSIONS=${SESSIONS:-8}
+sessions=()
+[[ -n ${SESSIONS:-} ]] && sessions=(--num-sessions "$SESSIONS")
 PORT=${PORT:-8301}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -35,5 +37,5 @@ for _ in $(seq 600); do  # model build, dummy init and graph capture
 done
 vocab=$(python3 -c "from tokenspeed.models import resolve_config as r; print(r('$MODEL')[0].vocab_size)")
 python3 -m tokenspeed.cli bench --base-url "http://127.0.0.1:$PORT" --workload swe-smith-like --scale "$SCALE" \
-  --concurrency "$CONC" --num-sessions "$SESSIONS" --vocab-size "$vocab" --result-dir "$OUT" \
+  --concurrency "$CONC" "${sessions[@]}" --vocab-size "$vocab" --result-dir "$OUT" \
   --history live --result-name "swe_smith_${DEVICE}_${MODEL}" 2>&1 | tail -25
