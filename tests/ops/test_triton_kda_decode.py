@@ -243,10 +243,12 @@ def test_pad_decode_interp(D, BV, lower_bound):
 
 
 @cpu_interp
-def test_pad_two_decode_steps_interp():
-    """Two launches on the same pools equal two reference steps: the last arriver of the V split leaves the counter
-    at zero for the next launch (a stale count would skip the q/k conv-state write of the second step)."""
-    D, BV, lens, slots = 48, 32, [1, 1, 1], [3, -1, 6]
+@pytest.mark.parametrize("opts", [{"BV": 32}, {"BV": 16, "chunked": True}], ids=["split", "chunked"])
+def test_two_decode_steps_interp(opts):
+    """Two launches on the same pools equal two reference steps. Split: the last arriver of the V split leaves the
+    counter at zero for the next launch (a stale count would skip the q/k conv-state write of the second step).
+    Chunked: the per-token conv-state shift."""
+    D, lens, slots = 48, [1, 1, 1], [3, -1, 6]
     scale = D ** -0.5
     inp = make(lens, 1, D, torch.float32, "cpu", slots=slots)
     a, r = clone(inp), clone(inp)
@@ -254,7 +256,7 @@ def test_pad_two_decode_steps_interp():
         new = make(lens, 1, D, torch.float32, "cpu", slots=slots, seed=10 + step)
         for key in ("qkv", "f", "b"):
             a[key] = r[key] = new[key]
-        o = run_fused(a, -5.0, scale, BV=BV)
+        o = run_fused(a, -5.0, scale, **opts)
         o_ref = composed(r, -5.0, scale)
         assert rel_err(o, o_ref) < 1e-5 and rel_err(a["state"], r["state"]) < 1e-5
         assert torch.equal(a["conv_state"], r["conv_state"])
@@ -331,23 +333,6 @@ def test_chunked_decode_interp(D, BV, stages, lower_bound):
     assert rel_err(o, o_ref) < 1e-5 and rel_err(a["state"][used], r["state"][used]) < 1e-5
     assert torch.equal(a["conv_state"][used], r["conv_state"][used])
     assert a["state"][idle].isnan().all() and a["conv_state"][idle].isnan().all()
-
-
-@cpu_interp
-def test_chunked_two_decode_steps_interp():
-    """Two chunked launches on the same pools equal two reference steps (the per-token conv-state shift)."""
-    D, lens, slots = 48, [1, 1, 1], [3, -1, 6]
-    scale = D ** -0.5
-    inp = make(lens, 1, D, torch.float32, "cpu", slots=slots)
-    a, r = clone(inp), clone(inp)
-    for step in range(2):
-        new = make(lens, 1, D, torch.float32, "cpu", slots=slots, seed=10 + step)
-        for key in ("qkv", "f", "b"):
-            a[key] = r[key] = new[key]
-        o = run_fused(a, -5.0, scale, BV=16, chunked=True)
-        o_ref = composed(r, -5.0, scale)
-        assert rel_err(o, o_ref) < 1e-5 and rel_err(a["state"], r["state"]) < 1e-5
-        assert torch.equal(a["conv_state"], r["conv_state"])
 
 
 @cpu_interp

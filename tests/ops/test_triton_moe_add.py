@@ -17,32 +17,12 @@ import pytest
 import torch
 
 from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # first: sets up the Triton interpreter
+from tests.ops.moe_inputs import KIMI, make_weights
 from tokenspeed.ops.reference.activation import Activation
 from tokenspeed.ops.reference.moe import moe_experts as ref_experts
 
 SILU = Activation("silu")
 SITU = Activation("situ")
-KIMI = {"E": 256, "k": 8, "D": 2304, "I": 1024}  # Kimi-Linear-48B routed experts
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    """Floating torch.empty allocations start as NaN (buffers the op must fully write before reading)."""
-    real = torch.empty
-
-    def empty(*args, **kw):
-        t = real(*args, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
-def make_weights(E, D, DI, dtype, device, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    w1 = (torch.randn(E, DI, D, generator=g) * D ** -0.5).to(device=device, dtype=dtype)
-    w3 = (torch.randn(E, DI, D, generator=g) * D ** -0.5).to(device=device, dtype=dtype)
-    w2 = (torch.randn(E, D, DI, generator=g) * DI ** -0.5).to(device=device, dtype=dtype)
-    return w1, w3, w2
 
 
 def make_routing(T, k, E, D, dtype, device, seed=1, invalid=False):
@@ -91,12 +71,12 @@ def check_add(T, k, E, D, DI, act, dtype, device, *, strided=False, invalid=Fals
 @cpu_interp
 @pytest.mark.parametrize("act", [SILU, SITU], ids=["silu", "situ"])
 @pytest.mark.parametrize("T,k,E,D", [(1, 1, 8, 48), (3, 2, 8, 48), (37, 4, 8, 40), (5, 8, 64, 48), (9, 3, 8, 1100)])
-def test_add_interp(T, k, E, D, act, poison):
+def test_add_interp(T, k, E, D, act, poison_empty):
     check_add(T, k, E, D, 40, act, torch.float32, "cpu", strided=T == 3, invalid=T == 37)
 
 
 @cpu_interp
-def test_add_empty_and_errors_interp(poison):
+def test_add_empty_and_errors_interp(poison_empty):
     fn = triton_experts()
     w1, w3, w2 = make_weights(4, 32, 16, torch.float32, "cpu")
     x, tw, ids = make_routing(3, 2, 4, 32, torch.float32, "cpu")

@@ -20,6 +20,7 @@ import torch
 
 from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # noqa: E402,F401 - sets up Triton first
 
+from tests.ops.moe_inputs import KIMI, make_weights
 from tokenspeed.ops.reference.activation import Activation
 from tokenspeed.ops.reference.moe import moe_experts as ref_experts
 
@@ -27,28 +28,7 @@ from tokenspeed.ops.reference.moe import moe_experts as ref_experts
 SILU = Activation("silu")
 SITU = Activation("situ", beta=4.0, linear_beta=25.0)
 SITU_TIGHT = Activation("situ", beta=0.5, linear_beta=0.3)  # small caps: both tanh branches saturate
-KIMI = {"E": 256, "k": 8, "D": 2304, "I": 1024}  # Kimi-Linear-48B routed experts
 
-
-
-@pytest.fixture
-def poison(monkeypatch):
-    """Floating torch.empty allocations start as NaN (buffers the op must fully write before reading)."""
-    real = torch.empty
-
-    def empty(*args, **kw):
-        t = real(*args, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
-def make_weights(E, D, DI, dtype, device, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    w1 = (torch.randn(E, DI, D, generator=g) * D ** -0.5).to(device=device, dtype=dtype)
-    w3 = (torch.randn(E, DI, D, generator=g) * D ** -0.5).to(device=device, dtype=dtype)
-    w2 = (torch.randn(E, D, DI, generator=g) * DI ** -0.5).to(device=device, dtype=dtype)
-    return w1, w3, w2
 
 
 def make_routing(T, k, E, D, dtype, device, seed=1, invalid=False, same=False):
@@ -93,25 +73,25 @@ def check(T, k, E, D, DI, act, dtype=torch.float32, device="cpu", tol=None, weig
 @cpu_interp
 @pytest.mark.parametrize("act", [SILU, SITU, SITU_TIGHT], ids=["silu", "situ", "situ_tight"])
 @pytest.mark.parametrize("T,k,E", [(1, 1, 8), (3, 2, 8), (37, 4, 8), (200, 2, 8), (5, 8, 64), (3, 8, 256)])
-def test_experts_interp(T, k, E, act, poison):
+def test_experts_interp(T, k, E, act, poison_empty):
     check(T, k, E, 48, 40, act)
 
 
 @cpu_interp
 @pytest.mark.parametrize("k", [1, 3, 5, 6, 7, 8])
-def test_experts_top_k_interp(k, poison):
+def test_experts_top_k_interp(k, poison_empty):
     check(9, k, 16, 48, 40, SILU, seed=k)
 
 
 @cpu_interp
 @pytest.mark.parametrize("act", [SILU, SITU], ids=["silu", "situ"])
 @pytest.mark.parametrize("T,k,E", [(9, 3, 8), (13, 8, 64), (1, 2, 8)])
-def test_invalid_ids_interp(T, k, E, act, poison):
+def test_invalid_ids_interp(T, k, E, act, poison_empty):
     check(T, k, E, 48, 40, act, invalid=True)
 
 
 @cpu_interp
-def test_all_ids_invalid_interp(poison):
+def test_all_ids_invalid_interp(poison_empty):
     from tokenspeed.ops.triton.moe_experts import moe_experts
 
     w1, w3, w2 = make_weights(8, 48, 40, torch.float32, "cpu")
@@ -124,14 +104,14 @@ def test_all_ids_invalid_interp(poison):
 @cpu_interp
 @pytest.mark.parametrize("act", [SILU, SITU], ids=["silu", "situ"])
 @pytest.mark.parametrize("T,k,E", [(40, 2, 8), (37, 8, 256)])
-def test_same_experts_interp(T, k, E, act, poison):
+def test_same_experts_interp(T, k, E, act, poison_empty):
     """Every token on the same k experts: each expert's run spans several M-blocks."""
     check(T, k, E, 48, 40, act, same=True, invalid=T == 37)
 
 
 @cpu_interp
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
-def test_block_m_interp(block_m, poison):
+def test_block_m_interp(block_m, poison_empty):
     from tokenspeed.ops.triton.moe_experts import ExpertsConfig
 
     cfg = ExpertsConfig(block_m, 32, 32, 4, 2, 16, 32, 4, 2)
@@ -140,7 +120,7 @@ def test_block_m_interp(block_m, poison):
 
 @cpu_interp
 @pytest.mark.parametrize("act", [SILU, SITU], ids=["silu", "situ"])
-def test_even_k_interp(act, poison):
+def test_even_k_interp(act, poison_empty):
     """D and I multiples of BLOCK_K: the unmasked K loops; N tiles still ragged (I=80 over 32, D=64 over 128)."""
     from tokenspeed.ops.triton.moe_experts import ExpertsConfig
 
@@ -177,7 +157,7 @@ def test_align_layout_interp():
 
 
 @cpu_interp
-def test_no_host_reads_interp(monkeypatch, poison):
+def test_no_host_reads_interp(monkeypatch, poison_empty):
     """The op never pulls a value to the host (CPU stand-in for the CUDA sync check)."""
     w1, w3, w2 = make_weights(8, 48, 40, torch.float32, "cpu")
     x, tw, ids = make_routing(21, 3, 8, 48, torch.float32, "cpu", invalid=True)
@@ -221,7 +201,7 @@ def kimi_weights(dtype):
 @needs_cuda
 @pytest.mark.parametrize("act", [SILU, SITU], ids=["silu", "situ"])
 @pytest.mark.parametrize("T", [1, 16, 64, 2048])
-def test_kimi_bf16_gpu(T, act, poison):
+def test_kimi_bf16_gpu(T, act, poison_empty):
     w = kimi_weights(torch.bfloat16)
     check(T, KIMI["k"], KIMI["E"], KIMI["D"], KIMI["I"], act, torch.bfloat16, "cuda", weights=w, seed=T)
 
@@ -229,7 +209,7 @@ def test_kimi_bf16_gpu(T, act, poison):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("T,same,invalid", [(64, True, False), (37, False, True), (300, True, True)])
-def test_kimi_bf16_routing_gpu(T, same, invalid, poison):
+def test_kimi_bf16_routing_gpu(T, same, invalid, poison_empty):
     w = kimi_weights(torch.bfloat16)
     check(T, KIMI["k"], KIMI["E"], KIMI["D"], KIMI["I"], SITU, torch.bfloat16, "cuda", weights=w, same=same,
           invalid=invalid)
@@ -239,7 +219,7 @@ def test_kimi_bf16_routing_gpu(T, same, invalid, poison):
 @needs_cuda
 @pytest.mark.parametrize("T,k,E,D,DI", [(1, 1, 8, 48, 40), (37, 4, 64, 256, 128), (200, 8, 16, 200, 72)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_small_shapes_gpu(T, k, E, D, DI, dtype, poison):
+def test_small_shapes_gpu(T, k, E, D, DI, dtype, poison_empty):
     check(T, k, E, D, DI, SITU, dtype, "cuda", invalid=True)
 
 
