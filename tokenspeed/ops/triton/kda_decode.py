@@ -128,16 +128,29 @@ def _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ch, m, l
 
 
 @triton.jit
-def _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, ch, m):
-    """New conv state of channels `ch`: the last 3 inputs of [old state, new tokens], all read before any write."""
+def _conv_tail(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, ch, m):
+    """The last 3 inputs of [old state, new tokens] of channels `ch`: the new conv state, read (not yet written)."""
     x0 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 3, ch, m)
     x1 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 2, ch, m)
     x2 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 1, ch, m)
-    tl.debug_barrier()
+    return x0, x1, x2
+
+
+@triton.jit
+def _write_conv_tail(cs, stride_csc, stride_csw, ch, m, x0, x1, x2):
+    """Store a `_conv_tail` as the conv state of channels `ch`."""
     ty = cs.dtype.element_ty
     tl.store(cs + ch * stride_csc + 0 * stride_csw, x0.to(ty), mask=m)
     tl.store(cs + ch * stride_csc + 1 * stride_csw, x1.to(ty), mask=m)
     tl.store(cs + ch * stride_csc + 2 * stride_csw, x2.to(ty), mask=m)
+
+
+@triton.jit
+def _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, ch, m):
+    """New conv state of channels `ch`: the last 3 inputs of [old state, new tokens], all read before any write."""
+    x0, x1, x2 = _conv_tail(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, ch, m)
+    tl.debug_barrier()
+    _write_conv_tail(cs, stride_csc, stride_csw, ch, m, x0, x1, x2)
 
 
 @triton.jit
@@ -178,26 +191,13 @@ def _store_state(p_s, b_s, mask, HINTS: tl.constexpr):
 def _store_conv_states3(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cv, mv, cq, ck, mqk):
     """`_store_conv_state` of the v channels `cv` (mask mv) and the q / k channels (mask mqk): all nine inputs read,
     then one barrier, then the writes."""
-    v0 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 3, cv, mv)
-    v1 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 2, cv, mv)
-    v2 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 1, cv, mv)
-    q0 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 3, cq, mqk)
-    q1 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 2, cq, mqk)
-    q2 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 1, cq, mqk)
-    k0 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 3, ck, mqk)
-    k1 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 2, ck, mqk)
-    k2 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 1, ck, mqk)
+    v0, v1, v2 = _conv_tail(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cv, mv)
+    q0, q1, q2 = _conv_tail(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cq, mqk)
+    k0, k1, k2 = _conv_tail(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, ck, mqk)
     tl.debug_barrier()
-    ty = cs.dtype.element_ty
-    tl.store(cs + cv * stride_csc + 0 * stride_csw, v0.to(ty), mask=mv)
-    tl.store(cs + cv * stride_csc + 1 * stride_csw, v1.to(ty), mask=mv)
-    tl.store(cs + cv * stride_csc + 2 * stride_csw, v2.to(ty), mask=mv)
-    tl.store(cs + cq * stride_csc + 0 * stride_csw, q0.to(ty), mask=mqk)
-    tl.store(cs + cq * stride_csc + 1 * stride_csw, q1.to(ty), mask=mqk)
-    tl.store(cs + cq * stride_csc + 2 * stride_csw, q2.to(ty), mask=mqk)
-    tl.store(cs + ck * stride_csc + 0 * stride_csw, k0.to(ty), mask=mqk)
-    tl.store(cs + ck * stride_csc + 1 * stride_csw, k1.to(ty), mask=mqk)
-    tl.store(cs + ck * stride_csc + 2 * stride_csw, k2.to(ty), mask=mqk)
+    _write_conv_tail(cs, stride_csc, stride_csw, cv, mv, v0, v1, v2)
+    _write_conv_tail(cs, stride_csc, stride_csw, cq, mqk, q0, q1, q2)
+    _write_conv_tail(cs, stride_csc, stride_csw, ck, mqk, k0, k1, k2)
 
 
 @triton.jit
