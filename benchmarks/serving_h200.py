@@ -338,17 +338,14 @@ def _sync_sites(fn) -> list:
         sites[" <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}:{f.name}" for f in frames[::-1][:4])] += 1
 
     torch.cuda.synchronize()
-    old = warnings.showwarning
-    warnings.showwarning = record
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores showwarning and the filters on exit
             warnings.simplefilter("always")
             warnings.showwarning = record
             fn()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = old
     torch.cuda.synchronize()
     rows = [[n, site] for site, n in sites.most_common()]
     log({"host_syncs": rows})
