@@ -124,7 +124,7 @@ def default_config(T: int, k: int, E: int, D: int, DI: int, elt_size: int = 2) -
     per expert the 16-bit tiles take the variants that won the H200 sweep (benchmarks/moe_prefill_h200.py,
     results/moe_prefill_h200.json, 8K tokens): grouped program order and TMA loads in both GEMMs, and from 128 rows
     up 128-row blocks with half-height gate/up tails and 128 x 256 x 64 down tiles in 3 stages. kimi-linear-48b-a3b
-    (256 rows per expert) 2.42 vs 3.10 ms for the tiles before (1.28x), k3-slice 16.2 vs ~20 ms. The tiles
+    (256 rows per expert) 2.42 vs 3.10 ms for the tiles before (1.28x), k3-slice 16.2 vs 20.9 ms. The tiles
     underneath were the fastest of five plain tile choices in an earlier sweep: 64 x 256 x 64 for 32..256 rows per expert (kimi-linear-48b-a3b, 8K tokens: 3.56 vs 4.09 ms for the previous
     64 x 128), 128 x 128 x 64 with 4 stages above (k3-slice, 8K tokens: 21.3 vs 23.1 ms). fp32 (validation only)
     keeps the smaller 64 x 128 / 128 x 64 prefill tiles and drops to 2 stages so the tiles fit in shared memory.
