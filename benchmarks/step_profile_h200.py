@@ -1,0 +1,168 @@
+"""Where one decode step and one short-tail prefill spend their time, on one H200 (kimi-linear-48b-a3b, dummy bf16).
+
+    PYTHONPATH=. python benchmarks/step_profile_h200.py --out benchmarks/results
+
+- decode, batch 1 and 64 at 4K context: the captured graph's replay time against the summed durations of its
+  kernels (CUPTI sees the kernels a graph launches), the kernel count, and the kernels of one KDA layer and one
+  MLA layer in launch order, so the per-layer launch list can be read and cut down;
+- short-tail prefill: T new tokens (64 / 256 / 1024) on a 16K-token history, eager as the engine runs it: wall
+  time to completion against the kernel time, the kernel count, the host syncs, and a cProfile of the host side
+  (the functions the host time goes to).
+Writes step_profile_h200.json to --out; prints as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+from graph_timing import events_ms
+from serving_h200 import _sync_sites, decode_batch, decode_setup
+
+from tokenspeed.executor.cuda_graphs import DecodeGraphs
+from tokenspeed.models import CacheBuffers, ForwardBatch
+from tokenspeed.models.loader import load_model
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def kernels_of(fn) -> list[tuple[str, float]]:
+    """(name, device us) of every kernel one call of fn() ran, in start order (torch.profiler / CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    evs.sort(key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.elapsed_us()) for e in evs]
+
+
+def summary(kernels: list[tuple[str, float]], top: int = 30) -> list:
+    by = collections.defaultdict(lambda: [0.0, 0])
+    for name, us in kernels:
+        by[name[:100]][0] += us
+        by[name[:100]][1] += 1
+    rows = sorted(([k, round(v[0], 1), v[1], round(v[0] / v[1], 2)] for k, v in by.items()), key=lambda r: -r[1])
+    return rows[:top]
+
+
+def layer_slices(kernels: list[tuple[str, float]], model) -> dict:
+    """The kernels of one KDA layer and one MLA layer: split the step at the attention kernels (one per layer)."""
+    cfg = model.config
+    marks = [i for i, (n, _) in enumerate(kernels) if "kda_decode" in n or "mla_split" in n or "mla_decode" in n]
+    out = {}
+    if len(marks) >= 3:
+        for i in range(1, len(marks) - 1):
+            name = "mla" if "mla" in kernels[marks[i]][0] else "kda"
+            if name not in out:
+                out[name] = [(n[:80], round(us, 2)) for n, us in kernels[marks[i]:marks[i + 1]]]
+    out["layers"] = cfg.num_hidden_layers
+    return out
+
+
+def decode_profile(model, batch: int, ctx: int) -> dict:
+    page_size = 64
+    buf, pps = decode_setup(model, batch, ctx, page_size)
+    graphs = DecodeGraphs(model, buf, batch, pps, scratch_page=batch * pps)
+    graphs.capture()
+    fb = decode_batch(batch, ctx, pps, page_size)
+    step_ms = events_ms(lambda: graphs.run(fb), 30, 5)
+    graph_k = kernels_of(lambda: graphs.run(fb))
+    eager_k = kernels_of(lambda: model(fb, buf, torch.arange(batch, device="cuda")))
+    k_ms = sum(us for _, us in graph_k) / 1e3
+    out = {"batch": batch, "ctx": ctx, "graph_step_ms": step_ms, "graph_kernels": len(graph_k),
+           "graph_kernel_ms": k_ms, "gaps_ms": step_ms - k_ms, "eager_kernels": len(eager_k),
+           "top": summary(graph_k), "per_layer": layer_slices(eager_k, model),
+           "all_graph_kernels": [(n[:60], round(us, 2)) for n, us in graph_k]}
+    log(f"decode b{batch} ctx {ctx}: graph {step_ms:.3f} ms, {len(graph_k)} kernels summing {k_ms:.3f} ms "
+        f"(gaps {step_ms - k_ms:.3f} ms)")
+    for r in out["top"][:22]:
+        log("   ", r)
+    for name in ("kda", "mla"):
+        log(f"  one {name} layer:", out["per_layer"].get(name))
+    return out  # the graphs are freed with this frame
+
+
+def prefill_profile(model, history: int, tails: list[int]) -> list:
+    cfg, page_size = model.config, 64
+    pages = (history + max(tails)) // page_size + 2
+    buf = CacheBuffers.allocate(cfg, pages + 1, page_size, 2, model.dtype, "cuda")
+    for t in buf.mla_latent:
+        t.normal_(0, 1)
+    rows = []
+    for tail in tails:
+        ids = torch.randint(0, cfg.vocab_size, (tail,)).tolist()
+        fb = ForwardBatch.build([ids], [history], [list(range(pages))], [0], page_size, "cuda")
+        last = torch.tensor([tail - 1], device="cuda")
+
+        def step(fb=fb, last=last):
+            return model(fb, buf, last)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        walls = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t0) * 1e3)
+        ks = kernels_of(step)
+        syncs = _sync_sites(step)
+        prof = cProfile.Profile()
+        prof.enable()
+        step()
+        torch.cuda.synchronize()
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        row = {"history": history, "tail": tail, "wall_ms": statistics.median(walls),
+               "events_ms": events_ms(step, 10, 2), "kernels": len(ks), "kernel_ms": sum(u for _, u in ks) / 1e3,
+               "host_syncs": syncs, "top": summary(ks, 15), "cprofile": s.getvalue()[-6000:]}
+        log(f"prefill tail {tail} on {history}: wall {row['wall_ms']:.2f} ms, events {row['events_ms']:.2f} ms, "
+            f"{len(ks)} kernels summing {row['kernel_ms']:.2f} ms, syncs {syncs}")
+        for r in row["top"][:10]:
+            log("   ", r)
+        if tail == tails[len(tails) // 2]:
+            log(row["cprofile"])
+        rows.append(row)
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--geometry", default="kimi-linear-48b-a3b")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--tails", default="64,256,1024")
+    ap.add_argument("--history", type=int, default=16384)
+    args = ap.parse_args()
+    res = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "python": platform.python_version(), "commit": os.environ.get("BENCH_COMMIT", "unknown"),
+                   "argv": sys.argv, "date": time.strftime("%Y-%m-%d")}}
+    model = load_model(args.geometry, torch.bfloat16, "cuda", load_format="dummy", seed=0)
+    with torch.no_grad():
+        res["decode"] = [decode_profile(model, int(b), 4096) for b in args.batches.split(",")]
+        if args.tails:
+            res["prefill"] = prefill_profile(model, args.history, [int(t) for t in args.tails.split(",")])
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "step_profile_h200.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
