@@ -184,3 +184,17 @@ def test_bad_requests_raise_and_engine_keeps_serving() -> None:
     with pytest.raises(RequestError):
         SamplingParams(temperature=-1)
     assert len(llm.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("given", [{"num_pages": 4}, {"cache_memory_gb": 1e-5}], ids=["num_pages", "budget"])
+def test_cache_smaller_than_one_prefill_chunk_names_the_fix(given: dict) -> None:
+    """A cache that cannot hold one prefill chunk is a ConfigError naming the setting to change (the given page
+    count or the memory budget) and the chunk-size alternative."""
+    from tokenspeed.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _llm("tiny-k3", chunked_prefill_size=64, **given)
+    msg = str(err.value)
+    assert "64-token prefill chunk needs (9 pages of 8 tokens)" in msg
+    assert ("raise num_pages" if "num_pages" in given else "raise cache_memory_gb") in msg
+    assert "lower chunked_prefill_size / max_num_batched_tokens" in msg

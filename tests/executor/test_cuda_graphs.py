@@ -91,7 +91,7 @@ def _record_proposals(llm: LLM) -> list[dict]:
     return seen
 
 
-GPU_PAGES = 512  # a fixed cache on the GPU: an engine's size must not depend on what earlier tests left allocated
+GPU_PAGES = 1024  # a fixed cache on the GPU: an engine's size must not depend on what earlier tests left allocated
 
 
 def _greedy(model: str, device: str, **options) -> list[list[int]]:

@@ -74,13 +74,19 @@ def plan_cache(
     num_pages = pools.num_pages
     if cache.num_pages is not None:
         num_pages = cache.num_pages
-    min_pages = -(-min(sched.chunked_prefill_size, sched.max_num_batched_tokens) // cache.page_size) + 1
+    chunk = min(sched.chunked_prefill_size, sched.max_num_batched_tokens)
+    min_pages = -(-chunk // cache.page_size) + 1
     if num_pages < min_pages:
+        if cache.num_pages is not None:
+            where = f"num_pages={cache.num_pages} is"
+            fix = "raise num_pages"
+        else:
+            where = (f"the cache budget ({budget / 2**30:.3f} GiB) leaves {max(num_pages, 0)} pages after "
+                     f"{num_slots} KDA state slots of {per_slot / 2**20:.1f} MiB,")
+            fix = "raise cache_memory_gb / gpu_memory_utilization, lower max_num_seqs / num_checkpoint_slots"
         raise ConfigError(
-            f"the cache budget ({budget / 2**30:.3f} GiB) leaves {max(num_pages, 0)} pages (fewer than one "
-            f"prefill chunk needs: {min_pages}) after {num_slots} KDA "
-            f"state slots of {per_slot / 2**20:.1f} MiB; raise cache_memory_gb / gpu_memory_utilization or lower "
-            "max_num_seqs / num_checkpoint_slots"
+            f"{where} fewer than one {chunk}-token prefill chunk needs ({min_pages} pages of {cache.page_size} "
+            f"tokens); {fix}, or lower chunked_prefill_size / max_num_batched_tokens"
         )
     plan = CachePlan(int(num_pages), cache.page_size, num_slots, cache.enable_prefix_caching, needs_state)
     logger.info(
