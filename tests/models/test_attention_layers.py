@@ -31,9 +31,12 @@ def _setup(preset: str, layer_id: int, n: int):
 def _kda_reference(c, a, x):
     """Section 2.4, one token at a time, fresh state."""
     h, d = a.num_heads, a.head_dim
-    w_q, w_k, w_v = a.qkv_proj.weight.chunk(3)
+    w_q, w_k, w_v = (a.in_proj.part_weight(n) for n in ("q_proj", "k_proj", "v_proj"))
+    w_fa, w_b = a.in_proj.part_weight("f_a_proj"), a.in_proj.part_weight("b_proj")
+    w_fb = a.f_b_proj.weight if c.use_full_rank_gate else a.fg_b_proj.weight[0]
     conv_q, conv_k, conv_v = a.conv_weight.chunk(3)
-    gate_w = a.g_proj.weight if c.use_full_rank_gate else a.g_b_proj.weight @ a.g_a_proj.weight
+    gate_w = a.in_proj.part_weight("g_proj") if c.use_full_rank_gate else (
+        a.fg_b_proj.weight[1] @ a.in_proj.part_weight("g_a_proj"))
     width = conv_q.shape[1]
     pre = {name: x @ w.t() for name, w in (("q", w_q), ("k", w_k), ("v", w_v))}
     state = torch.zeros(h, d, d)
@@ -46,11 +49,11 @@ def _kda_reference(c, a, x):
             conv[name] = torch.nn.functional.silu(sum(weight[:, j] * window[j] for j in range(width))).view(h, d)
         q = conv["q"] / torch.sqrt((conv["q"] ** 2).sum(-1, keepdim=True) + 1e-6) / math.sqrt(d)
         k = conv["k"] / torch.sqrt((conv["k"] ** 2).sum(-1, keepdim=True) + 1e-6)
-        f = (a.f_b_proj.weight @ (a.f_a_proj.weight @ x[t])).view(h, d) + a.dt_bias
+        f = (w_fb @ (w_fa @ x[t])).view(h, d) + a.dt_bias
         A = torch.exp(a.A_log)[:, None]
         g = c.gate_lower_bound * torch.sigmoid(A * f) if c.gate_lower_bound is not None else (
             -A * torch.nn.functional.softplus(f))
-        beta = torch.sigmoid(a.b_proj.weight @ x[t])
+        beta = torch.sigmoid(w_b @ x[t])
         o = torch.zeros(h, d)
         for i in range(h):
             s = torch.exp(g[i])[:, None] * state[i]

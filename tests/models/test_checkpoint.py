@@ -132,5 +132,5 @@ def test_bf16_load_keeps_fp32_islands(tmp_path: Path) -> None:
     model = load_model(tmp_path, dtype=torch.bfloat16)
     attn = model.model.layers[0].self_attn
     assert attn.A_log.dtype == attn.dt_bias.dtype == attn.conv_weight.dtype == torch.float32
-    assert attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert attn.in_proj.weight.dtype == attn.f_b_proj.weight.dtype == torch.bfloat16
     assert model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias.dtype == torch.float32

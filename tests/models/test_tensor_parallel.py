@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU: two gloo processes, each loading its shard, give the single-process logits.
 
 Scenarios (fp32, both presets): KDA heads, conv channels, A_log/dt_bias, MLA heads, dense/shared MLP and expert
-intermediate dims are split over 2 ranks by the loader; row-parallel outputs are all-reduced.
+intermediate dims are split over 2 ranks by the loader (the KDA merged input projection per part: q/k/v/g/b
+sharded, f_a/g_a replicated); row-parallel outputs are all-reduced.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def _worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
         parallel = ParallelContext(tp_size=world, tp_rank=rank, group=dist.group.WORLD)
         model = load_model(ckpt, dtype=torch.float32, parallel=parallel)
         attn = model.model.layers[0].self_attn
-        result = {"logits": forward_logits(model, IDS), "kda_rows": attn.qkv_proj.weight.shape[0]}
+        rows = {name: attn.in_proj.part_weight(name).shape[0] for name in attn.in_proj.slices}
+        result = {"logits": forward_logits(model, IDS), "kda_rows": rows}
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -50,5 +52,8 @@ def test_tp2_matches_single_process(tmp_path: Path, preset: str) -> None:
     config = load_model(preset, load_format="dummy").config
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
-        assert result["kda_rows"] == 3 * config.kda_num_heads * config.kda_head_dim // 2  # really sharded
+        rows = result["kda_rows"]  # the merged KDA input projection: heads really sharded, f_a / g_a replicated
+        assert rows["q_proj"] == rows["k_proj"] == rows["v_proj"] == config.kda_num_heads * config.kda_head_dim // 2
+        assert rows["b_proj"] == config.kda_num_heads // 2 and rows["f_a_proj"] == config.kda_head_dim
+        assert rows.get("g_a_proj", config.kda_head_dim) == config.kda_head_dim
         assert rel_err(result["logits"], expected) < 1e-5

@@ -17,12 +17,15 @@ from tokenspeed.models.weights import param_sources
 
 
 def checkpoint_tensors(model: nn.Module, prefix: str) -> dict[str, Tensor]:
-    """Every parameter split back into its checkpoint tensors {hf_name: tensor} (world size 1 only)."""
+    """Every parameter split back into its checkpoint tensors {hf_name: tensor} (world size 1 only): stacked
+    sources unbound, concatenated ones split by `hf_split_sizes` (equal pieces without it), then untransformed."""
     out: dict[str, Tensor] = {}
     for src in param_sources(model, prefix):
         p, data = src.param, src.param.detach()
         if p.hf_stack:
             pieces = data.unbind(0)
+        elif getattr(p, "hf_split_sizes", None) is not None:
+            pieces = data.split(list(p.hf_split_sizes), dim=0)
         else:
             pieces = data.chunk(len(src.hf_names), dim=0) if len(src.hf_names) > 1 else (data,)
         for name, piece in zip(src.hf_names, pieces, strict=True):

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from tokenspeed.errors import CheckpointError
 from tokenspeed.models.config import KimiConfig
+from tokenspeed.models.layers import source_shard_dim
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +68,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def _assemble(src: ParamSource, read, tp_rank: int, tp_size: int) -> Tensor:
-    """Read, transform, shard and combine the sources of one parameter."""
+    """Read, transform, shard (each source by its own `source_shard_dim`) and combine the sources of one parameter.
+    Raises ValueError when a piece's rows differ from the parameter's `hf_split_sizes` entry for it."""
     p = src.param
+    sizes = getattr(p, "hf_split_sizes", None)
     pieces = []
-    for name in src.hf_names:
+    for i, name in enumerate(src.hf_names):
         t = read(name)
         if p.hf_transform is not None:
             t = p.hf_transform(t)
-        if p.tp_shard_dim is not None and tp_size > 1:
-            t = t.chunk(tp_size, dim=p.tp_shard_dim)[tp_rank]
+        dim = source_shard_dim(p, i)
+        if dim is not None and tp_size > 1:
+            t = t.chunk(tp_size, dim=dim)[tp_rank]
+        if sizes is not None and t.shape[0] != sizes[i]:
+            raise ValueError(f"{name} gives {t.shape[0]} rows {tuple(t.shape)}, expected {sizes[i]}")
         pieces.append(t)
     if len(pieces) == 1 and not p.hf_stack:
         return pieces[0]

@@ -20,7 +20,8 @@ from torch import Tensor
 
 class KdaLayerTensors(NamedTuple):
     """One KDA layer's arguments of `ops.kda_decode`, in its positional order (see its contract): the recorded
-    inputs qkv [T, 3HD], f [T, H, D] or [T, HD], b [T, H]; the weights conv_weight [3HD, 4], A_log [H],
+    inputs qkv [T, 3HD], f [T, H, D] or [T, HD], b [T, H] (views of a merged projection as recorded: any row
+    stride, unit column stride, read in place); the weights conv_weight [3HD, 4], A_log [H],
     dt_bias [H, D]; the pools conv_state [S, 3HD, 3] and state [S, H, D, D] fp32 (mutated by a replay)."""
 
     qkv: Tensor

@@ -2,6 +2,17 @@
 
 Math: k3-architecture.md section 2.4. Heads are split over tensor-parallel ranks (f_a and the low-rank gate's
 down projection are replicated; o_proj is row-parallel and all-reduced).
+
+Projections (the checkpoint keeps its names; only the in-memory layout is merged): every projection of the normed
+input x is one GEMM, `in_proj` (a `MergedLinear`), whose weight rows are, in this order,
+    q_proj | k_proj | v_proj | f_a_proj | g_a_proj | b_proj      (low-rank output gate, Kimi Linear)
+    q_proj | k_proj | v_proj | g_proj | f_a_proj | b_proj        (full-rank output gate, K3)
+(q, k, v, g and b column-parallel: this rank's heads; f_a and g_a replicated: all hd rows). Its consumers read
+column views of the output (row stride = the merged width, no copy): the fused decode and the conv read q|k|v
+and b in place. The low-rank gate's two up projections run as one `StackedLinear` (`fg_b_proj`, weight
+[2, local, hd] from f_b_proj and g_b_proj) on the adjacent f_a|g_a columns, giving f and g contiguous; the
+full-rank config keeps `f_b_proj`. Per decode step a KDA layer launches in_proj, fg_b_proj (or f_b_proj), the
+fused kda_decode, the gated norm and o_proj (+ the all-reduce under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from tokenspeed import ops
 from tokenspeed.distributed import ParallelContext
 from tokenspeed.models.batch import CacheBuffers, ForwardBatch, ReplayInputs
 from tokenspeed.models.config import KimiConfig
-from tokenspeed.models.layers import Linear, weight
+from tokenspeed.models.layers import Linear, MergedLinear, Part, StackedLinear, weight
 
 
 def _a_log_to_heads(num_heads: int):
@@ -28,6 +39,14 @@ def _a_log_to_heads(num_heads: int):
         return flat[:num_heads]
 
     return transform
+
+
+def _in_parts(local: int, hd: int, heads: int, full_rank_gate: bool) -> list[Part]:
+    """The parts of `in_proj` in column order (module docstring): f_a and g_a adjacent (one `fg_b_proj` input)."""
+    gate = [Part("g_proj", local, True)] if full_rank_gate else []
+    low_rank = [] if full_rank_gate else [Part("g_a_proj", hd, False)]
+    return [Part("q_proj", local, True), Part("k_proj", local, True), Part("v_proj", local, True), *gate,
+            Part("f_a_proj", hd, False), *low_rank, Part("b_proj", heads, True)]
 
 
 # Batches whose sequences all have this many new tokens or fewer (decode, verify windows) take the fused path.
@@ -49,21 +68,18 @@ class KDAAttention(nn.Module):
         self.lower_bound = config.gate_lower_bound
         self.eps = config.rms_norm_eps
         local = self.num_heads * hd
-        self.qkv_proj = Linear(d, 3 * local, dtype, device, shard="out",
-                               sources=("q_proj.weight", "k_proj.weight", "v_proj.weight"))
+        self.full_rank_gate = config.use_full_rank_gate
+        self.in_proj = MergedLinear(d, _in_parts(local, hd, self.num_heads, self.full_rank_gate), dtype, device)
         self.conv_weight = weight(
             (3 * local, config.short_conv_kernel_size), torch.float32, device, shard_dim=0,
             sources=("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"),
             transform=lambda t: t.reshape(t.shape[0], -1), untransform=lambda t: t.unsqueeze(1),
         )
-        self.f_a_proj = Linear(d, hd, dtype, device)
-        self.f_b_proj = Linear(hd, local, dtype, device, shard="out")
-        self.b_proj = Linear(d, self.num_heads, dtype, device, shard="out")
-        if config.use_full_rank_gate:
-            self.g_proj = Linear(d, local, dtype, device, shard="out")
+        if self.full_rank_gate:
+            self.f_b_proj = Linear(hd, local, dtype, device, shard="out")
         else:
-            self.g_a_proj = Linear(d, hd, dtype, device)
-            self.g_b_proj = Linear(hd, local, dtype, device, shard="out")
+            self.fg_b_proj = StackedLinear(hd, local, ("f_b_proj.weight", "g_b_proj.weight"), dtype, device,
+                                           shard="out")
         self.A_log = weight((self.num_heads,), torch.float32, device, shard_dim=0,
                             transform=_a_log_to_heads(config.kda_num_heads))
         self.dt_bias = weight((self.num_heads, hd), torch.float32, device, shard_dim=0,
@@ -73,8 +89,17 @@ class KDAAttention(nn.Module):
         self.o_norm.weight = weight((hd,), torch.float32, device)
         self.o_proj = Linear(local, d, dtype, device, shard="in")
 
-    def output_gate(self, x: Tensor) -> Tensor:
-        return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+    def projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [T, hidden] -> (qkv [T, 3 * local], f [T, local], b [T, heads], gate [T, local]), all in x.dtype:
+        the pre-conv q|k|v, the decay-gate logits, the beta logits and the output-gate logits. Two launches:
+        `in_proj`, then `fg_b_proj` (f and gate contiguous) or `f_b_proj` (full-rank gate: gate is a view).
+        qkv and b are views of the merged output (row stride = its width, unit column stride), read in place."""
+        y = self.in_proj(x)
+        qkv, b = self.in_proj.part(y, "q_proj", "v_proj"), self.in_proj.part(y, "b_proj")
+        if self.full_rank_gate:
+            return qkv, self.f_b_proj(self.in_proj.part(y, "f_a_proj")), b, self.in_proj.part(y, "g_proj")
+        f, gate = self.fg_b_proj(self.in_proj.part(y, "f_a_proj", "g_a_proj")).unbind(0)
+        return qkv, f, b, gate
 
     def forward(self, x: Tensor, batch: ForwardBatch, cache: CacheBuffers) -> Tensor:
         """x: [T, hidden] normed input -> [T, hidden].
@@ -87,9 +112,7 @@ class KDAAttention(nn.Module):
         `ops.kda_scan`.
         """
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
-        projected = self.qkv_proj(x)
-        f = self.f_b_proj(self.f_a_proj(x))
-        b = self.b_proj(x)
+        projected, f, b, gate = self.projections(x)
         if batch.verify:
             cache.replay[self.cache_index] = ReplayInputs(projected, f, b)
         conv_state, rec_state = cache.kda_conv[self.cache_index], cache.kda_recurrent[self.cache_index]
@@ -110,7 +133,7 @@ class KDAAttention(nn.Module):
             o = ops.kda_prefill(q, k, v, f.view(t, h, hd), b, self.A_log, self.dt_bias, self.lower_bound,
                                 scale=1.0 / math.sqrt(hd), state=rec_state, state_indices=slots,
                                 cu_seqlens=batch.cu_seqlens, cu_seqlens_host=batch.cu_seqlens_host)
-        o = ops.gated_rms_norm(o, self.output_gate(x).view(t, h, hd), self.o_norm.weight, self.eps)
+        o = ops.gated_rms_norm(o, gate.view(t, h, hd), self.o_norm.weight, self.eps)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
 
     def replay_tensors(self, cache: CacheBuffers) -> ops.KdaLayerTensors:
