@@ -7,7 +7,10 @@
   MLA layer in launch order, so the per-layer launch list can be read and cut down;
 - short-tail prefill: T new tokens (64 / 256 / 1024) on a 16K-token history, eager as the engine runs it: wall
   time to completion against the kernel time, the kernel count, the host syncs, and a cProfile of the host side
-  (the functions the host time goes to).
+  (the functions the host time goes to);
+- KDA path for short tails: the same eager forward (a tail alone, and beside 15 decoding sequences) with the KDA
+  layers on the fused recurrent kernel vs the chunked scan: wall time, kernel time, logits of one against the
+  other.
 Writes step_profile_h200.json to --out; prints as it goes.
 """
 
@@ -143,6 +146,58 @@ def prefill_profile(model, history: int, tails: list[int]) -> list:
     return rows
 
 
+def tail_policy(model, history: int, tails: list[int], others: int = 15) -> list:
+    """Eager forward of a short tail (alone, and beside `others` decoding sequences) with the KDA layers on the
+    fused recurrent kernel vs on the chunked scan (fla): wall time to completion (host + GPU, what an eager step
+    costs), and the last-token logits of the two against each other (same weights, same starting state)."""
+    import tokenspeed.models.kimi.kda as kda_mod
+
+    cfg, page_size = model.config, 64
+    pps = (history + max(tails)) // page_size + 2
+    buf = CacheBuffers.allocate(cfg, pps * (others + 1) + 1, page_size, others + 2, model.dtype, "cuda")
+    for t in buf.mla_latent:
+        t.normal_(0, 1)
+    for t in buf.kda_recurrent:
+        t.normal_(0, 0.05)
+    snap = [t.clone() for t in buf.kda_recurrent + buf.kda_conv]
+    default = kda_mod.FUSED_MAX_TAIL_CUDA
+    rows = []
+    for tail in tails:
+        for n_dec in (0, others):
+            ids = torch.randint(0, cfg.vocab_size, (tail,)).tolist()
+            toks = [ids] + [[5 + i] for i in range(n_dec)]
+            cached = [history] + [4096] * n_dec
+            tables = [list(range(i * pps, (i + 1) * pps)) for i in range(n_dec + 1)]
+            fb = ForwardBatch.build(toks, cached, tables, list(range(n_dec + 1)), page_size, "cuda")
+            last = torch.tensor([tail - 1 + i for i in range(n_dec + 1)], device="cuda")
+            row = {"tail": tail, "history": history, "decoding_beside": n_dec}
+            logits = {}
+            for policy, limit in (("fused", 1 << 30), ("chunk", 0)):
+                kda_mod.FUSED_MAX_TAIL_CUDA = limit
+                try:
+                    for dst, src in zip(buf.kda_recurrent + buf.kda_conv, snap, strict=True):
+                        dst.copy_(src)
+                    logits[policy] = model(fb, buf, last).float()
+                    walls = []
+                    for _ in range(7):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        model(fb, buf, last)
+                        torch.cuda.synchronize()
+                        walls.append((time.perf_counter() - t0) * 1e3)
+                    row[f"{policy}_wall_ms"] = statistics.median(walls[2:])
+                    row[f"{policy}_kernel_ms"] = sum(u for _, u in kernels_of(lambda fb=fb, last=last: model(fb, buf, last))) / 1e3
+                finally:
+                    kda_mod.FUSED_MAX_TAIL_CUDA = default
+            a, b = logits["fused"], logits["chunk"]
+            row["logits_rel_l2"] = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()
+            row["argmax_equal"] = bool((a.argmax(-1) == b.argmax(-1)).all())
+            log(row)
+            rows.append(row)
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
@@ -150,15 +205,21 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--tails", default="64,256,1024")
     ap.add_argument("--history", type=int, default=16384)
+    ap.add_argument("--policy-tails", default="16,64,160,256,512,1024")
+    ap.add_argument("--skip", default="", help="comma list of: decode, prefill, policy")
     args = ap.parse_args()
     res = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "python": platform.python_version(), "commit": os.environ.get("BENCH_COMMIT", "unknown"),
                    "argv": sys.argv, "date": time.strftime("%Y-%m-%d")}}
     model = load_model(args.geometry, torch.bfloat16, "cuda", load_format="dummy", seed=0)
     with torch.no_grad():
-        res["decode"] = [decode_profile(model, int(b), 4096) for b in args.batches.split(",")]
-        if args.tails:
+        skip = set(args.skip.split(","))
+        if "decode" not in skip:
+            res["decode"] = [decode_profile(model, int(b), 4096) for b in args.batches.split(",")]
+        if "prefill" not in skip:
             res["prefill"] = prefill_profile(model, args.history, [int(t) for t in args.tails.split(",")])
+        if "policy" not in skip:
+            res["tail_policy"] = tail_policy(model, args.history, [int(t) for t in args.policy_tails.split(",")])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "step_profile_h200.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)

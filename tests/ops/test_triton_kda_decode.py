@@ -161,6 +161,14 @@ def test_fused_interp_padding_slot():
 
 
 @cpu_interp
+@pytest.mark.parametrize("BV", [None, 8])
+def test_fused_interp_long_tails(BV):
+    """Prompt tails of tens of tokens beside single decode tokens (the fused path of short CUDA prefills): outputs,
+    the recurrent state and the conv state after the last token of each sequence."""
+    check([21, 1, 0, 9, 1], 2, 16, torch.float32, "cpu", BV=BV)
+
+
+@cpu_interp
 def test_verify_interp():
     check_verify([3, 1, 2], 1, 16, torch.float32, "cpu")
 
@@ -395,7 +403,7 @@ K3_TP8 = {"H": 12, "D": 128}
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
-@pytest.mark.parametrize("lens", [[1], [1] * 7, [1] * 64, [4] * 5, [1, 3, 0, 2, 5, 1, 4]])
+@pytest.mark.parametrize("lens", [[1], [1] * 7, [1] * 64, [4] * 5, [1, 3, 0, 2, 5, 1, 4], [256, 1, 1, 160]])
 def test_fused_k3_tp8_gpu(lens, lower_bound, dtype):
     check(lens, K3_TP8["H"], K3_TP8["D"], dtype, "cuda", lower_bound=lower_bound)
 

@@ -51,6 +51,11 @@ def _in_parts(local: int, hd: int, heads: int, full_rank_gate: bool) -> list[Par
 
 # Batches whose sequences all have this many new tokens or fewer (decode, verify windows) take the fused path.
 FUSED_MAX_QUERY_LEN = 16
+# On CUDA, other batches that are not verifications (prefill chunks, steps mixing decodes with a prompt's tail)
+# take it too when no sequence has more than this many new tokens: the fused kernel walks each sequence's tokens
+# in one launch, while the chunked scan's dozen launches per layer (fla's Python included) make an eager step of a
+# short agentic tail host-bound. Chosen from `benchmarks/step_profile_h200.py` (tail_policy section).
+FUSED_MAX_TAIL_CUDA = 256
 
 
 class KDAAttention(nn.Module):
@@ -108,16 +113,15 @@ class KDAAttention(nn.Module):
         (`batch.verify`): reads the states but leaves them untouched, and records in `cache.replay[cache_index]`
         what the model's replay (`replay_kda`, through `replay_tensors`) needs to advance them later by the accepted
         tokens only. Batches where every sequence has the same few new tokens (decode, verify) run the fused
-        `ops.kda_decode` (one launch, graph-safe); others (prefill chunks, mixed steps) compose conv, gate and
-        `ops.kda_scan`.
+        `ops.kda_decode` (one launch, graph-safe), and so do CUDA batches whose longest run of new tokens is
+        short (FUSED_MAX_TAIL_CUDA); others (prefill chunks, mixed steps) compose conv, gate and `ops.kda_prefill`.
         """
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
         projected, f, b, gate = self.projections(x)
         if batch.verify:
             cache.replay[self.cache_index] = ReplayInputs(projected, f, b)
         conv_state, rec_state = cache.kda_conv[self.cache_index], cache.kda_recurrent[self.cache_index]
-        ql = batch.uniform_query_len
-        if ql is not None and 1 <= ql <= FUSED_MAX_QUERY_LEN:
+        if self._fused(x, batch):
             o = ops.kda_decode(projected, f, b, self.conv_weight, conv_state, self.A_log, self.dt_bias, rec_state,
                                batch.kda_slots, batch.cu_seqlens, lower_bound=self.lower_bound,
                                scale=1.0 / math.sqrt(hd), update_state=not batch.verify)
@@ -135,6 +139,16 @@ class KDAAttention(nn.Module):
                                 cu_seqlens=batch.cu_seqlens, cu_seqlens_host=batch.cu_seqlens_host)
         o = ops.gated_rms_norm(o, gate.view(t, h, hd), self.o_norm.weight, self.eps)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
+
+    @staticmethod
+    def _fused(x: Tensor, batch: ForwardBatch) -> bool:
+        """Whether this batch runs the fused `ops.kda_decode` (see FUSED_MAX_QUERY_LEN / FUSED_MAX_TAIL_CUDA); a
+        host decision from shapes and host lengths only."""
+        ql = batch.uniform_query_len
+        if ql is not None and 1 <= ql <= FUSED_MAX_QUERY_LEN:
+            return True
+        return (x.is_cuda and not batch.verify and batch.num_tokens > 0
+                and max(batch.query_lens_host) <= FUSED_MAX_TAIL_CUDA)
 
     def replay_tensors(self, cache: CacheBuffers) -> ops.KdaLayerTensors:
         """This layer's part of the KDA state replay after a verify forward (`ops.kda_replay_layers`): the inputs
