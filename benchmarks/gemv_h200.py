@@ -6,9 +6,10 @@ cuBLAS) with a cold L2, and the routing table that `tokenspeed.ops.linear` reads
 
 Shapes: every dense projection (nn.Linear weight [N, K]) of the `kimi-linear-48b-a3b` and `k3-slice` presets,
 read off the models built on the meta device (KDA qkv / f / b / g / o, MLA q / kv_a / kv_b / g / o, dense MLP,
-shared experts, the latent routed-expert down/up, lm_head), the MoE routers ([E, hidden]; the model runs them in
-fp32 through F.linear directly, so their rows are informational only), and the K3 TP8 shapes of the small-M table
-in shared/docs/h200-baseline.md. M in (1, 2, 4, 8), bf16.
+shared experts, the latent routed-expert down/up, lm_head), the MoE routers ([E, hidden]; the model computes their
+fp32 logits with `ops.linear(x, w, out_dtype=torch.float32)`, which takes the table's config for that (N, K), or
+the default config without one), and the K3 TP8 shapes of the small-M table in shared/docs/h200-baseline.md.
+M in (1, 2, 4, 8), bf16.
 
 Timing (cold L2): each measurement is a CUDA graph of n calls, call i reading weight copy i mod c, where the c
 copies together hold >= 192 MiB (over 3x the 60 MiB L2; at most 512 copies, so the smallest layers rotate over
@@ -21,6 +22,14 @@ For each (shape, M) this times torch and a small sweep of launch configs (kind f
 SPLIT_K, num_warps, num_stages), checks every config's output against torch's (rel err < 1e-2, bf16), and keeps
 the fastest passing config. GB/s = weight bytes / time; % HBM is against 4.27 TB/s (the measured D2D copy rate
 of the baseline doc; the copy rate is re-measured here and recorded too).
+
+Two A/B comparisons ride along (their rows are in the JSON; the reduce A/B rows also compete for the table):
+- split-K reduction: the sweep runs with the default one-launch reduction (`reduce="fused"`: the last split of
+  each n-tile sums the partials); the fastest split-K config of each (shape, M) is timed again with
+  `reduce="launch"` (the previous second reduce kernel) and the pair is printed.
+- router (shapes whose names contain "router"): the model's widening call, fp32 logits of bf16 inputs: torch
+  (`torch.mm(x, w.t(), out_dtype=torch.float32)`, cuBLAS) against the GEMV with `out_dtype=torch.float32` under
+  the default config and under the winning config of the bf16 sweep.
 
 Outputs: --out/gemv_h200.json (every row + the per-(shape, M) winners), --out/gemv_h200.png (% of HBM per shape,
 torch vs ours, one panel per M), and the routing table at --table (default: the packaged
@@ -65,7 +74,7 @@ BASELINE_SHAPES = [  # shared/docs/h200-baseline.md, small-M projection table (K
     ("k3-tp8 shared gate+up", 1536, 7168),
     ("k3-tp8 lm_head", 20480, 7168),
 ]
-DRY_SHAPES = [("tiny a", 100, 72), ("tiny b", 40, 160)]
+DRY_SHAPES = [("tiny a", 100, 72), ("tiny b router", 40, 160)]
 
 
 def preset_shapes(presets: tuple[str, ...] = ("kimi-linear-48b-a3b", "k3-slice")) -> list[tuple[str, int, int]]:
@@ -189,6 +198,13 @@ def _ours_call(x: torch.Tensor, ws: torch.Tensor, kw: dict, i: int) -> torch.Ten
     return k_gemv.gemv(x, ws[i % ws.shape[0]], **kw)
 
 
+def _torch_fp32out_call(x: torch.Tensor, ws: torch.Tensor, i: int) -> torch.Tensor:
+    """The router's torch path: cuBLAS with fp32 output (CPU dry run: the fp32 product)."""
+    w = ws[i % ws.shape[0]]
+    return torch.mm(x, w.t(), out_dtype=torch.float32) if x.is_cuda else torch.nn.functional.linear(x.float(),
+                                                                                                    w.float())
+
+
 def _after(prep: Callable[[], object], fn: Callable[[int], object], i: int) -> object:
     prep()
     return fn(i)
@@ -217,28 +233,27 @@ def bench_shape(name: str, N: int, K: int, ms: list[int], args: argparse.Namespa
         src = torch.randn(M, K, generator=gen, device=dev, dtype=torch.float32).to(dtype)
         x = src.clone()
         prep = partial(x.copy_, src)
-        ref = torch.nn.functional.linear(x, ws[0])
         base = {"shape": f"{N}x{K}", "names": name, "N": N, "K": K, "M": M, "weight_bytes": wbytes,
                 "copies": copies, "n_calls": n_calls}
         t_prep = timer(lambda i, prep=prep: prep(), n_calls, args.reps)
-        t_torch = timer(partial(_after, prep, partial(_torch_call, x, ws)), n_calls, args.reps) - t_prep
-        rows.append({**base, "impl": "torch", "config": None, "us": t_torch, "rel_err": 0.0, "ok": True,
+        time_it = partial(_timed_row, x, ws, prep, t_prep, timer, n_calls, args.reps, base)
+        rows.append({**time_it("torch", partial(_torch_call, x, ws)), "config": None, "rel_err": 0.0, "ok": True,
                      "prep_us": t_prep})
+        ref = torch.nn.functional.linear(x, ws[0])
         cfgs = sweep(M, N, K, elt, num_sms, args.sweep == "wide", args.dry_run)
         if time.perf_counter() - t_start > args.budget_s:
             cfgs = [k_gemv.default_config(M, N, K, elt, num_sms)]
             base["budget_cut"] = True
-        for cfg in cfgs:
-            kw = asdict(cfg)
-            try:
-                err = rel(k_gemv.gemv(x, ws[0], **kw), ref)
-                ok = err < (1e-2 if elt == 2 else 1e-5)
-                fn = partial(_after, prep, partial(_ours_call, x, ws, kw))
-                t = timer(fn, n_calls, args.reps) - t_prep if ok else math.nan
-            except _LAUNCH_ERRORS as e:  # a config that does not compile / launch is recorded, not fatal
-                print(f"  {N}x{K} M={M} {cfg}: {type(e).__name__}: {str(e)[:200]}")
-                err, ok, t = math.nan, False, math.nan
-            rows.append({**base, "impl": "triton", "config": kw, "us": t, "rel_err": err, "ok": ok})
+        mine = [_triton_row(time_it, x, ws, ref, asdict(cfg), 1e-2 if elt == 2 else 1e-5) for cfg in cfgs]
+        split_k = [r for r in mine if r["ok"] and k_gemv.effective_split(K, GemvConfig(**r["config"]))[0] > 1]
+        if split_k:  # the reduce A/B: the fastest split-K config again, with the two-launch reduction
+            best = min(split_k, key=lambda r: r["us"])
+            twin = {**best["config"], "reduce": "launch"}
+            mine.append({**_triton_row(time_it, x, ws, ref, twin, 1e-2 if elt == 2 else 1e-5),
+                         "fused_us": best["us"]})
+        rows += mine
+        if "router" in name:
+            rows += _router_rows(time_it, x, ws, mine, M, N, K, elt, num_sms)
     for r in rows:
         r["gbps"] = wbytes / (r["us"] * 1e-6) / 1e9 if r["us"] == r["us"] else math.nan
         r["pct_hbm"] = 100 * r["gbps"] * 1e9 / HBM if r["gbps"] == r["gbps"] else math.nan
@@ -246,6 +261,73 @@ def bench_shape(name: str, N: int, K: int, ms: list[int], args: argparse.Namespa
     if dev == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _timed_row(x, ws, prep, t_prep, timer, n_calls, reps, base, impl: str, fn: Callable[[int], object] | None
+               ) -> dict:
+    """A row timing fn (each call after the x producer, whose own time is subtracted); fn None: us = NaN."""
+    us = math.nan if fn is None else timer(partial(_after, prep, fn), n_calls, reps) - t_prep
+    return {**base, "impl": impl, "us": us}
+
+
+def _triton_row(time_it: Callable, x: torch.Tensor, ws: torch.Tensor, ref: torch.Tensor, kw: dict, tol: float,
+                impl: str = "triton", out_dtype: torch.dtype | None = None) -> dict:
+    """Check the GEMV under launch config kw against ref (rel err < tol), then time it; a config that fails the
+    check, or to compile or launch, gets us = NaN (recorded, not fatal)."""
+    call_kw = kw if out_dtype is None else {**kw, "out_dtype": out_dtype}
+    try:
+        err = rel(k_gemv.gemv(x, ws[0], **call_kw), ref)
+        ok = err < tol
+        row = time_it(impl, partial(_ours_call, x, ws, call_kw) if ok else None)
+    except _LAUNCH_ERRORS as e:
+        print(f"  {ws.shape[1]}x{ws.shape[2]} M={x.shape[0]} {kw}: {type(e).__name__}: {str(e)[:200]}")
+        err, ok, row = math.nan, False, time_it(impl, None)
+    return {**row, "config": kw, "rel_err": err, "ok": ok}
+
+
+def _router_rows(time_it: Callable, x: torch.Tensor, ws: torch.Tensor, mine: list[dict], M: int, N: int, K: int,
+                 elt: int, num_sms: int) -> list[dict]:
+    """The router's widening call (fp32 logits): torch's fp32-output GEMM, and the GEMV with out_dtype=fp32 under
+    the default config and under the fastest config of the sweep (impl "torch-fp32out" / "triton-fp32out")."""
+    ref = _torch_fp32out_call(x, ws, 0)
+    rows = [{**time_it("torch-fp32out", partial(_torch_fp32out_call, x, ws)), "config": None, "rel_err": 0.0,
+             "ok": True}]
+    cfgs = [asdict(k_gemv.default_config(M, N, K, elt, num_sms))]
+    best = min((r for r in mine if r["ok"]), key=lambda r: r["us"], default=None)
+    if best is not None and best["config"] != cfgs[0]:
+        cfgs.append(best["config"])
+    for kw in cfgs:
+        rows.append(_triton_row(time_it, x, ws, ref, kw, 1e-4, "triton-fp32out", torch.float32))
+    return rows
+
+
+def report_ab(rows: list[dict]) -> dict:
+    """Print the two A/B comparisons (split-K reduction fused vs launch; router fp32 logits torch vs GEMV) and
+    return their summary for the JSON."""
+    ab = [r for r in rows if "fused_us" in r and r["ok"]]
+    print(f"\nsplit-K reduction A/B (same config): {'N x K':>14} {'M':>2} | fused us | launch us | launch - fused")
+    for r in ab:
+        c = r["config"]
+        print(f"  {c['kind']} n{c['block_n']} k{c['block_k']} s{c['split_k']:<3} {r['N']:>7}x{r['K']:<6} {r['M']:>2} | "
+              f"{r['fused_us']:8.2f} | {r['us']:9.2f} | {r['us'] - r['fused_us']:+7.2f}")
+    deltas = [r["us"] - r["fused_us"] for r in ab]
+    out = {"reduce_ab_rows": len(ab), "reduce_ab_median_saving_us": statistics.median(deltas) if deltas else None,
+           "reduce_ab_fused_faster": sum(d > 0 for d in deltas)}
+    if deltas:
+        print(f"  {len(ab)} rows: fused faster in {out['reduce_ab_fused_faster']}, median saving "
+              f"{out['reduce_ab_median_saving_us']:.2f} us per call")
+    router = {}
+    for r in rows:
+        if r["impl"] in ("torch-fp32out", "triton-fp32out"):
+            router.setdefault((r["N"], r["K"], r["M"]), []).append(r)
+    if router:
+        print("\nrouter, fp32 logits of bf16 inputs: torch.mm(out_dtype=fp32) vs GEMV(out_dtype=fp32) [config]")
+    for (n, k, m), grp in sorted(router.items()):
+        parts = [f"{r['us']:6.2f} us " + ("torch" if r["config"] is None else
+                 "[{kind} n{block_n} k{block_k} s{split_k} w{num_warps} st{num_stages} {reduce}]".format(**r["config"]))
+                 for r in grp]
+        print(f"  {n:>5}x{k:<5} M={m}: " + " | ".join(parts))
+    return out
 
 
 def winners(rows: list[dict], margin: float) -> list[dict]:
@@ -359,7 +441,7 @@ def main() -> None:
     for w in wins:
         c = w["triton_config"] or {}
         cs = f"{c.get('kind')} n{c.get('block_n')} k{c.get('block_k')} s{c.get('split_k')} w{c.get('num_warps')} " \
-             f"st{c.get('num_stages')}" if c else "-"
+             f"st{c.get('num_stages')} {c.get('reduce')}" if c else "-"
         print(f"{w['N']:>7}x{w['K']:<6} {w['weight_bytes'] / 1e6:7.1f} {w['M']:>2} | {w['torch_us']:8.2f} "
               f"{w['torch_pct_hbm']:5.1f} | {w['triton_us']:8.2f} {w['triton_pct_hbm']:5.1f} {w['speedup']:5.2f} | "
               f"{w['kernel']:6} {cs}")
@@ -368,6 +450,7 @@ def main() -> None:
         best_pct = [max(w["torch_pct_hbm"], w["triton_pct_hbm"]) for w in big]
         print(f"\nweights >= 16 MB: routed best >= 80% HBM in {sum(p >= 80 for p in best_pct)}/{len(big)} rows; "
               f"median {statistics.median(best_pct):.1f}%")
+    ab_summary = report_ab(rows)
     elapsed = time.perf_counter() - t_start
     try:
         sm_clock = torch.cuda.clock_rate() if dev == "cuda" else None  # MHz now (needs nvidia-ml-py)
@@ -376,7 +459,7 @@ def main() -> None:
     meta = {"device": dev_name, "num_sms": num_sms, "torch": torch.__version__, "triton": triton.__version__,
             "dtype": str(dtype), "hbm_ref_Bps": HBM, "copy_rate_Bps": copy, "rotate_bytes": ROTATE_BYTES,
             "reps": args.reps, "margin": args.margin, "sweep": args.sweep, "elapsed_s": elapsed,
-            "dry_run": args.dry_run, "sm_clock_mhz_at_end": sm_clock}
+            "dry_run": args.dry_run, "sm_clock_mhz_at_end": sm_clock, **ab_summary}
     (out / "gemv_h200.json").write_text(json.dumps({"meta": meta, "winners": wins, "rows": rows}, indent=1))
     plot(wins, out / "gemv_h200.png")
     if not args.no_table:

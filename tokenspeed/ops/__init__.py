@@ -54,21 +54,32 @@ def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Tensor, state_indices: 
     return _ref_conv.causal_conv1d(x, weight, conv_state, state_indices, cu_seqlens, activation, out=out)
 
 
-def linear(x: Tensor, weight: Tensor) -> Tensor:
+def linear(x: Tensor, weight: Tensor, *, out_dtype: torch.dtype | None = None) -> Tensor:
     """y = x @ weight^T, the function of `torch.nn.functional.linear(x, weight)` (no bias): x [..., K],
-    weight [N, K] -> [..., N] in x.dtype.
+    weight [N, K] -> [..., N] in out_dtype.
 
+    out_dtype: None (x.dtype) or torch.float32; fp32 with bf16 / fp16 inputs gives the fp32 accumulation without
+    rounding it to 16 bits (the MoE router's logits; torch: `torch.mm(..., out_dtype=torch.float32)` on CUDA, the
+    fp32 product of the values elsewhere).
     Small-M projections (M = rows of x, 1..16) on CUDA run the Triton GEMV (fp32 accumulation, one rounding) when
     the routing table (`tokenspeed/ops/gemv_table.json`, measured with a cold L2 by benchmarks/gemv_h200.py) says
-    it beats torch for that (M bucket, N, K) and dtype; everything else is F.linear (CPU calls too, unless
-    TOKENSPEED_OPS=triton forces the kernel in the interpreter where the table has an entry). The
-    choice is made on the host from shapes and dtypes only (safe inside CUDA-graph capture).
+    it beats torch for that (M bucket, N, K) and dtype; widening calls also where the table has no entry
+    (`dispatch.linear_config`); everything else is torch (CPU calls too, unless TOKENSPEED_OPS=triton forces the
+    kernel in the interpreter). The choice is made on the host from shapes and dtypes only (safe inside CUDA-graph
+    capture). Raises ValueError for another out_dtype.
     """
-    cfg = _dispatch.linear_config(x, weight)
-    if cfg is None:
-        return torch.nn.functional.linear(x, weight)
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"out_dtype must be None, x.dtype or torch.float32; got {out_dtype}")
+    cfg = _dispatch.linear_config(x, weight, out_dtype)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    y = _dispatch.kernels("gemv").gemv(x2, weight, **cfg)
+    if cfg is not None:
+        y = _dispatch.kernels("gemv").gemv(x2, weight, out_dtype=out_dtype, **cfg)
+    elif out_dtype is None or out_dtype == x.dtype:
+        return torch.nn.functional.linear(x, weight)
+    elif x.is_cuda and _dispatch.linear_widens(x, out_dtype) and weight.dtype == x.dtype:
+        y = torch.mm(x2, weight.t(), out_dtype=out_dtype)  # cuBLAS, fp32 accumulation and output
+    else:
+        y = torch.nn.functional.linear(x2.to(out_dtype), weight.to(out_dtype))
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 

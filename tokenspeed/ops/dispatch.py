@@ -192,10 +192,11 @@ class LinearTable:
 def parse_linear_table(raw: dict[str, Any]) -> LinearTable:
     """Parse the JSON form: {"dtypes": [...], "entries": {"N,K": {"M": {"kernel": "triton"|"torch", ...}}}}.
 
-    A "triton" entry's launch fields (kind, block_n, block_k, split_k, num_warps, num_stages) become the config;
-    other fields (timings) are ignored. Raises ValueError on a malformed key or kernel name.
+    A "triton" entry's launch fields (kind, block_n, block_k, split_k, num_warps, num_stages, and reduce where
+    present) become the config; other fields (timings) are ignored. Raises ValueError on a malformed key or kernel
+    name.
     """
-    launch = ("kind", "block_n", "block_k", "split_k", "num_warps", "num_stages")
+    launch = ("kind", "block_n", "block_k", "split_k", "num_warps", "num_stages", "reduce")
     routes: dict[tuple[int, int], tuple] = {}
     for nk, per_m in raw.get("entries", {}).items():
         n, k = (int(v) for v in nk.split(","))
@@ -245,14 +246,31 @@ def linear_supported(x: Tensor, weight: Tensor) -> bool:
         and x.dtype == weight.dtype and weight.stride(1) == 1 and x.device == weight.device
 
 
-def linear_config(x: Tensor, weight: Tensor) -> dict[str, Any] | None:
-    """The launch config when `ops.linear(x, weight)` should run the Triton GEMV, else None (host-only)."""
+def linear_widens(x: Tensor, out_dtype: torch.dtype | None) -> bool:
+    """True for a widening projection: fp32 output of 16-bit inputs (`ops.linear(..., out_dtype=torch.float32)`)."""
+    return out_dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def linear_config(x: Tensor, weight: Tensor, out_dtype: torch.dtype | None = None) -> dict[str, Any] | None:
+    """The launch config when `ops.linear(x, weight, out_dtype=out_dtype)` should run the Triton GEMV, else None
+    (host-only). Same-dtype output: the routing table decides. Widening (`linear_widens`, the MoE routers): the
+    table's entry for (M bucket, N, K) where there is one (measured with 16-bit outputs; the kernel's fp32 store
+    of M x N values costs the same), else `{}`, i.e. the GEMV's `default_config`. The torch alternative, cuBLAS
+    with fp32 output, is not in the table; in a kimi-linear decode step it took 5.5 us for the [256, 2304] router
+    (1.2 MB), against ~4 us for the table's bf16 GEMV of that shape (benchmarks/gemv_h200.py times the pair)."""
     if not (use_triton(x, weight) and linear_supported(x, weight)):
         return None
     M = x.numel() // x.shape[-1]
     if not 1 <= M <= LINEAR_MAX_M:
         return None
-    return linear_route(M, weight.shape[0], weight.shape[1], x.dtype)
+    N, K = weight.shape
+    if out_dtype is None or out_dtype == x.dtype:
+        return linear_route(M, N, K, x.dtype)
+    if not linear_widens(x, out_dtype):
+        return None
+    table = linear_table()
+    measured = x.dtype in table.dtypes and any(M <= b for b, _ in table.routes.get((N, K), ()))
+    return linear_route(M, N, K, x.dtype, table) if measured else {}
 
 
 def conv_supported(x: Tensor, weight: Tensor, conv_state: Tensor, state_indices: Tensor, cu_seqlens: Tensor,

@@ -33,12 +33,15 @@ class Router(nn.Module):
         self._weight32: tuple[int, Tensor] | None = None  # fp32 copy of `weight`, keyed by its version counter
 
     def forward(self, x: Tensor) -> Tensor:
-        """x [T, hidden] -> fp32 logits [T, E]. On CUDA a bf16/fp16 x and weight go through one GEMM with fp32
-        output (products of 16-bit values are exact in fp32 and cuBLAS accumulates in fp32: the fp32 GEMM's result
-        up to summation order, without the fp32 copy of the weight or the fp32 SIMT kernel)."""
+        """x [T, hidden] -> fp32 logits [T, E]. On CUDA a bf16/fp16 x and weight go through one widening
+        projection, `ops.linear(x, w, out_dtype=torch.float32)` (products of 16-bit values are exact in fp32 and
+        both kernels accumulate in fp32: the fp32 GEMM's result up to summation order, without the fp32 copy of
+        the weight or the fp32 SIMT kernel): the Triton GEMV with fp32 output for T <= 16 (decode; the rule is
+        `ops.dispatch.linear_config`'s), else cuBLAS with fp32 output (also under TOKENSPEED_OPS=reference).
+        Elsewhere (CPU): F.linear in fp32 against a cached fp32 copy of the weight."""
         w = self.weight
         if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2:
-            return torch.mm(x, w.t(), out_dtype=torch.float32)
+            return ops.linear(x, w, out_dtype=torch.float32)
         if w.dtype != torch.float32:  # keep one fp32 copy instead of converting on every call
             if self._weight32 is None or self._weight32[0] != w._version or self._weight32[1].shape != w.shape:
                 self._weight32 = (w._version, w.detach().float())

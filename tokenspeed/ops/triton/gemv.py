@@ -2,8 +2,10 @@
 
 Same contract as `torch.nn.functional.linear(x, W)` without bias: x [M, K] (any row stride; any column stride,
 unit stride gives vector loads), W [N, K] row-major with unit column stride (the nn.Linear weight layout),
-x.dtype == W.dtype in {bf16, fp16, fp32}; returns y [M, N] contiguous in x.dtype. Products accumulate in fp32
-and are rounded to x.dtype once, at the end (fp32 inputs use IEEE fp32 arithmetic, no TF32).
+x.dtype == W.dtype in {bf16, fp16, fp32}; returns y [M, N] contiguous in x.dtype, or in fp32 on request
+(`out_dtype=torch.float32`: the fp32 accumulation itself, e.g. the MoE router's fp32 logits from bf16 weights).
+Products accumulate in fp32 and are rounded to the output dtype once, at the end (fp32 inputs use IEEE fp32
+arithmetic, no TF32).
 
 At M <= 16 the op reads each weight once and does 2*M FLOPs per weight element, so it is bound by the weight
 stream (N*K*elt bytes). Both kernels stream W exactly once: program (n, s) owns rows [n*BLOCK_N, (n+1)*BLOCK_N)
@@ -17,23 +19,31 @@ products of all M rows in registers:
   to 16, so the weight tile is the MMA's wide operand and the software pipeliner (num_stages) streams it
   through shared memory with asynchronous copies.
 
-SPLIT_K > 1 (for layers whose N is too small to give every SM work) is deterministic: each split writes its
-fp32 partial to a workspace [SPLIT_K, M, N] and a second tiny launch sums the splits in a fixed order and rounds.
-On Hopper both launches use programmatic dependent launch (PDL): each kernel starts with `griddepcontrol.wait`
-(so it still sees everything the previous kernel wrote, x included) and the GEMV then releases its dependents at
-once, so the reduce kernel (and a following GEMV) is scheduled while this one streams. Kernels not launched as
-PDL dependents (everything else in the stream) are unaffected. Measured on an H200 in CUDA graphs: about
-0.6-1 us less per split-K call than two plain launches.
+SPLIT_K > 1 (for layers whose N is too small to give every SM work) is deterministic and takes one launch: each
+program (n, s) writes its fp32 partial to a workspace [SPLIT_K, M, N], then counts itself in with an acq_rel
+atomic on its n-tile's semaphore (an int32 per n-tile, one zeroed array per device, `semaphores`); the program
+that arrives last sums the tile's SPLIT_K partials in the fixed order s = 0..SPLIT_K-1 (so the bits do not depend
+on the arrival order), rounds once, writes y and resets the semaphore to 0 for the next call or graph replay.
+Nobody waits for anybody, so the scheme cannot deadlock whatever the residency. `reduce="launch"` keeps the
+previous scheme (a second tiny kernel sums the splits in the same order: identical bits) for A/B timing.
+On Hopper the kernels use programmatic dependent launch (PDL): each starts with `griddepcontrol.wait` (so it
+still sees everything the previous kernel wrote, x included, and, for the semaphores, every earlier GEMV has
+finished and reset them) and then releases its dependents at once, so a following GEMV (or reduce) is scheduled
+while this one streams. Kernels not launched as PDL dependents (everything else in the stream) are unaffected.
+Measured on an H200 in CUDA graphs: two PDL launches cost about 0.6-1 us less per split-K call than two plain
+ones; the fused reduction removes the second launch (and its PDL wait) altogether.
 
 Rows past N and x rows past M are clamped to the last valid row for the loads (so the loads need no row mask)
 and masked at the store. CUDA-graph safe: no host synchronisation; the output and the split-K workspace are
-allocated from the shapes.
+allocated from the shapes; the semaphore array is allocated once per device outside any capture (a capture that
+comes first takes the two-launch reduction instead).
 
-Measured (benchmarks/gemv_h200.py, H200, bf16, cold L2, graph replay after a producer kernel, M = 1..8): weights
->= 100 MB stream at 88-105% of 4.27 TB/s (cuBLAS 84-103%); 16-100 MB at 51-83% (cuBLAS 45-82%); below ~16 MB
-every call is latency-bound (2.5-6.6 us, about 3-5 us of it fixed: the dependent launch, the first DRAM round
-trip, the split-K reduce), for cuBLAS too. The tensor-core kernel wins almost everywhere; the CUDA-core one only on a
-few tiny layers at M <= 2 (it is also the fp32 path). `tokenspeed.ops.linear` routes per shape from the table.
+Measured (benchmarks/gemv_h200.py, H200, bf16, cold L2, graph replay after a producer kernel, M = 1..8; with
+the two-launch split-K reduction): weights >= 100 MB stream at 88-105% of 4.27 TB/s (cuBLAS 84-103%); 16-100 MB
+at 51-83% (cuBLAS 45-82%); below ~16 MB every call is latency-bound (2.5-6.6 us, about 3-5 us of it fixed: the
+dependent launch, the first DRAM round trip, the split-K reduce), for cuBLAS too. The tensor-core kernel wins
+almost everywhere; the CUDA-core one only on a few tiny layers at M <= 2 (it is also the fp32 path).
+`tokenspeed.ops.linear` routes per shape from the table.
 """
 
 from __future__ import annotations
@@ -48,12 +58,15 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_M = 16
 KINDS = ("fma", "dot")
+REDUCES = ("fused", "launch")
 _NUM_SMS_DEFAULT = 132  # H200 / H100 SXM
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch configuration. kind: "fma" | "dot"; block sizes are powers of two (dot: block_n, block_k >= 16)."""
+    """Launch configuration. kind: "fma" | "dot"; block sizes are powers of two (dot: block_n, block_k >= 16).
+    reduce (split_k > 1 only): "fused", the last split of each n-tile sums the partials inside the GEMV launch,
+    or "launch", a second kernel does (the previous scheme, kept for A/B timing); both give identical bits."""
 
     kind: str = "fma"
     block_n: int = 16
@@ -61,6 +74,7 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    reduce: str = "fused"
 
     def validate(self) -> GemvConfig:
         """Raise ValueError on an impossible configuration; return self."""
@@ -72,6 +86,8 @@ class GemvConfig:
                 raise ValueError(f"{name} must be a power of two; got {v}")
         if self.kind == "dot" and min(self.block_n, self.block_k) < 16:
             raise ValueError(f"kind 'dot' needs block_n, block_k >= 16; got {self.block_n}, {self.block_k}")
+        if self.reduce not in REDUCES:
+            raise ValueError(f"reduce must be one of {REDUCES}; got {self.reduce!r}")
         if self.split_k < 1 or self.num_stages < 1:
             raise ValueError(f"split_k and num_stages must be >= 1; got {self.split_k}, {self.num_stages}")
         return self
@@ -145,14 +161,57 @@ def _load_k_step(w_ptrs, x_ptrs, k0, offs_k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _epilogue(acc, Out, Y, Sem, M, N, pid_s, offs_m, offs_n, stride_os, stride_om,
+              N_MAJOR: tl.constexpr, REDUCE_SPLITS: tl.constexpr):
+    """Store a program's fp32 tile acc ([BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] when N_MAJOR) at
+    Out + pid_s * stride_os, rounded to Out's dtype (y itself when there is one split; the fp32 workspace slice
+    of split pid_s otherwise).
+
+    REDUCE_SPLITS > 1 (the fused split-K reduction): then the program counts itself in on its n-tile's
+    semaphore Sem[pid_n] and the last of the REDUCE_SPLITS programs to arrive sums the tile's partials in the
+    fixed order s = 0, 1, ... (bit-identical to `_splitk_reduce_kernel`, whatever the arrival order), rounds once
+    to Y's dtype, writes y and sets Sem[pid_n] back to 0 for the next call (and the next graph replay).
+    Ordering: the CTA barrier puts every thread's partial store before the one thread's acq_rel gpu-scope atomic
+    (release is cumulative); the atomic's result is broadcast through shared memory behind a barrier, so the
+    last program's loads follow its acquire; they read L2 (.cg), where every SM's stores meet, not the SM's
+    non-coherent L1.
+    Why sharing one counter array between all GEMV launches is safe: the counters are touched only after the
+    kernel's gdc_wait (`griddepcontrol.wait` returns once the previous grid in the stream has completed and its
+    memory is visible; without PDL, plain stream order). That makes grid completion ordered along the stream as
+    long as every kernel launched as a programmatic dependent executes griddepcontrol.wait before it exits (true
+    of every PDL launch here: these GEMVs and the split-K reduce, which wait first thing), so a later GEMV cannot
+    reach its atomics before every earlier GEMV has finished and reset its counters. Two split-K GEMVs running
+    concurrently on different streams of one device would share counters: not supported.
+    """
+    if N_MAJOR:
+        offs = offs_m[None, :] * stride_om + offs_n[:, None]
+        mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    else:
+        offs = offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(Out + pid_s * stride_os + offs, acc.to(Out.dtype.element_ty), mask=mask)
+    if REDUCE_SPLITS > 1:
+        pid_n = tl.program_id(0)
+        tl.debug_barrier()  # every thread's partial store is issued before the (single-thread) release below
+        arrived = tl.atomic_add(Sem + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == REDUCE_SPLITS - 1:  # the last split of this n-tile to finish: reduce it
+            total = tl.zeros_like(acc)
+            for s in tl.static_range(REDUCE_SPLITS):  # fixed order: deterministic
+                total += tl.load(Out + s * stride_os + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(Y + offs, total.to(Y.dtype.element_ty), mask=mask)
+            tl.store(Sem + pid_n, 0)
+
+
+@triton.jit
 def _gemv_fma_kernel(
-    X, W, Out,
+    X, W, Out, Y, Sem,
     M, N, K, k_split,
     stride_xm, stride_xk, stride_wn, stride_os, stride_om,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    REDUCE_SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # launched as a programmatic dependent: wait for the producer of x, then let our dependents launch
@@ -167,14 +226,12 @@ def _gemv_fma_kernel(
         acc += tl.sum(prod, axis=2)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K * stride_xk
-    out_ptrs = Out + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask)
+    _epilogue(acc, Out, Y, Sem, M, N, pid_s, offs_m, offs_n, stride_os, stride_om, False, REDUCE_SPLITS)
 
 
 @triton.jit
 def _gemv_dot_kernel(
-    X, W, Out,
+    X, W, Out, Y, Sem,
     M, N, K, k_split,
     stride_xm, stride_xk, stride_wn, stride_os, stride_om,
     BLOCK_M: tl.constexpr,
@@ -182,6 +239,7 @@ def _gemv_dot_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
+    REDUCE_SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -198,9 +256,7 @@ def _gemv_dot_kernel(
             acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K * stride_xk
-    out_ptrs = Out + pid_s * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
-    mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask)
+    _epilogue(acc, Out, Y, Sem, M, N, pid_s, offs_m, offs_n, stride_os, stride_om, True, REDUCE_SPLITS)
 
 
 @triton.jit
@@ -215,7 +271,7 @@ def _splitk_reduce_kernel(Ws, Y, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
     tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-def _check(x: Tensor, weight: Tensor) -> None:
+def _check(x: Tensor, weight: Tensor, out_dtype: torch.dtype, out: Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"need x [M, K] and weight [N, K]; got {tuple(x.shape)}, {tuple(weight.shape)}")
     if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -226,6 +282,11 @@ def _check(x: Tensor, weight: Tensor) -> None:
         raise ValueError(f"M must be in [1, {MAX_M}]; got {x.shape[0]}")
     if x.device != weight.device:
         raise ValueError(f"x and weight must be on one device; got {x.device}, {weight.device}")
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"out_dtype must be x.dtype or torch.float32; got {out_dtype}")
+    M, N = x.shape[0], weight.shape[0]
+    if out is not None and (out.shape != (M, N) or out.dtype != out_dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous [{M}, {N}] {out_dtype} tensor; got {tuple(out.shape)} {out.dtype}")
 
 
 def resolve_config(M: int, N: int, K: int, elt_size: int, device: torch.device, **overrides: int | str | None
@@ -234,6 +295,35 @@ def resolve_config(M: int, N: int, K: int, elt_size: int, device: torch.device, 
     base = default_config(M, N, K, elt_size, _num_sms_pdl(device)[0])
     given = {k: v for k, v in overrides.items() if v is not None}
     return replace(base, **given).validate() if given else base
+
+
+# Split-K arrival counters (one int32 per n-tile), one zeroed array per device, shared by every split-K GEMV on it
+# (see `_epilogue` for why that is safe) and never freed: CUDA graphs keep its address.
+SEMAPHORE_SLOTS = 1 << 16
+_semaphores: dict[torch.device, Tensor] = {}
+
+
+def semaphores(device: torch.device) -> Tensor | None:
+    """The device's split-K counters (SEMAPHORE_SLOTS zeros, restored to zero by every fused reduction); created
+    on first use, or None when that first use is inside a CUDA-graph capture (a capture would only record the
+    zero fill), in which case the caller falls back to the two-launch reduction."""
+    sem = _semaphores.get(device)
+    if sem is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        sem = torch.zeros(SEMAPHORE_SLOTS, dtype=torch.int32, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # zeros visible to every stream before any kernel uses them
+        _semaphores[device] = sem
+    return sem
+
+
+def effective_split(K: int, cfg: GemvConfig) -> tuple[int, int]:
+    """(number of splits, K per split) that `gemv` launches for cfg: split_k capped so every split owns >= 1
+    BLOCK_K step, and no split is empty."""
+    steps = triton.cdiv(K, cfg.block_k)
+    k_split = triton.cdiv(steps, min(cfg.split_k, steps)) * cfg.block_k
+    return triton.cdiv(K, k_split), k_split
 
 
 def gemv(
@@ -246,46 +336,48 @@ def gemv(
     split_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    reduce: str | None = None,
+    out_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
 ) -> Tensor:
-    """y = x @ weight^T for x [M, K] (1 <= M <= 16), weight [N, K] -> y [M, N] contiguous, x.dtype.
+    """y = x @ weight^T for x [M, K] (1 <= M <= 16), weight [N, K] -> y [M, N] contiguous, out_dtype.
 
-    Launch-config arguments left None come from `default_config`. split_k is capped so every split owns at least
-    one BLOCK_K step. `out`, if given, is a contiguous [M, N] tensor of x.dtype that receives y (and is returned).
+    out_dtype: x.dtype (None, the default) or torch.float32: then 16-bit inputs give the fp32 accumulation
+    itself, never rounded to 16 bits (the MoE router's logits). Launch-config arguments left None come from
+    `default_config` (reduce: "fused" unless given). split_k is capped so every split owns at least one BLOCK_K
+    step. `out`, if given, is a contiguous [M, N] tensor of out_dtype that receives y (and is returned).
     Raises ValueError on unsupported shapes, dtypes or layouts (see the module docstring).
     """
-    _check(x, weight)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    _check(x, weight, out_dtype, out)
     M, K = x.shape
     N = weight.shape[0]
-    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous [{M}, {N}] {x.dtype} tensor; got {tuple(out.shape)} {out.dtype}")
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device) if out is None else out
     if N == 0:
         return y
     if K == 0:
         return y.zero_()
     cfg = resolve_config(M, N, K, x.element_size(), x.device, kind=kind, block_n=block_n, block_k=block_k,
-                         split_k=split_k, num_warps=num_warps, num_stages=num_stages)
-    steps = triton.cdiv(K, cfg.block_k)
-    split = min(cfg.split_k, steps)
-    k_split = triton.cdiv(steps, split) * cfg.block_k
-    split = triton.cdiv(K, k_split)  # no empty splits
+                         split_k=split_k, num_warps=num_warps, num_stages=num_stages, reduce=reduce)
+    split, k_split = effective_split(K, cfg)
+    n_tiles = triton.cdiv(N, cfg.block_n)
+    sem = semaphores(x.device) if split > 1 and cfg.reduce == "fused" else None
+    if sem is not None and n_tiles > sem.numel():  # more n-tiles than counters: the two-launch reduction
+        sem = None
     dst = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    stride_os = 0 if split == 1 else M * N
-    even_k = K % cfg.block_k == 0
-    grid = (triton.cdiv(N, cfg.block_n), split)
-    args = (x, weight, dst, M, N, K, k_split, x.stride(0), x.stride(1), weight.stride(0), stride_os, N)
     pdl = _num_sms_pdl(x.device)[1]
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
+    args = (x, weight, dst, y, dst if sem is None else sem, M, N, K, k_split, x.stride(0), x.stride(1),
+            weight.stride(0), 0 if split == 1 else M * N, N)
+    consts = {"BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN_K": K % cfg.block_k == 0,
+              "REDUCE_SPLITS": 1 if sem is None else split, "PDL": pdl}
+    grid = (n_tiles, split)
     if cfg.kind == "dot":
-        block_m = max(16, triton.next_power_of_2(M))
-        _gemv_dot_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k,
-                               IEEE=x.dtype == torch.float32, PDL=pdl, **launch)
+        _gemv_dot_kernel[grid](*args, BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32,
+                               **consts, **launch)
     else:
-        block_m = triton.next_power_of_2(M)
-        _gemv_fma_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=even_k,
-                               PDL=pdl, **launch)
-    if split > 1:
+        _gemv_fma_kernel[grid](*args, BLOCK_M=triton.next_power_of_2(M), **consts, **launch)
+    if split > 1 and sem is None:  # the two-launch reduction
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dst, y, M * N, SPLIT_K=split, BLOCK=block, PDL=pdl,
                                                             num_warps=4, **({"launch_pdl": True} if pdl else {}))
