@@ -40,6 +40,25 @@ def moe_route(
     return weights * routed_scaling_factor, ids
 
 
+def with_shared_expert(weights: Tensor, ids: Tensor, shared_expert_id: int) -> tuple[Tensor, Tensor]:
+    """A shared expert folded into `moe_route`'s output as an always-selected expert (its weights stacked after
+    the E routed ones, e.g. id E of [E + 1, ...] expert weights, so `moe_experts` runs it with the routed ones):
+    returns new (weights [T, k + 1] fp32, ids [T, k + 1] int64), the routed k columns as given (renormalised and
+    scaled among themselves only) and the last column (shared_expert_id, 1.0). The reference of the Triton
+    `moe_route(..., shared_expert_id=)`; the inputs are not mutated."""
+    T = weights.shape[0]
+    return (torch.cat([weights, weights.new_ones(T, 1)], 1),
+            torch.cat([ids, ids.new_full((T, 1), shared_expert_id)], 1))
+
+
+def check_shared_expert_id(shared_expert_id: int | None, num_experts: int) -> None:
+    """A shared expert's id (`with_shared_expert`, the Triton `moe_route`) must be None or an int >= E, the routed
+    experts' count (not a routed expert's id); ValueError otherwise."""
+    if shared_expert_id is not None and (not isinstance(shared_expert_id, int) or shared_expert_id < num_experts):
+        raise ValueError(f"shared_expert_id must be an int >= E = {num_experts} (id E: weights stacked as "
+                         f"[E + 1, ...]) or None; got {shared_expert_id!r}")
+
+
 def moe_experts(
     x: Tensor,
     w1: Tensor,

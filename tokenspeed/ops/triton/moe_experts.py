@@ -20,6 +20,19 @@ Decode-sized calls (P <= 4096 pairs, E <= 2046) build the same layout in one sin
 (`align_pairs_fused`: per-chunk stable ranks from a pair-by-pair comparison plus running bucket counts), instead of
 the dozen small torch kernels of the sort path, which cost more than the weight streaming at batch 1.
 
+Direct mode (T <= `ExpertsConfig.direct_max_tokens`; `default_config` sets DIRECT_MAX_TOKENS = 4 with its decode
+tiles): no alignment launch at all. Block p is pair p (P blocks); kernels 1 and 2 read its expert topk_ids.flatten()[p]
+themselves, and its one valid row is pair p: the tile's other rows are masked to zero exactly as the padding rows
+of an aligned block holding one pair, so with the same tiles (and K loop) every output element equals the aligned
+path's bit for bit. h is [P, I] (row p = pair p); the per-pair buffer and the combine are unchanged; an id outside
+[0, E) skips kernel 1 and stores a zero row in kernel 2 (as the invalid bucket does). The price: pairs that share
+an expert read its weights once each instead of sharing one block (never at T = 1: a token's k ids are distinct).
+Uniform routing at E 256, k 8 expects T*k - E*(1 - (1 - k/E)^T) extra expert reads: 0.25 at T = 2, 1.5 at T = 4,
+6.6 at T = 8, each 14.2 MB (~3 us from HBM, but duplicate blocks are at most P programs apart in launch order, so
+mostly L2 hits); the saving is the fused alignment's launch, 6.3 us on the H200 at T = 1, serial between the router
+and kernel 1. The prefill variants (group, gather_x, TMA) do not apply; tail_m1 / tail_m2 set the tile height, as
+they do for a one-pair aligned block.
+
 Kernel 1 (grid max_blocks x cdiv(I, BLOCK_N)): for an expert block, gathers the BLOCK_M x rows (token = p // k),
 accumulates the x @ W1[e]^T and x @ W3[e]^T tiles in fp32 with tl.dot over D, applies SiLU or SiTU and writes
 the intermediate h [max_blocks * BLOCK_M, I] (x.dtype). Blocks of the invalid bucket and unused blocks exit.
@@ -90,8 +103,8 @@ except ImportError:  # pragma: no cover - older Triton
 @dataclass(frozen=True)
 class ExpertsConfig:
     """Launch configuration: the M-block (rows per expert block) and each kernel's tiles, warps and stages, plus
-    the prefill variants (program order, a smaller down M-block, a pre-gathered x, TMA loads); see the module
-    docstring for what each moves. A TMA flag on a call whose tensors a descriptor cannot describe (a non-contiguous
+    the prefill variants (program order, a smaller down M-block, a pre-gathered x, TMA loads) and the decode
+    threshold of the align-free direct mode; see the module docstring for what each moves. A TMA flag on a call whose tensors a descriptor cannot describe (a non-contiguous
     weight, a row stride that is not a multiple of 16 bytes) falls back to pointer loads."""
 
     block_m: int = 16
@@ -112,6 +125,12 @@ class ExpertsConfig:
     tma2: bool = False  # down: h and W2 through host TMA descriptors
     tail_m1: bool = False  # gate/up: a block whose second half is padding runs a block_m / 2 row tile
     tail_m2: bool = False  # the same for the down GEMM (on its block_m2 blocks)
+    # Decode: calls of T <= direct_max_tokens tokens skip the alignment (block p = pair p; see the module docstring).
+    direct_max_tokens: int = 0
+
+
+# Calls of up to this many tokens take the align-free direct mode under `default_config` (decode-sized calls only).
+DIRECT_MAX_TOKENS = 4
 
 
 def default_config(T: int, k: int, E: int, D: int, DI: int, elt_size: int = 2) -> ExpertsConfig:
@@ -128,6 +147,8 @@ def default_config(T: int, k: int, E: int, D: int, DI: int, elt_size: int = 2) -
     underneath were the fastest of five plain tile choices in an earlier sweep: 64 x 256 x 64 for 32..256 rows per expert (kimi-linear-48b-a3b, 8K tokens: 3.56 vs 4.09 ms for the previous
     64 x 128), 128 x 128 x 64 with 4 stages above (k3-slice, 8K tokens: 21.3 vs 23.1 ms). fp32 (validation only)
     keeps the smaller 64 x 128 / 128 x 64 prefill tiles and drops to 2 stages so the tiles fit in shared memory.
+    The decode tiles come with direct_max_tokens = DIRECT_MAX_TOKENS: calls of up to 4 tokens skip the alignment
+    launch (the direct mode, same tiles, bit-identical results).
     """
     rows = T * k / max(E, 1)
     if rows <= 16:
@@ -142,6 +163,8 @@ def default_config(T: int, k: int, E: int, D: int, DI: int, elt_size: int = 2) -
     else:  # 128-row blocks, half-height tails for gate/up, 128 x 256 x 64 down tiles in 3 stages
         cfg = ExpertsConfig(128, 128, 64, 8, 4, 256, 64, 8, 3, group_m1=8, group_m2=8, tma1=True, tma2=True,
                             tail_m1=True)
+    if rows <= 16:
+        cfg = replace(cfg, direct_max_tokens=DIRECT_MAX_TOKENS)
     P = T * k
     max_blocks = P // cfg.block_m + min(E + 1, P)
     if DI >= 512 and max_blocks * triton.cdiv(DI, cfg.block_n1) < 264:
@@ -205,8 +228,11 @@ def _gate_up_rows(
     IEEE: tl.constexpr,
     A_SORTED: tl.constexpr,
     TMA: tl.constexpr,
+    DIRECT: tl.constexpr = False,
 ):
-    """h rows row0 .. row0 + BLOCK_M (expert e, N tile pid_n): both GEMMs over D, the activation, the store."""
+    """h rows row0 .. row0 + BLOCK_M (expert e, N tile pid_n): both GEMMs over D, the activation, the store.
+    DIRECT (pointer loads, unsorted x): row0 is the pair, tile row 0 its only valid row (the others load zeros, as
+    an aligned block's padding rows do) and only h row row0 is stored."""
     if TMA:
         offs_m = row0 + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -241,6 +267,9 @@ def _gate_up_rows(
         if A_SORTED:
             mvalid = offs_m >= 0  # every sorted row exists (padding rows hold zeros)
             src_rows = offs_m.to(tl.int64)
+        elif DIRECT:
+            mvalid = tl.arange(0, BLOCK_M) == 0
+            src_rows = tl.zeros([BLOCK_M], dtype=tl.int64) + row0 // TOP_K  # the pair's token (rows > 0 masked)
         else:
             pair = tl.load(SortedPair + offs_m)
             mvalid = pair < P
@@ -279,7 +308,10 @@ def _gate_up_rows(
     else:
         h = g * tl.sigmoid(g) * u
     rows = offs_m.to(tl.int64)
-    tl.store(H + rows[:, None] * DI + offs_n[None, :], h.to(H.dtype.element_ty), mask=(offs_n < DI)[None, :])
+    smask = (offs_n < DI)[None, :]
+    if DIRECT:
+        smask = smask & (tl.arange(0, BLOCK_M) == 0)[:, None]
+    tl.store(H + rows[:, None] * DI + offs_n[None, :], h.to(H.dtype.element_ty), mask=smask)
 
 
 @triton.jit
@@ -301,18 +333,29 @@ def _gate_up_kernel(
     A_SORTED: tl.constexpr = False,
     TMA: tl.constexpr = False,
     TAIL: tl.constexpr = False,
+    DIRECT: tl.constexpr = False,
 ):
     """A_SORTED: X is the expert-sorted copy [num_m * BLOCK_M, D] (row r = sorted row r, padding rows zero) and
     stride_xt its row stride. TMA: W1 and W3 are descriptors over [E * DI, D] with block [BLOCK_N, BLOCK_K] (rows
     past an expert in a ragged last N tile are the next expert's or zero-filled, and masked at the store), and X
     too when A_SORTED (block [BLOCK_M, BLOCK_K]); the K tail is zero-filled by the descriptor. TAIL: a block whose
     second half is padding computes only its first BLOCK_M / 2 rows (XH: X, or the sorted copy's descriptor with
-    block [BLOCK_M / 2, BLOCK_K]); the skipped rows of h stay unwritten and the down kernel never stores them."""
+    block [BLOCK_M / 2, BLOCK_K]); the skipped rows of h stay unwritten and the down kernel never stores them.
+    DIRECT (the align-free mode; GROUP_M, A_SORTED, TMA and TAIL off): program (p, n) is pair p's block, its expert
+    SortedPair[p] (SortedPair is topk_ids flattened, [P]; BlockExpert is unused), H is [P, DI] and row p the only
+    row written; a pair whose id is outside [0, E) exits."""
     pid_m, pid_n = _tile_ids(num_m, DI, BLOCK_N, GROUP_M)
-    e = tl.load(BlockExpert + pid_m)
-    if (e < 0) | (e >= E):  # unused block, or the block of invalid ids
+    if DIRECT:
+        e = tl.load(SortedPair + pid_m)
+    else:
+        e = tl.load(BlockExpert + pid_m)
+    if (e < 0) | (e >= E):  # unused block, or the block of invalid ids (DIRECT: the pair's id is invalid)
         return
-    if TAIL:
+    if DIRECT:
+        _gate_up_rows(X, W1, W3, H, SortedPair, pid_m, e, pid_n, P, D, DI, stride_xt,
+                      stride_w1e, stride_w1i, stride_w1d, stride_w3e, stride_w3i, stride_w3d, beta, linear_beta,
+                      TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, SITU, EVEN_K, IEEE, False, False, True)
+    elif TAIL:
         if tl.load(SortedPair + pid_m * BLOCK_M + BLOCK_M // 2) >= P:
             _gate_up_rows(XH, W1, W3, H, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, stride_xt,
                           stride_w1e, stride_w1i, stride_w1d, stride_w3e, stride_w3i, stride_w3d, beta, linear_beta,
@@ -338,11 +381,18 @@ def _down_rows(
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
     TMA: tl.constexpr,
+    DIRECT: tl.constexpr = False,
 ):
-    """Buffer rows of the pairs at sorted rows row0 .. row0 + BLOCK_M, N tile pid_n (zeros for the invalid bucket)."""
+    """Buffer rows of the pairs at sorted rows row0 .. row0 + BLOCK_M, N tile pid_n (zeros for the invalid bucket).
+    DIRECT (pointer loads): row0 is the pair and tile row 0 its only valid row; h row row0 is read (the other tile
+    rows load zeros, as an aligned block's padding rows of h hold) and buffer row row0 written."""
     offs_m = row0 + tl.arange(0, BLOCK_M)
-    pair = tl.load(SortedPair + offs_m)
-    mvalid = pair < P
+    if DIRECT:
+        pair = offs_m
+        mvalid = tl.arange(0, BLOCK_M) == 0
+    else:
+        pair = tl.load(SortedPair + offs_m)
+        mvalid = pair < P
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ptrs = Buf + pair.to(tl.int64)[:, None] * D + offs_n[None, :]
     out_mask = mvalid[:, None] & (offs_n < D)[None, :]
@@ -365,11 +415,17 @@ def _down_rows(
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for kk in range(tl.cdiv(DI, BLOCK_K)):
                 if EVEN_K:
-                    a = tl.load(h_ptrs)
+                    if DIRECT:
+                        a = tl.load(h_ptrs, mask=mvalid[:, None], other=0.0)
+                    else:
+                        a = tl.load(h_ptrs)
                     b = tl.load(w_ptrs)
                 else:
                     kmask = offs_k < DI - kk * BLOCK_K
-                    a = tl.load(h_ptrs, mask=kmask[None, :], other=0.0)
+                    if DIRECT:
+                        a = tl.load(h_ptrs, mask=mvalid[:, None] & kmask[None, :], other=0.0)
+                    else:
+                        a = tl.load(h_ptrs, mask=kmask[None, :], other=0.0)
                     b = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
                 acc = _mma(a, b, acc, IEEE)
                 h_ptrs += BLOCK_K
@@ -391,32 +447,41 @@ def _down_kernel(
     SUB: tl.constexpr = 1,
     TMA: tl.constexpr = False,
     TAIL: tl.constexpr = False,
+    DIRECT: tl.constexpr = False,
 ):
     """BLOCK_M here is the down M-block: SUB = alignment block / BLOCK_M programs per alignment block, and a
     sub-block whose first row is padding (so all its rows are) exits. TMA: H is a descriptor over [num_m * BLOCK_M,
     DI] (block [BLOCK_M, BLOCK_K]) and W2 over [E * D, DI] (block [BLOCK_N, BLOCK_K]); the K tail is zero-filled.
     TAIL: a block whose second half is padding runs BLOCK_M / 2 rows (HH: H, or its descriptor with block
-    [BLOCK_M / 2, BLOCK_K])."""
+    [BLOCK_M / 2, BLOCK_K]). DIRECT (the align-free mode; GROUP_M, SUB, TMA and TAIL off): program (p, n) is pair
+    p's block, H is the direct [P, DI], the expert SortedPair[p] (SortedPair is topk_ids flattened, [P];
+    BlockExpert is unused); a pair whose id is outside [0, E) stores zeros."""
     pid_m, pid_n = _tile_ids(num_m, D, BLOCK_N, GROUP_M)
-    if SUB == 1:
-        e = tl.load(BlockExpert + pid_m)
+    if DIRECT:
+        e = tl.load(SortedPair + pid_m)
+        e = tl.where((e >= 0) & (e < E), e, E)  # invalid ids: the zero-storing branch of _down_rows
+        _down_rows(H, W2, Buf, SortedPair, pid_m, e, pid_n, P, D, DI, E, stride_w2e, stride_w2d, stride_w2i,
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, False, True)
     else:
-        e = tl.load(BlockExpert + pid_m // SUB)
-    if e < 0:  # unused block
-        return
-    if SUB > 1:  # noqa: SIM102 - a compile-time branch around a runtime one
-        if tl.load(SortedPair + pid_m * BLOCK_M) >= P:  # padding runs to the end of its block
+        if SUB == 1:
+            e = tl.load(BlockExpert + pid_m)
+        else:
+            e = tl.load(BlockExpert + pid_m // SUB)
+        if e < 0:  # unused block
             return
-    if TAIL:
-        if tl.load(SortedPair + pid_m * BLOCK_M + BLOCK_M // 2) >= P:
-            _down_rows(HH, W2, Buf, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, E, stride_w2e, stride_w2d,
-                       stride_w2i, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+        if SUB > 1:  # noqa: SIM102 - a compile-time branch around a runtime one
+            if tl.load(SortedPair + pid_m * BLOCK_M) >= P:  # padding runs to the end of its block
+                return
+        if TAIL:
+            if tl.load(SortedPair + pid_m * BLOCK_M + BLOCK_M // 2) >= P:
+                _down_rows(HH, W2, Buf, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, E, stride_w2e,
+                           stride_w2d, stride_w2i, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+            else:
+                _down_rows(H, W2, Buf, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, E, stride_w2e,
+                           stride_w2d, stride_w2i, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
         else:
             _down_rows(H, W2, Buf, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, E, stride_w2e, stride_w2d,
                        stride_w2i, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
-    else:
-        _down_rows(H, W2, Buf, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, E, stride_w2e, stride_w2d,
-                   stride_w2i, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
 
 
 @triton.jit
@@ -591,6 +656,8 @@ def _check_config(cfg: ExpertsConfig) -> None:
         raise ValueError(f"group_m1 / group_m2 must be >= 0; got {cfg}")
     if (cfg.tail_m1 and bm < 32) or (cfg.tail_m2 and bm2 < 32):
         raise ValueError(f"a half-block tail needs an M-block of at least 32 rows; got {cfg}")
+    if cfg.direct_max_tokens < 0:
+        raise ValueError(f"direct_max_tokens must be >= 0; got {cfg}")
 
 
 def _tma_ok(*ts: Tensor) -> bool:
@@ -699,20 +766,75 @@ def down(h: Tensor, w2: Tensor, sorted_pair_ids: Tensor, block_expert: Tensor, n
     return buf
 
 
-def moe_experts(
-    x: Tensor,
-    w1: Tensor,
-    w3: Tensor,
-    w2: Tensor,
-    topk_weights: Tensor,
-    topk_ids: Tensor,
-    act: Activation,
-    *,
-    add: Tensor | None = None,
-    config: ExpertsConfig | None = None,
-) -> Tensor:
-    """Triton `ops.moe_experts` (same contract, `add` too: added in the combine kernel, no extra launch): returns
-    [T, D] in x.dtype. `config` overrides the tiles."""
+def gate_up_direct(x: Tensor, w1: Tensor, w3: Tensor, pair_ids: Tensor, top_k: int, act: Activation,
+                   cfg: ExpertsConfig) -> Tensor:
+    """Kernel 1 in the direct mode: h [P, I] (x.dtype), row p = the activation of pair p (token p // top_k, expert
+    pair_ids[p]); rows of pairs whose id is outside [0, E) are left unwritten (the down kernel never reads them).
+    pair_ids: topk_ids flattened, [P] contiguous (any integer dtype). Grid P x cdiv(I, block_n1), cfg.block_m-row
+    tiles (cfg.block_m / 2 with tail_m1: every direct block has one row, as an aligned block of one pair runs);
+    group_m1, gather_x and tma1 do not apply. Bytes: W1 and W3 2 * I * D * elt per valid pair (pairs sharing an
+    expert read it once each, through L2 when they run together), x rows P * D * elt, h P * I * elt written."""
+    D = x.shape[1]
+    E, DI, _ = w1.shape
+    P = pair_ids.numel()
+    bm = cfg.block_m // 2 if cfg.tail_m1 else cfg.block_m
+    bn, bk = cfg.block_n1, cfg.block_k1
+    h = torch.empty(P, DI, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(P, triton.cdiv(DI, bn))](
+        x, w1, w3, h, pair_ids, pair_ids,
+        P, D, DI, E,
+        x.stride(0),
+        w1.stride(0), w1.stride(1), w1.stride(2),
+        w3.stride(0), w3.stride(1), w3.stride(2),
+        float(act.beta), float(act.linear_beta), P, None,
+        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SITU=act.kind == "situ",
+        EVEN_K=D % bk == 0, IEEE=x.dtype == torch.float32, DIRECT=True,
+        num_warps=cfg.num_warps1, num_stages=cfg.num_stages1,
+    )
+    return h
+
+
+def down_direct(h: Tensor, w2: Tensor, pair_ids: Tensor, cfg: ExpertsConfig) -> Tensor:
+    """Kernel 2 in the direct mode: the per-pair buffer [P, D] (h.dtype) from `gate_up_direct`'s h [P, I], every
+    row written (zeros for ids outside [0, E)). Grid P x cdiv(D, block_n2), (block_m2 or block_m)-row tiles (half
+    that with tail_m2); group_m2 and tma2 do not apply. Bytes: W2 D * I * elt per valid pair, h P * I * elt read,
+    the buffer P * D * elt written."""
+    E, D, DI = w2.shape
+    P = pair_ids.numel()
+    bm = cfg.block_m2 or cfg.block_m
+    bm = bm // 2 if cfg.tail_m2 else bm
+    bn, bk = cfg.block_n2, cfg.block_k2
+    buf = torch.empty(P, D, dtype=h.dtype, device=h.device)
+    _down_kernel[(P, triton.cdiv(D, bn))](
+        h, w2, buf, pair_ids, pair_ids,
+        P, D, DI, E,
+        w2.stride(0), w2.stride(1), w2.stride(2), P, None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        EVEN_K=DI % bk == 0, IEEE=h.dtype == torch.float32, DIRECT=True,
+        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
+    )
+    return buf
+
+
+def combine(buf: Tensor, topk_weights: Tensor, top_k: int, dtype: torch.dtype, add: Tensor | None = None) -> Tensor:
+    """Kernel 3: out [T, D] (dtype), out[t] = cast(sum_j w[t, j] * buf[t * k + j]) in fp32, then with `add` ([T, D],
+    dtype) cast(out[t] + add[t]). buf: the per-pair buffer [P, D] of `down` / `down_direct`; topk_weights: fp32
+    [P] contiguous. Reads P * D * elt (+ T * D * elt with add), writes T * D * elt."""
+    P, D = buf.shape
+    T = P // top_k
+    out = torch.empty(T, D, dtype=dtype, device=buf.device)
+    block_d = min(1024, triton.next_power_of_2(D))
+    if add is not None and add.stride(1) != 1:
+        add = add.contiguous()
+    _combine_kernel[(T, triton.cdiv(D, block_d))](
+        buf, topk_weights, out, out if add is None else add, D, 0 if add is None else add.stride(0),
+        TOP_K=top_k, BLOCK_D=block_d, HAS_ADD=add is not None, num_warps=4)
+    return out
+
+
+def _check_args(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                act: Activation, add: Tensor | None) -> None:
+    """ValueError unless the shapes, dtypes and activation fit `moe_experts`' contract."""
     if act.kind not in ("silu", "situ"):
         raise ValueError(f"unknown gated activation {act.kind!r}; supported: 'silu', 'situ'")
     T, D = x.shape
@@ -727,6 +849,26 @@ def moe_experts(
         raise ValueError(f"topk_weights and topk_ids must both be [{T}, k]; got {tuple(topk_weights.shape)}, "
                          f"{tuple(topk_ids.shape)}")
     check_add(add, x, D)
+
+
+def moe_experts(
+    x: Tensor,
+    w1: Tensor,
+    w3: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    act: Activation,
+    *,
+    add: Tensor | None = None,
+    config: ExpertsConfig | None = None,
+) -> Tensor:
+    """Triton `ops.moe_experts` (same contract, `add` too: added in the combine kernel, no extra launch): returns
+    [T, D] in x.dtype. `config` overrides the tiles; T <= config.direct_max_tokens takes the direct mode (no
+    alignment launch), which gives the aligned path's result bit for bit."""
+    _check_args(x, w1, w3, w2, topk_weights, topk_ids, act, add)
+    T, D = x.shape
+    E, DI, _ = w1.shape
     k = topk_ids.shape[1]
     P = T * k
     if P == 0 or D == 0:
@@ -741,14 +883,11 @@ def moe_experts(
         tw = tw.float()
     if not tw.is_contiguous():
         tw = tw.contiguous()
-    sorted_pair_ids, block_expert = _align(topk_ids, E, cfg.block_m)
-    h = gate_up(x, w1, w3, sorted_pair_ids, block_expert, k, act, cfg)
-    buf = down(h, w2, sorted_pair_ids, block_expert, P, cfg)
-    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
-    block_d = min(1024, triton.next_power_of_2(D))
-    if add is not None and add.stride(1) != 1:
-        add = add.contiguous()
-    _combine_kernel[(T, triton.cdiv(D, block_d))](
-        buf, tw, out, out if add is None else add, D, 0 if add is None else add.stride(0),
-        TOP_K=k, BLOCK_D=block_d, HAS_ADD=add is not None, num_warps=4)
-    return out
+    if T <= cfg.direct_max_tokens:
+        pair_ids = topk_ids.reshape(-1).contiguous()
+        buf = down_direct(gate_up_direct(x, w1, w3, pair_ids, k, act, cfg), w2, pair_ids, cfg)
+    else:
+        sorted_pair_ids, block_expert = _align(topk_ids, E, cfg.block_m)
+        h = gate_up(x, w1, w3, sorted_pair_ids, block_expert, k, act, cfg)
+        buf = down(h, w2, sorted_pair_ids, block_expert, P, cfg)
+    return combine(buf, tw, k, x.dtype, add)

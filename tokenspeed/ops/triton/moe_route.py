@@ -5,6 +5,12 @@ barriers) holds all E scores in registers (E <= 8192) and selects the top k by k
 to the lower expert id, like the reference's stable descending sort), so ids come out in descending order of
 selection score. Weights are the selected raw scores, divided by (their sum + 1e-20) when
 `renormalize`, times `routed_scaling_factor`. Same contract as `tokenspeed.ops.reference.moe.moe_route`.
+
+Beyond the public contract (Triton-only keywords): `out` (write into given tensors) and `shared_expert_id` (a
+shared expert folded into the routed ones as an always-selected (k+1)-th expert, its weights stacked after the E
+routed ones: id E): each row gets one more column, (shared_expert_id, 1.0), written by the same program after the
+routed k, whose values (selection, renormalisation, scaling) are the same as without it; the reference of that is
+`tokenspeed.ops.reference.moe.with_shared_expert` applied to the routed output.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tokenspeed.ops.reference.moe import check_shared_expert_id
 from tokenspeed.ops.triton._utils import next_pow2
 
 MAX_EXPERTS = 8192
@@ -30,7 +37,11 @@ def _moe_route_kernel(
     SOFTMAX: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
+    OUT_K: tl.constexpr,
+    SHARED_ID: tl.constexpr,
 ):
+    """One token per program: Wout / Iout rows of OUT_K columns, the routed TOP_K first; SHARED_ID >= 0 (then
+    OUT_K = TOP_K + 1): column TOP_K is (SHARED_ID, 1.0)."""
     t64 = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     emask = cols < E
@@ -65,8 +76,11 @@ def _moe_route_kernel(
     if RENORM:
         w = w / (tl.sum(w, axis=0) + 1e-20)
     w = w * scaling
-    tl.store(Wout + t64 * TOP_K + kk, w, mask=kmask)
-    tl.store(Iout + t64 * TOP_K + kk, ids.to(tl.int64), mask=kmask)
+    tl.store(Wout + t64 * OUT_K + kk, w, mask=kmask)
+    tl.store(Iout + t64 * OUT_K + kk, ids.to(tl.int64), mask=kmask)
+    if SHARED_ID >= 0:
+        tl.store(Wout + t64 * OUT_K + TOP_K, 1.0)
+        tl.store(Iout + t64 * OUT_K + TOP_K, tl.full([], SHARED_ID, tl.int64))
 
 
 def moe_route(
@@ -77,23 +91,28 @@ def moe_route(
     scoring: str = "sigmoid",
     renormalize: bool = True,
     routed_scaling_factor: float = 1.0,
+    shared_expert_id: int | None = None,
     out: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Triton `ops.moe_route` (same contract): returns (weights [T, k] fp32, ids [T, k] int64)."""
+    """Triton `ops.moe_route` (same contract): returns (weights [T, n] fp32, ids [T, n] int64), n = top_k, or
+    top_k + 1 with `shared_expert_id` (>= E; the last column (shared_expert_id, 1.0)). `out`: the two tensors to
+    write, contiguous [T, n] (returned as they are)."""
     if scoring not in ("sigmoid", "softmax"):
         raise ValueError(f"unknown router scoring {scoring!r}; supported: 'sigmoid', 'softmax'")
     T, E = router_logits.shape
     if not 1 <= top_k <= E or E > MAX_EXPERTS:
         raise ValueError(f"need 1 <= top_k <= E <= {MAX_EXPERTS}; got top_k={top_k}, E={E}")
+    check_shared_expert_id(shared_expert_id, E)
+    n = top_k + (shared_expert_id is not None)
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     if out is None:
-        weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-        ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+        weights = torch.empty(T, n, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(T, n, dtype=torch.int64, device=logits.device)
     else:
         weights, ids = out
-        if weights.shape != (T, top_k) or ids.shape != (T, top_k) or weights.dtype != torch.float32 \
+        if weights.shape != (T, n) or ids.shape != (T, n) or weights.dtype != torch.float32 \
                 or ids.dtype != torch.int64 or not (weights.is_contiguous() and ids.is_contiguous()):
-            raise ValueError("out must be contiguous (weights fp32, ids int64), both [T, top_k]")
+            raise ValueError(f"out must be contiguous (weights fp32, ids int64), both [T, {n}]")
     if T == 0:
         return weights, ids
     block_e = next_pow2(E)
@@ -101,7 +120,8 @@ def moe_route(
         logits, correction_bias if correction_bias is not None else logits, weights, ids,
         E, logits.stride(0), float(routed_scaling_factor),
         BLOCK_E=block_e, TOP_K=top_k, BLOCK_K=next_pow2(top_k), SOFTMAX=scoring == "softmax",
-        HAS_BIAS=correction_bias is not None, RENORM=bool(renormalize),
+        HAS_BIAS=correction_bias is not None, RENORM=bool(renormalize), OUT_K=n,
+        SHARED_ID=-1 if shared_expert_id is None else int(shared_expert_id),
         num_warps=1 if block_e <= 1024 else (2 if block_e <= 4096 else 4),
     )
     return weights, ids
