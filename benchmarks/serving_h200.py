@@ -84,7 +84,8 @@ def ceilings() -> dict:
 
 # ----------------------------------------------------------------------------------------------------------- bytes
 def distinct_experts(model, fb: ForwardBatch, buf: CacheBuffers) -> list[int]:
-    """Distinct routed experts per MoE layer in one eager forward of `fb` (advances its states once)."""
+    """Distinct experts per MoE layer in one eager forward of `fb` (advances its states once): the routed ones,
+    plus the shared expert where it is folded in as an always-selected expert (Kimi Linear: id E)."""
     from tokenspeed import ops
 
     seen: list[int] = []
@@ -105,21 +106,25 @@ def distinct_experts(model, fb: ForwardBatch, buf: CacheBuffers) -> list[int]:
 
 def byte_model(model, batch: int, ctx: int, experts: list[int] | None = None) -> dict:
     """Bytes a decode step must move at this batch and context (the roofline's numerator). `experts`: measured
-    distinct experts per MoE layer (else the uniform-routing expectation E (1 - (1 - k/E)^B))."""
+    distinct experts per MoE layer (else the uniform-routing expectation E (1 - (1 - k/E)^B)). A shared expert
+    folded into the stacked expert weights (slot E of [E + 1, ...], always selected) is counted once, as a touched
+    expert: `experts` includes its id, the expectation adds it; an unfolded shared MLP is one of the parameters."""
     cfg = model.config
-    expert_bytes, other = 0, 0
+    slot_bytes, slots, other = 0.0, 0, 0  # bytes of one expert slot summed over the MoE layers; slots per layer
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
         if name.endswith((".w1", ".w2", ".w3")):
-            expert_bytes += nbytes
+            slot_bytes += nbytes / p.shape[0]
+            slots = p.shape[0]
         elif "embed_tokens" not in name:
             other += nbytes
     e, k = cfg.num_experts or 1, cfg.num_experts_per_token or 1
-    touched = (1 - (1 - k / e) ** batch) if experts is None else sum(experts) / (len(experts) * e)
+    folded = max(slots - e, 0)  # 1 with the shared expert folded in
+    touched = e * (1 - (1 - k / e) ** batch) + folded if experts is None else sum(experts) / len(experts)
     kda_state = len(cfg.kda_layers) * cfg.kda_num_heads * cfg.kda_head_dim**2 * 4 * 2 * batch
     mla_rows = len(cfg.mla_layers) * cfg.mla_latent_dim * 2 * ctx * batch
-    total = other + expert_bytes * touched + kda_state + mla_rows
-    return {"dense_weights": other, "experts_touched": expert_bytes * touched, "kda_state_rw": kda_state,
+    total = other + slot_bytes * touched + kda_state + mla_rows
+    return {"dense_weights": other, "experts_touched": slot_bytes * touched, "kda_state_rw": kda_state,
             "mla_rows": mla_rows, "total": total}
 
 
@@ -384,13 +389,16 @@ def _with_qkv_copies(fn):
 
 
 def active_params(model) -> int:
+    """Parameters a token uses, less the embedding: k of the E routed experts, plus a shared expert folded in as
+    slot E of the stacked expert weights (always active), plus everything else."""
     cfg = model.config
     total = 0
     for name, p in model.named_parameters():
         if "embed_tokens" in name:
             continue
         if name.endswith((".w1", ".w2", ".w3")):
-            total += p.numel() * cfg.num_experts_per_token // cfg.num_experts
+            folded = p.shape[0] - cfg.num_experts  # 1 with the shared expert folded in
+            total += p.numel() // p.shape[0] * (cfg.num_experts_per_token + folded)
         else:
             total += p.numel()
     return total

@@ -1,12 +1,13 @@
-"""The fused residual junctions, merged gated activation and shared-expert add change no bit of the plain model.
+"""The fused residual junctions and merged gated activation change no bit of the plain model.
 
 tiny-kimi-linear (dense layer 0, MoE + shared expert after, KDA and MLA layers) on the CPU reference path, fp32 and
 bf16: the model's forward (each residual add fused with the norm after it via `ops.add_rms_norm`, the gated MLPs
-through `ops.gated_activation_merged`, the shared experts added inside `ops.moe_experts(add=)`) against the
-unfused composition the model ran before (written out here: `h = h + attn(input_norm(h))`, `h = h + ffn(
-post_norm(h))`, `gate, up = gate_up(x).chunk(2)`, `moe_experts(...) + shared(x)`, `norm(h)`): logits and every
-captured layer's residual stream bit for bit over a batched prefill and two decode steps, so greedy tokens cannot
-change. Also: one `add_rms_norm` per junction (2 per layer) and no other norm of the residual stream.
+through `ops.gated_activation_merged`) against the unfused composition the model ran before (written out here:
+`h = h + attn(input_norm(h))`, `h = h + ffn(post_norm(h))`, `gate, up = gate_up(x).chunk(2)`, `norm(h)`; the
+MoE's shared expert stays folded into the routed experts, checked against a separate shared MLP in
+test_moe_fold.py): logits and every captured layer's residual stream bit for bit over a batched prefill and two
+decode steps, so greedy tokens cannot change. Also: one `add_rms_norm` per junction (2 per layer) and no other
+norm of the residual stream.
 """
 
 from __future__ import annotations
@@ -34,14 +35,16 @@ def old_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
 
 
 def old_moe(moe, x: torch.Tensor) -> torch.Tensor:
+    """A folded shared expert (tiny-kimi-linear: slot E, weight 1.0) stays folded here: the fold's own rounding
+    is checked against the separate shared MLP in test_moe_fold.py; this test is about the junctions."""
     c = moe.config
     weights, ids = ops.moe_route(
         moe.gate(x), getattr(moe.gate, "e_score_correction_bias", None), c.num_experts_per_token,
         scoring=c.moe_router_activation_func, renormalize=c.moe_renormalize,
-        routed_scaling_factor=c.routed_scaling_factor,
+        routed_scaling_factor=c.routed_scaling_factor, shared_expert_id=c.num_experts if moe.fold_shared else None,
     )
     y = ops.moe_experts(x, moe.w1, moe.w3, moe.w2, weights, ids, moe.act)
-    return moe.parallel.all_reduce(y + old_mlp(moe.shared_experts, x))
+    return moe.parallel.all_reduce(y if moe.fold_shared else y + old_mlp(moe.shared_experts, x))
 
 
 def old_forward(model: KimiForCausalLM, batch: ForwardBatch, cache: CacheBuffers) -> tuple[torch.Tensor, list]:

@@ -37,6 +37,9 @@ def _moe_token(moe, x: torch.Tensor) -> torch.Tensor:
                  for e in chosen)
     if c.routed_expert_hidden_size:
         routed = moe.routed_expert_up_proj.weight @ _rms(routed, moe.routed_expert_norm.weight, c.rms_norm_eps)
+    if not hasattr(moe, "shared_experts"):  # folded: the shared expert is slot E of the stacked expert weights
+        e = c.num_experts
+        return routed + moe.w2[e] @ act(moe.w1[e] @ x, moe.w3[e] @ x)
     sh = moe.shared_experts
     gate, up = (sh.gate_up_proj.weight @ x).chunk(2)
     return routed + sh.down_proj.weight @ act(gate, up)

@@ -74,6 +74,29 @@ def test_forced_triton_on_cpu_interpreter(monkeypatch):
     assert sk.dtype == torch.float64 and torch.equal(sk, x.double() + g)
 
 
+@pytest.mark.parametrize("mode", ["auto", "triton"])
+def test_moe_route_shared_expert_id_matches_reference(monkeypatch, mode):
+    """The public `ops.moe_route(..., shared_expert_id=)` on CPU (the reference) and forced to Triton (the
+    interpreter) equals the reference: the routed columns of the plain route, then the column (id, 1.0)."""
+    if mode == "triton" and not INTERP:
+        pytest.skip("needs the Triton CPU interpreter (set before triton import)")
+    monkeypatch.setenv("TOKENSPEED_OPS", mode)
+    g = torch.Generator().manual_seed(3)
+    T, E, k = 5, 24, 4
+    logits, bias = torch.randn(T, E, generator=g) * 2, torch.randn(E, generator=g) * 0.1
+    for scoring, renormalize, scale in (("sigmoid", True, 2.446), ("softmax", False, 1.5)):
+        kw = {"scoring": scoring, "renormalize": renormalize, "routed_scaling_factor": scale}
+        w, ids = ops.moe_route(logits, bias, k, shared_expert_id=E, **kw)
+        wr, ir = ref_moe.moe_route(logits, bias, k, shared_expert_id=E, **kw)
+        assert w.shape == ids.shape == wr.shape == (T, k + 1)
+        assert torch.equal(ids, ir) and torch.allclose(w, wr, rtol=1e-6, atol=0)
+        assert torch.equal(w[:, k], torch.ones(T)) and torch.equal(ids[:, k], torch.full((T,), E))
+        w0, i0 = ref_moe.moe_route(logits, bias, k, **kw)
+        assert torch.equal(ir[:, :k], i0) and torch.equal(wr[:, :k], w0)
+    with pytest.raises(ValueError, match="shared_expert_id"):
+        ops.moe_route(logits, bias, k, shared_expert_id=E - 1)
+
+
 def _spy(monkeypatch, module: str, name: str) -> list:
     mod = dispatch.kernels(module)
     real = getattr(mod, name)

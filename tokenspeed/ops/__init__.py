@@ -145,16 +145,17 @@ def moe_route(
     scoring: str = "sigmoid",
     renormalize: bool = True,
     routed_scaling_factor: float = 1.0,
+    shared_expert_id: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     if _dispatch.use_triton(router_logits, correction_bias) and _dispatch.moe_route_supported(
         router_logits, top_k, scoring
     ):
         return _dispatch.kernels("moe_route").moe_route(
             router_logits, correction_bias, top_k, scoring=scoring, renormalize=renormalize,
-            routed_scaling_factor=routed_scaling_factor,
+            routed_scaling_factor=routed_scaling_factor, shared_expert_id=shared_expert_id,
         )
     return _ref_moe.moe_route(router_logits, correction_bias, top_k, scoring=scoring, renormalize=renormalize,
-                              routed_scaling_factor=routed_scaling_factor)
+                              routed_scaling_factor=routed_scaling_factor, shared_expert_id=shared_expert_id)
 
 
 def moe_experts(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,

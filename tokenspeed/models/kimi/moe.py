@@ -2,9 +2,16 @@
 
 Two shapes, one class, switched by config:
 - LatentMoE (K3): routed experts run in a latent of width `routed_expert_hidden_size`:
-  y = up(RMSNorm(sum_j w_j E_j(down(x)))) + shared(x).
+  y = up(RMSNorm(sum_j w_j E_j(down(x)))) + shared(x), the shared experts a separate `GatedMLP`.
 - Hidden-space MoE (Kimi Linear): y = routed_scaling * sum_j w_j E_j(x) + shared(x) (the scaling is folded into
-  the router weights, as the reference does).
+  the router weights, as the reference does). One shared expert of the routed experts' width (Kimi Linear's
+  `num_shared_experts: 1`; same activation) is folded into the routed experts as expert E, always selected with
+  weight 1.0: w1/w3/w2 are stacked [E + 1, ...] (slot E loaded from and written back to the checkpoint's
+  `shared_experts.{gate,up,down}_proj.weight`, sharded over TP ranks like a routed expert), `ops.moe_route(...,
+  shared_expert_id=E)` appends the (E, 1.0) column, and one `ops.moe_experts` call computes routed + shared (no
+  separate shared MLP launches). Against the unfolded `moe_experts(...) + shared(x)` the only difference is
+  rounding: the routed sum is no longer rounded to the model dtype before the shared output is added (about one
+  ulp in bf16). Any other shared-expert shape keeps a separate `GatedMLP` added in the experts' combine.
 Experts are split over tensor-parallel ranks along their intermediate dim; partial sums are all-reduced.
 """
 
@@ -67,14 +74,20 @@ class SparseMoE(nn.Module):
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(self.latent, config.rms_norm_eps, dtype, device)
         e, inter = config.num_experts, parallel.shard(config.moe_intermediate_size, "MoE intermediate size")
+        # Hidden-space MoE with one shared expert of the routed width (the same activation: `activation_of`):
+        # the shared expert is expert E of the stacked weights, always selected with weight 1.0.
+        self.fold_shared = self.latent is None and config.num_shared_experts == 1
         experts = [f"experts.{i}" for i in range(e)]
-        self.w1 = weight((e, inter, expert_in), dtype, device, sources=[f"{n}.w1.weight" for n in experts],
-                         stack=True, shard_dim=0)
-        self.w3 = weight((e, inter, expert_in), dtype, device, sources=[f"{n}.w3.weight" for n in experts],
-                         stack=True, shard_dim=0)
-        self.w2 = weight((e, expert_in, inter), dtype, device, sources=[f"{n}.w2.weight" for n in experts],
-                         stack=True, shard_dim=1)
-        if config.num_shared_experts > 0:
+        w1_src, w3_src, w2_src = ([f"{n}.{w}.weight" for n in experts] for w in ("w1", "w3", "w2"))
+        if self.fold_shared:
+            w1_src.append("shared_experts.gate_proj.weight")
+            w3_src.append("shared_experts.up_proj.weight")
+            w2_src.append("shared_experts.down_proj.weight")
+        n = len(w1_src)
+        self.w1 = weight((n, inter, expert_in), dtype, device, sources=w1_src, stack=True, shard_dim=0)
+        self.w3 = weight((n, inter, expert_in), dtype, device, sources=w3_src, stack=True, shard_dim=0)
+        self.w2 = weight((n, expert_in, inter), dtype, device, sources=w2_src, stack=True, shard_dim=1)
+        if config.num_shared_experts > 0 and not self.fold_shared:
             self.shared_experts = GatedMLP(config, config.num_shared_experts * config.moe_intermediate_size,
                                            parallel, dtype, device, reduce_output=False)
 
@@ -85,10 +98,12 @@ class SparseMoE(nn.Module):
             self.gate(x), getattr(self.gate, "e_score_correction_bias", None), c.num_experts_per_token,
             scoring=c.moe_router_activation_func, renormalize=c.moe_renormalize,
             routed_scaling_factor=c.routed_scaling_factor,
+            shared_expert_id=c.num_experts if self.fold_shared else None,
         )
         if self.latent is None:
-            # routed + shared in the experts' combine (one rounding of the routed sum, then the add, as `y + s`),
-            # all-reduced once after the add
+            # folded: the shared expert is the last (weight 1.0) column of the routing; else routed + shared in
+            # the experts' combine (one rounding of the routed sum, then the add, as `y + s`); either way
+            # all-reduced once
             shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
             return self.parallel.all_reduce(
                 ops.moe_experts(x, self.w1, self.w3, self.w2, weights, ids, self.act, add=shared))

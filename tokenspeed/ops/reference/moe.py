@@ -16,6 +16,7 @@ def moe_route(
     scoring: str = "sigmoid",
     renormalize: bool = True,
     routed_scaling_factor: float = 1.0,
+    shared_expert_id: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Select `top_k` experts per token ("noaux_tc": the bias steers selection only).
 
@@ -23,7 +24,10 @@ def moe_route(
     scores = sigmoid(logits) (or softmax); selection = top-k of scores + bias, ties to the lower expert id;
     weights = the selected raw scores, renormalised to sum 1 if `renormalize`, times the scaling factor.
     Returns (weights [T, k] fp32, expert ids [T, k] int64), ids in descending order of selection score.
+    shared_expert_id (an int >= E, or None): a shared expert folded in as an always-selected expert
+    (`with_shared_expert`): [T, k + 1], the last column (shared_expert_id, 1.0), the routed k columns unchanged.
     """
+    check_shared_expert_id(shared_expert_id, router_logits.shape[-1])
     logits = router_logits.float()
     if scoring == "sigmoid":
         scores = torch.sigmoid(logits)
@@ -37,7 +41,10 @@ def moe_route(
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids
+    weights = weights * routed_scaling_factor
+    if shared_expert_id is not None:
+        return with_shared_expert(weights, ids, shared_expert_id)
+    return weights, ids
 
 
 def with_shared_expert(weights: Tensor, ids: Tensor, shared_expert_id: int) -> tuple[Tensor, Tensor]:
