@@ -58,6 +58,18 @@ FUSED_MAX_QUERY_LEN = 16
 FUSED_MAX_TAIL_CUDA = 256
 
 
+def takes_fused_path(batch: ForwardBatch, on_cuda: bool) -> bool:
+    """Whether a KDA layer runs `batch` through the fused `ops.kda_decode` rather than conv + `ops.kda_prefill`:
+    every sequence has the same 1..FUSED_MAX_QUERY_LEN new tokens (decode, verify; any device), or, on CUDA, the
+    batch is not a verification and no sequence has more than FUSED_MAX_TAIL_CUDA new tokens. A host decision from
+    the batch's host lengths only."""
+    ql = batch.uniform_query_len
+    if ql is not None and 1 <= ql <= FUSED_MAX_QUERY_LEN:
+        return True
+    return (on_cuda and not batch.verify and batch.num_tokens > 0
+            and max(batch.query_lens_host) <= FUSED_MAX_TAIL_CUDA)
+
+
 class KDAAttention(nn.Module):
     """One KDA layer. `cache_index` is this layer's ordinal among the model's KDA layers."""
 
@@ -121,7 +133,7 @@ class KDAAttention(nn.Module):
         if batch.verify:
             cache.replay[self.cache_index] = ReplayInputs(projected, f, b)
         conv_state, rec_state = cache.kda_conv[self.cache_index], cache.kda_recurrent[self.cache_index]
-        if self._fused(x, batch):
+        if takes_fused_path(batch, x.is_cuda):
             o = ops.kda_decode(projected, f, b, self.conv_weight, conv_state, self.A_log, self.dt_bias, rec_state,
                                batch.kda_slots, batch.cu_seqlens, lower_bound=self.lower_bound,
                                scale=1.0 / math.sqrt(hd), update_state=not batch.verify)
@@ -139,16 +151,6 @@ class KDAAttention(nn.Module):
                                 cu_seqlens=batch.cu_seqlens, cu_seqlens_host=batch.cu_seqlens_host)
         o = ops.gated_rms_norm(o, gate.view(t, h, hd), self.o_norm.weight, self.eps)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
-
-    @staticmethod
-    def _fused(x: Tensor, batch: ForwardBatch) -> bool:
-        """Whether this batch runs the fused `ops.kda_decode` (see FUSED_MAX_QUERY_LEN / FUSED_MAX_TAIL_CUDA); a
-        host decision from shapes and host lengths only."""
-        ql = batch.uniform_query_len
-        if ql is not None and 1 <= ql <= FUSED_MAX_QUERY_LEN:
-            return True
-        return (x.is_cuda and not batch.verify and batch.num_tokens > 0
-                and max(batch.query_lens_host) <= FUSED_MAX_TAIL_CUDA)
 
     def replay_tensors(self, cache: CacheBuffers) -> ops.KdaLayerTensors:
         """This layer's part of the KDA state replay after a verify forward (`ops.kda_replay_layers`): the inputs
