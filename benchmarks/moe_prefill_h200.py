@@ -40,6 +40,7 @@ from tokenspeed.ops.cuda import moe_grouped
 from tokenspeed.ops.reference.activation import Activation
 from tokenspeed.ops.reference.moe import moe_experts as ref_experts
 from tokenspeed.ops.triton import moe_experts as tk
+from tokenspeed.ops.triton.moe_align import align_pairs
 
 TILES = {  # (block_m, bn1, bk1, warps1, stages1, bn2, bk2, warps2, stages2): full-op runs, as measured before
     "m64n128k64": (64, 128, 64, 8, 3, 128, 64, 4, 4),
@@ -145,7 +146,7 @@ class Case:
 
     def align(self, bm: int):
         if bm not in self._align:
-            self._align[bm] = tk.align_pairs(self.ids, self.E, bm)
+            self._align[bm] = align_pairs(self.ids, self.E, bm)
         return self._align[bm]
 
     def stages(self, cfg: tk.ExpertsConfig, which: tuple[str, ...]) -> dict:
@@ -153,7 +154,7 @@ class Case:
         sp, be = self.align(cfg.block_m)
         out = {}
         if "align" in which:
-            out["align_ms"] = per_call_ms(lambda: tk.align_pairs(self.ids, self.E, cfg.block_m))
+            out["align_ms"] = per_call_ms(lambda: align_pairs(self.ids, self.E, cfg.block_m))
         xs = None
         if cfg.gather_x:
             def gather():

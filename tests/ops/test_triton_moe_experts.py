@@ -130,7 +130,7 @@ def test_even_k_interp(act, poison_empty):
 @cpu_interp
 def test_align_layout_interp():
     """Each valid pair sits once in its expert's blocks, in pair order; invalid pairs in bucket E; padding = P."""
-    from tokenspeed.ops.triton.moe_experts import align_pairs
+    from tokenspeed.ops.triton.moe_align import align_pairs
 
     T, k, E, bm = 29, 4, 8, 16
     _, _, ids = make_routing(T, k, E, 8, torch.float32, "cpu", invalid=True, same=False)
@@ -256,9 +256,10 @@ def test_no_sync_gpu(T):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("T", [1, 64])
+@pytest.mark.parametrize("T", [1, 4, 64])
 def test_cuda_graph_replay_gpu(T):
-    """Captured with one routing, replayed on new x / weights / ids copied into the static inputs."""
+    """Captured with one routing, replayed on new x / weights / ids copied into the static inputs (T 1 and 4: the
+    default config's align-free direct mode)."""
     w1, w3, w2 = kimi_weights(torch.bfloat16)
     k, E, D = KIMI["k"], KIMI["E"], KIMI["D"]
     x, tw, ids = make_routing(T, k, E, D, torch.bfloat16, "cuda", seed=3)
@@ -284,7 +285,7 @@ def test_cuda_graph_replay_gpu(T):
 def test_fused_align_equals_torch_align_interp(T, k, E, bm):
     """The one-launch alignment gives the torch alignment's layout bit for bit (stable in-bucket order, padding,
     invalid bucket, unused tail blocks), over several 128-pair chunks."""
-    from tokenspeed.ops.triton.moe_experts import align_pairs, align_pairs_fused
+    from tokenspeed.ops.triton.moe_align import align_pairs, align_pairs_fused
 
     _, _, ids = make_routing(T, k, E, 8, torch.float32, "cpu", invalid=True, same=False)
     ids[: T // 2] = ids[0]  # a heavy run that crosses chunks

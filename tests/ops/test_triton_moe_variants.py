@@ -86,7 +86,7 @@ def test_variant_interp(variant, D, DI, act, poison_empty):
 def test_routing_exercises_every_branch():
     """The routing above has: an expert run longer than one block, blocks whose second half is padding and blocks
     whose second half is not (both tail branches), down sub-blocks of 16 that are all padding, and empty experts."""
-    from tokenspeed.ops.triton.moe_experts import align_pairs
+    from tokenspeed.ops.triton.moe_align import align_pairs
 
     _, _, _, _, _, ids = inputs(90, 3, 8, 48, 40)
     P = ids.numel()
@@ -105,7 +105,8 @@ def test_routing_exercises_every_branch():
 @pytest.mark.parametrize("tail", [False, True])
 def test_gather_sorted_x_layout_interp(tail, poison_empty):
     """Sorted rows of valid blocks hold x[pair // k], their padding rows zeros; the op on the copy matches."""
-    from tokenspeed.ops.triton.moe_experts import align_pairs, gather_sorted_x
+    from tokenspeed.ops.triton.moe_align import align_pairs
+    from tokenspeed.ops.triton.moe_experts import gather_sorted_x
 
     x, *_, ids = inputs(90, 3, 8, 48, 40)
     k, E, bm = 3, 8, 64

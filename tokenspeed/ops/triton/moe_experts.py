@@ -10,15 +10,9 @@ up GEMMs accumulate in fp32 and are rounded to x.dtype (as the reference's `x @ 
 and rounded to x.dtype, the down GEMM accumulates in fp32 and is rounded to x.dtype, the routing weight and the sum
 over the k slots are fp32, and the sum is rounded to x.dtype. fp32 inputs use IEEE fp32 dots (no TF32).
 
-Alignment (plain torch, no host synchronisation, every shape a function of (T, k, E) and BLOCK_M only):
-the P = T*k pairs (pair p = t*k + j) are bucketed by expert (bucket E collects the invalid ids), stably sorted,
-and each bucket's run is padded to a multiple of BLOCK_M. `sorted_pair_ids` [max_blocks * BLOCK_M] holds the
-pair of each padded row (P for padding) and `block_expert` [max_blocks] the bucket of each BLOCK_M-row block
-(-1 for unused blocks at the end), with max_blocks = P // BLOCK_M + min(E + 1, P): sum_b ceil(c_b / BLOCK_M)
-<= sum_b (floor(c_b / BLOCK_M) + 1) over the non-empty buckets (a bound at least as tight as ceil(P/BM) + E).
-Decode-sized calls (P <= 4096 pairs, E <= 2046) build the same layout in one single-program launch
-(`align_pairs_fused`: per-chunk stable ranks from a pair-by-pair comparison plus running bucket counts), instead of
-the dozen small torch kernels of the sort path, which cost more than the weight streaming at batch 1.
+Alignment (`tokenspeed/ops/triton/moe_align.py`, no host synchronisation): the P = T*k pairs are bucketed by
+expert and each bucket's run padded to a multiple of BLOCK_M, giving `sorted_pair_ids` [max_blocks * BLOCK_M]
+(the pair of each padded row, P for padding) and `block_expert` [max_blocks] (-1 for unused blocks at the end).
 
 Direct mode (T <= `ExpertsConfig.direct_max_tokens`; `default_config` sets DIRECT_MAX_TOKENS = 4 with its decode
 tiles): no alignment launch at all. Block p is pair p (P blocks); kernels 1 and 2 read its expert topk_ids.flatten()[p]
@@ -93,6 +87,7 @@ from torch import Tensor
 
 from tokenspeed.ops.reference.activation import Activation
 from tokenspeed.ops.reference.moe import check_add
+from tokenspeed.ops.triton.moe_align import align
 
 try:  # host-side TMA descriptors (Triton >= 3.4); without them the TMA variants fall back to pointer loads
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -522,129 +517,6 @@ def _combine_kernel(Buf, TopkW, Out, Add, D, stride_add, TOP_K: tl.constexpr, BL
     tl.store(Out + t * D + offs, y, mask=m)
 
 
-def align_pairs(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
-    """(sorted_pair_ids [max_blocks * block_m] int32, block_expert [max_blocks] int32), no host sync.
-
-    Pair p = t * k + j. Bucket b = topk_ids[t, j] if it is in [0, E) else E (invalid ids). Each bucket's pairs
-    (in pair order) fill ceil(c_b / block_m) consecutive blocks, buckets in increasing order; padding rows hold
-    P = T * k; blocks past the last bucket have block_expert -1.
-    """
-    E = num_experts
-    ids = topk_ids.reshape(-1)
-    P = ids.numel()
-    dev = ids.device
-    max_blocks = P // block_m + min(E + 1, P)
-    if ids.dtype != torch.int64:
-        ids = ids.long()
-    bucket = torch.where((ids >= 0) & (ids < E), ids, E)
-    sorted_bucket, order = torch.sort(bucket, stable=True)
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, bucket, torch.ones_like(bucket))
-    raw_start = torch.cumsum(counts, 0) - counts
-    blocks = (counts + (block_m - 1)) // block_m
-    blk_end = torch.cumsum(blocks, 0)
-    blk_start = blk_end - blocks
-    rank = torch.arange(P, device=dev) - raw_start[sorted_bucket]
-    dest = blk_start[sorted_bucket] * block_m + rank
-    sorted_pair_ids = torch.full((max_blocks * block_m,), P, dtype=torch.int32, device=dev)
-    sorted_pair_ids.scatter_(0, dest, order.to(torch.int32))
-    block_expert = torch.searchsorted(blk_end, torch.arange(max_blocks, device=dev), right=True)
-    block_expert = torch.where(block_expert <= E, block_expert, -1).to(torch.int32)
-    return sorted_pair_ids, block_expert
-
-
-# The one-launch alignment serves up to this many (token, slot) pairs and this many buckets (decode and verify);
-# larger calls (prefill chunks) take the torch sort.
-FUSED_ALIGN_MAX_PAIRS = 4096
-FUSED_ALIGN_MAX_BINS = 2048
-
-
-@triton.jit
-def _align_kernel(
-    Ids, SortedPair, BlockExpert, Rank, Work,
-    P, E, n_rows, max_blocks,
-    BLOCK_M: tl.constexpr,
-    CHUNK: tl.constexpr,
-    EB: tl.constexpr,
-    MB_CHUNK: tl.constexpr,
-):
-    """`align_pairs` in one program: stable in-bucket ranks chunk by chunk (a [CHUNK, CHUNK] comparison plus the
-    running per-bucket counts), then each pair's destination. Work [EB] and Rank [P] int32 are scratch; bin EB - 1
-    (> E) collects the masked lanes and is ignored."""
-    for start in range(0, n_rows, CHUNK):
-        o = start + tl.arange(0, CHUNK)
-        tl.store(SortedPair + o, tl.zeros([CHUNK], dtype=tl.int32) + P, mask=o < n_rows)
-    tl.debug_barrier()
-    ci = tl.arange(0, CHUNK)
-    bins = tl.arange(0, EB)
-    running = tl.zeros([EB], dtype=tl.int32)
-    for start in range(0, P, CHUNK):
-        o = start + ci
-        m = o < P
-        ids = tl.load(Ids + o, mask=m, other=-1)
-        b = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
-        b = tl.where(m, b, EB - 1)
-        earlier_same = (b[:, None] == b[None, :]) & (ci[None, :] < ci[:, None])
-        tl.store(Work + bins, running)
-        tl.debug_barrier()
-        base = tl.load(Work + b, cache_modifier=".cg")  # written by other threads of this program
-        tl.debug_barrier()
-        tl.store(Rank + o, base + tl.sum(earlier_same.to(tl.int32), axis=1), mask=m)
-        running += tl.histogram(b, EB)
-    blocks = tl.where(bins <= E, (running + BLOCK_M - 1) // BLOCK_M, 0)
-    blk_end = tl.cumsum(blocks, 0)
-    tl.store(Work + bins, blk_end - blocks)
-    tl.debug_barrier()
-    for start in range(0, P, CHUNK):
-        o = start + ci
-        m = o < P
-        ids = tl.load(Ids + o, mask=m, other=-1)
-        b = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
-        dest = (tl.load(Work + b, mask=m, other=0, cache_modifier=".cg") * BLOCK_M
-                + tl.load(Rank + o, mask=m, other=0, cache_modifier=".cg"))
-        tl.store(SortedPair + dest, o.to(tl.int32), mask=m)
-    end_real = tl.where(bins <= E, blk_end, 2**30)  # block i belongs to bucket #{b <= E : blk_end[b] <= i}
-    for start in range(0, max_blocks, MB_CHUNK):
-        i = start + tl.arange(0, MB_CHUNK)
-        owner = tl.sum((end_real[None, :] <= i[:, None]).to(tl.int32), axis=1)
-        tl.store(BlockExpert + i, tl.where(owner <= E, owner, -1), mask=i < max_blocks)
-
-
-def align_pairs_fused(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
-    """`align_pairs` (same outputs, bit for bit) in a single launch, for P <= FUSED_ALIGN_MAX_PAIRS pairs and
-    E + 2 <= FUSED_ALIGN_MAX_BINS: the decode path, where the torch version's dozen small kernels cost more than
-    the GEMMs' launch."""
-    E = num_experts
-    ids = topk_ids.reshape(-1).contiguous()
-    P = ids.numel()
-    eb = triton.next_power_of_2(E + 2)
-    if not fused_align_fits(P, E):
-        raise ValueError(f"the fused alignment takes <= {FUSED_ALIGN_MAX_PAIRS} pairs and <= "
-                         f"{FUSED_ALIGN_MAX_BINS - 2} experts; got {P}, {E}")
-    max_blocks = P // block_m + min(E + 1, P)
-    dev = ids.device
-    sorted_pair_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    rank = torch.empty(max(P, 1), dtype=torch.int32, device=dev)
-    work = torch.empty(eb, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](
-        ids, sorted_pair_ids, block_expert, rank, work, P, E, max_blocks * block_m, max_blocks,
-        BLOCK_M=block_m, CHUNK=128, EB=eb, MB_CHUNK=max(1, 16384 // eb), num_warps=4,
-    )
-    return sorted_pair_ids, block_expert
-
-
-def fused_align_fits(num_pairs: int, num_experts: int) -> bool:
-    """Whether `align_pairs_fused` takes a call of this many pairs and experts (its bucket bins include the invalid
-    bucket and the masked lanes' bin, rounded up to a power of two)."""
-    return num_pairs <= FUSED_ALIGN_MAX_PAIRS and triton.next_power_of_2(num_experts + 2) <= FUSED_ALIGN_MAX_BINS
-
-
-def _align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
-    if fused_align_fits(topk_ids.numel(), num_experts):
-        return align_pairs_fused(topk_ids, num_experts, block_m)
-    return align_pairs(topk_ids, num_experts, block_m)
-
-
 def _check_config(cfg: ExpertsConfig) -> None:
     bm, bm2 = cfg.block_m, cfg.block_m2 or cfg.block_m
     tiles = (bm, bm2, cfg.block_n1, cfg.block_k1, cfg.block_n2, cfg.block_k2)
@@ -887,7 +759,7 @@ def moe_experts(
         pair_ids = topk_ids.reshape(-1).contiguous()
         buf = down_direct(gate_up_direct(x, w1, w3, pair_ids, k, act, cfg), w2, pair_ids, cfg)
     else:
-        sorted_pair_ids, block_expert = _align(topk_ids, E, cfg.block_m)
+        sorted_pair_ids, block_expert = align(topk_ids, E, cfg.block_m)
         h = gate_up(x, w1, w3, sorted_pair_ids, block_expert, k, act, cfg)
         buf = down(h, w2, sorted_pair_ids, block_expert, P, cfg)
     return combine(buf, tw, k, x.dtype, add)
