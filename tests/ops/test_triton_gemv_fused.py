@@ -41,18 +41,6 @@ def _gemv():
     return gemv
 
 
-@pytest.fixture
-def poison(monkeypatch):
-    """Every floating torch.empty (outputs, the split-K workspace) starts as NaN."""
-    real = torch.empty
-
-    def empty(*shape, **kw):
-        t = real(*shape, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
 def _sem_clean() -> bool:
     sem = _gemv()._semaphores.get(torch.device("cpu"))
     return sem is None or not sem.any().item()
@@ -66,7 +54,7 @@ def _pair(M, N, K, dtype=torch.float32, seed=0):
 @cpu_interp
 @pytest.mark.parametrize("kind", ["fma", "dot"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_fused_equals_two_launch_bits(kind, shape, poison):
+def test_fused_equals_two_launch_bits(kind, shape, poison_empty):
     M, N, K, bn, bk, split = shape
     x, w = _pair(M, N, K)
     cfg = {"kind": kind, "block_n": bn, "block_k": bk, "split_k": split}
@@ -81,7 +69,7 @@ def test_fused_equals_two_launch_bits(kind, shape, poison):
 
 @cpu_interp
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
-def test_fused_equals_two_launch_bits_bf16(out_dtype, poison):
+def test_fused_equals_two_launch_bits_bf16(out_dtype, poison_empty):
     """bf16 inputs (the CUDA-core kernel; the interpreter's tl.dot does not take bf16): one rounding of the same
     fp32 sum, so bf16 outputs are bit-identical too."""
     x, w = _pair(5, 257, 130, torch.bfloat16)
@@ -153,7 +141,7 @@ def test_out_argument_and_more_tiles_than_counters(monkeypatch):
 @cpu_interp
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("reduce", ["fused", "launch"])
-def test_fp32_output_of_bf16_inputs(split_k, reduce, poison):
+def test_fp32_output_of_bf16_inputs(split_k, reduce, poison_empty):
     """out_dtype=fp32: the fp32 accumulation of exact bf16 products, never rounded to bf16."""
     gemv = _gemv()
     x, w = _pair(3, 96, 160, torch.bfloat16, seed=5)

@@ -15,7 +15,8 @@ direct block computes its pair at row 0, an aligned block at its rank among the 
 at T <= 4 with distinct ids per token, the range these bit-for-bit checks use.
 CUDA (`-m gpu`): bf16 at the Kimi-Linear-48B shapes, T = 1, 2, 4, bit for bit against the aligned path; bf16 and
 fp32 with 16 pairs per expert (aligned rows 0..15 against the direct row 0: the MMA's result for a row does not
-depend on its position); a CUDA graph captured in the direct mode replayed on new routings (invalid ids included).
+depend on its position). Graph replay of the direct mode: `test_triton_moe_experts.py::test_cuda_graph_replay_gpu`
+(T = 1, 4).
 """
 
 from __future__ import annotations
@@ -137,13 +138,14 @@ def test_direct_ids_int32_and_strided_interp(poison_empty):
 def test_direct_h_rows_interp(T, k, E, poison_empty):
     """Direct h row p == the aligned h row holding pair p, bit for bit (valid pairs); so are the per-pair buffers."""
     from tokenspeed.ops.triton import moe_experts as tk
+    from tokenspeed.ops.triton.moe_align import align_pairs
 
     w1, w3, w2 = make_weights(E, 48, 40, torch.float32, "cpu")
     x, _, ids = routing(T, k, E, 48, torch.float32, "cpu", invalid=True, shared=True)
     cfg = tk.default_config(T, k, E, 48, 40, 4)
     P = T * k
     flat = ids.reshape(-1)
-    sp, be = tk.align_pairs(ids, E, cfg.block_m)
+    sp, be = align_pairs(ids, E, cfg.block_m)
     h_al = tk.gate_up(x, w1, w3, sp, be, k, SITU, cfg)
     buf_al = tk.down(h_al, w2, sp, be, P, cfg)
     h_dir = tk.gate_up_direct(x, w1, w3, flat.contiguous(), k, SITU, cfg)
@@ -189,6 +191,7 @@ def test_default_config_threshold_interp():
 @cpu_interp
 def test_direct_skips_alignment_and_host_reads_interp(monkeypatch, poison_empty):
     """No alignment launch (either kind) and no value pulled to the host in the direct mode."""
+    from tokenspeed.ops.triton import moe_align
     from tokenspeed.ops.triton import moe_experts as tk
 
     w1, w3, w2 = make_weights(16, 48, 40, torch.float32, "cpu")
@@ -198,8 +201,9 @@ def test_direct_skips_alignment_and_host_reads_interp(monkeypatch, poison_empty)
     def boom(*a, **kw):
         raise AssertionError("alignment or host read in the direct mode")
 
-    for name in ("_align", "align_pairs", "align_pairs_fused"):
-        monkeypatch.setattr(tk, name, boom)
+    monkeypatch.setattr(tk, "align", boom)
+    for name in ("align", "align_pairs", "align_pairs_fused"):
+        monkeypatch.setattr(moe_align, name, boom)
     for name in ("item", "tolist", "nonzero", "__bool__", "__int__"):
         monkeypatch.setattr(torch.Tensor, name, boom)
     for name in ("nonzero", "unique", "bincount", "masked_select", "sort", "argsort"):
@@ -259,28 +263,3 @@ def test_direct_full_blocks_gpu(dtype):
     for cfg in (ExpertsConfig(16, 32, 64, 4, 3, 32, 64, 4, 3), ExpertsConfig(64, 64, 64, 4, 3, 64, 64, 4, 3)):
         direct, aligned = both(x, w1, w3, w2, tw, ids, SITU, cfg)
         assert torch.equal(direct, aligned)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("T", [1, 4])
-def test_direct_graph_replay_gpu(T):
-    from tokenspeed.ops.triton.moe_experts import moe_experts
-
-    w1, w3, w2 = kimi_weights()
-    k, E, D = KIMI["k"], KIMI["E"], KIMI["D"]
-    x, tw, ids = routing(T, k, E, D, torch.bfloat16, "cuda", seed=3)
-    moe_experts(x, w1, w3, w2, tw, ids, SITU)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_experts(x, w1, w3, w2, tw, ids, SITU)
-    for step, (invalid, shared) in enumerate([(False, False), (True, True), (True, False)]):
-        nx, ntw, nids = routing(T, k, E, D, torch.bfloat16, "cuda", seed=10 + step, invalid=invalid, shared=shared)
-        x.copy_(nx)
-        tw.copy_(ntw)
-        ids.copy_(nids)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out.float(), ref_experts(nx, w1, w3, w2, ntw, nids, SITU).float()) < 1e-2
