@@ -8,6 +8,7 @@ slots, and it zeroes (or restores from a checkpoint) a KDA slot before a sequenc
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
@@ -45,8 +46,9 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return self.cu_seqlens_host[-1]
 
-    @property
+    @functools.cached_property
     def query_lens_host(self) -> list[int]:
+        """New tokens per sequence (host ints), computed once per batch (every layer of a forward asks)."""
         c = self.cu_seqlens_host
         return [c[i + 1] - c[i] for i in range(len(c) - 1)]
 
