@@ -8,6 +8,9 @@
 - short-tail prefill: T new tokens (64 / 256 / 1024) on a 16K-token history, eager as the engine runs it: wall
   time to completion against the kernel time, the kernel count, the host syncs, and a cProfile of the host side
   (the functions the host time goes to);
+- PDL A/B (`--pdl-ab`): the same decode graph captured with programmatic dependent launch on and off
+  (TOKENSPEED_PDL), replayed from the same saved state for several steps: step times side by side and whether the
+  logits of every step are bit-identical (PDL changes no arithmetic, so any difference is a race);
 - KDA path for short tails: the same eager forward (a tail alone, and beside 15 decoding sequences) with the KDA
   layers on the fused recurrent kernel vs the chunked scan: wall time, kernel time, logits of one against the
   other.
@@ -97,6 +100,77 @@ def decode_profile(model, batch: int, ctx: int) -> dict:
     for name in ("kda", "mla"):
         log(f"  one {name} layer:", out["per_layer"].get(name))
     return out  # the graphs are freed with this frame
+
+
+def host_profile(model, batch: int, ctx: int) -> dict:
+    """Where the host time of one eager decode forward goes: wall time, then cProfile by own time and by
+    cumulative time (top 40 each), to find what makes eager steps host-bound."""
+    page_size = 64
+    buf, pps = decode_setup(model, batch, ctx, page_size)
+    fb = decode_batch(batch, ctx, pps, page_size)
+    rows = torch.arange(batch, device="cuda")
+    for _ in range(3):
+        model(fb, buf, rows)
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        model(fb, buf, rows)
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    prof = cProfile.Profile()
+    prof.enable()
+    model(fb, buf, rows)
+    torch.cuda.synchronize()
+    prof.disable()
+    texts = {}
+    for key in ("tottime", "cumtime"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(40)
+        texts[key] = s.getvalue()
+    calls = pstats.Stats(prof).total_calls
+    out = {"batch": batch, "ctx": ctx, "eager_wall_ms": statistics.median(walls), "python_calls": calls,
+           "kernels": len(kernels_of(lambda: model(fb, buf, rows))), "cprofile": texts}
+    log(f"eager decode b{batch}: wall {out['eager_wall_ms']:.2f} ms, {calls} Python calls, {out['kernels']} kernels")
+    log(texts["tottime"][:6000])
+    log(texts["cumtime"][:6000])
+    torch.cuda.empty_cache()
+    return out
+
+
+def pdl_ab(model, batch: int, ctx: int, steps: int = 8) -> dict:
+    """Decode graphs captured with PDL on and off over one cache; each replays `steps` steps from the same saved
+    KDA state: step time (events, median) per setting and bit-equality of all steps' logits."""
+    page_size = 64
+    buf, pps = decode_setup(model, batch, ctx, page_size)
+    saved = [t.clone() for t in buf.kda_recurrent + buf.kda_conv]
+    fb = decode_batch(batch, ctx, pps, page_size)
+    out, logits = {"batch": batch, "ctx": ctx}, {}
+    prev = os.environ.get("TOKENSPEED_PDL")
+    try:
+        for pdl in ("1", "0"):
+            os.environ["TOKENSPEED_PDL"] = pdl
+            graphs = DecodeGraphs(model, buf, batch, pps, scratch_page=batch * pps)
+            graphs.capture()
+            for dst, src in zip(buf.kda_recurrent + buf.kda_conv, saved, strict=True):
+                dst.copy_(src)
+            logits[pdl] = [graphs.run(fb).float().clone() for _ in range(steps)]
+            out[f"pdl{pdl}_step_ms"] = events_ms(lambda g=graphs: g.run(fb), 30, 5)
+            out[f"pdl{pdl}_kernels"] = len(kernels_of(lambda g=graphs: g.run(fb)))
+            del graphs
+    finally:
+        if prev is None:
+            os.environ.pop("TOKENSPEED_PDL", None)
+        else:
+            os.environ["TOKENSPEED_PDL"] = prev
+    out["logits_bit_equal"] = all(torch.equal(a, b) for a, b in zip(logits["1"], logits["0"], strict=True))
+    out["max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(logits["1"], logits["0"], strict=True))
+    out["speedup"] = out["pdl0_step_ms"] / out["pdl1_step_ms"]
+    log(f"PDL A/B b{batch} ctx {ctx}: on {out['pdl1_step_ms']:.3f} ms vs off {out['pdl0_step_ms']:.3f} ms "
+        f"(x{out['speedup']:.3f}), logits bit-equal over {steps} steps: {out['logits_bit_equal']} "
+        f"(max diff {out['max_abs_diff']:.3g})")
+    torch.cuda.empty_cache()
+    return out
 
 
 def prefill_profile(model, history: int, tails: list[int]) -> list:
@@ -207,6 +281,8 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=16384)
     ap.add_argument("--policy-tails", default="16,64,160,256,512,1024")
     ap.add_argument("--skip", default="", help="comma list of: decode, prefill, policy")
+    ap.add_argument("--host", action="store_true", help="cProfile one eager batch-1 decode forward")
+    ap.add_argument("--pdl-ab", default="", help="comma list of batches for the PDL on/off A/B at 4K (none: skip)")
     args = ap.parse_args()
     res = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "python": platform.python_version(), "commit": os.environ.get("BENCH_COMMIT", "unknown"),
@@ -216,6 +292,10 @@ def main() -> None:
         skip = set(args.skip.split(","))
         if "decode" not in skip:
             res["decode"] = [decode_profile(model, int(b), 4096) for b in args.batches.split(",")]
+        if args.host:
+            res["host"] = host_profile(model, 1, 4096)
+        if args.pdl_ab:
+            res["pdl_ab"] = [pdl_ab(model, int(b), 4096) for b in args.pdl_ab.split(",")]
         if "prefill" not in skip:
             res["prefill"] = prefill_profile(model, args.history, [int(t) for t in args.tails.split(",")])
         if "policy" not in skip:
