@@ -3,6 +3,7 @@ cuBLAS) with a cold L2, and the routing table that `tokenspeed.ops.linear` reads
 
     PYTHONPATH=. python benchmarks/gemv_h200.py --out benchmarks/results
     PYTHONPATH=. python benchmarks/gemv_h200.py --device cpu --dry-run --out /tmp/gemv   # plumbing check, no GPU
+    PYTHONPATH=. python benchmarks/gemv_h200.py --chain --out benchmarks/results    # PDL / prefetch chain A/B only
 
 Shapes: every dense projection (nn.Linear weight [N, K]) of the `kimi-linear-48b-a3b` and `k3-slice` presets,
 read off the models built on the meta device (KDA qkv / f / b / g / o, MLA q / kv_a / kv_b / g / o, dense MLP,
@@ -412,9 +413,16 @@ def main() -> None:
     ap.add_argument("--margin", type=float, default=0.02)
     ap.add_argument("--budget-s", type=float, default=170.0, help="after this, only the default config is timed")
     ap.add_argument("--no-table", action="store_true", help="do not write the routing table")
+    ap.add_argument("--chain", action="store_true", help="instead of the sweep: the PDL / weight-prefetch A/B on a "
+                    "decode-layer chain (benchmarks/gemv_pdl_chain_h200.py; --out, --reps, --device, --dry-run)")
     args = ap.parse_args()
     if args.device == "cpu" and not args.dry_run:
         ap.error("--device cpu needs --dry-run (the interpreter is not a speed)")
+    if args.chain:
+        from gemv_pdl_chain_h200 import run_chain  # benchmarks/ (the script's own folder is on sys.path)
+
+        run_chain(Path(args.out), args.device, args.dry_run, args.reps)
+        return
     t_start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,10 @@
 Interpreter (fp32, small shapes): both kernel kinds, split-K 1 / several / more than the K steps, odd N and K,
 M = 1..8 and 13, strided x rows and columns, outputs that start from poisoned memory; within 1e-5 relative.
 Routing: host-only decisions from a routing table (no GPU needed), and `ops.linear` end to end on the CPU.
+Weight prefetch: "regs" (the peeled first K step) gives the same bits as "none" in the interpreter for both kinds,
+split-K, uneven K and one-step splits; the host's prefetch plan ("l2" only for PDL launches of 16-byte aligned
+rows, its per-row byte cap) is checked without a GPU. The "l2" variant itself (inline asm) only compiles for
+sm_90: benchmarks/pdl_compile_sm90.py checks its PTX.
 """
 
 from __future__ import annotations
@@ -112,6 +116,57 @@ def test_default_config_fills_the_grid():
     big = gemv.default_config(8, 163840, 7168, 2, 132)
     assert big.split_k == 1
     assert gemv.default_config(4, 4096, 128, 4, 132).kind == "fma"
+
+
+# ---- weight prefetch before the PDL wait ----
+
+PREFETCH_CASES = [  # (M, N, K, block_n, block_k, split_k): 1 step per split, uneven K, many steps, fused split-K
+    (1, 100, 72, 32, 32, 3),
+    (5, 257, 130, 64, 16, 4),
+    (3, 40, 256, 16, 32, 1),
+    (2, 17, 8, 16, 16, 1),
+]
+
+
+@cpu_interp
+@pytest.mark.parametrize("kind", ["fma", "dot"])
+@pytest.mark.parametrize("case", PREFETCH_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_prefetch_modes_same_bits(kind, case, monkeypatch):
+    """"regs" peels the first K step (its W tile loaded before the wait): the same sums in the same order as
+    "none", so the same bits; "l2" without PDL compiles to "none"."""
+    M, N, K, bn, bk, split = case
+    g = torch.Generator().manual_seed(N + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    cfg = {"kind": kind, "block_n": bn, "block_k": bk, "split_k": split}
+    want = _gemv().gemv(x, w, prefetch="none", **cfg)
+    assert rel_err(want, F.linear(x.double(), w.double()).float()) < TOL
+    _poison_allocator(monkeypatch)
+    for mode in ("regs", "l2"):
+        assert torch.equal(_gemv().gemv(x, w, prefetch=mode, **cfg), want), mode
+    assert torch.equal(_gemv().gemv(x, w, prefetch="regs", reduce="launch", **cfg), want)
+
+
+def test_prefetch_plan_host():
+    gemv = _gemv()
+    cfg = gemv.GemvConfig("dot", block_n=64, block_k=128, split_k=4, num_stages=4)  # prefetch "l2" by default
+    w = torch.empty(2304, 4096, dtype=torch.bfloat16)
+    assert cfg.prefetch == "l2"
+    mode, row_bytes = gemv.prefetch_plan(cfg, w, 36, 4, True, 132)  # o_proj: 144 programs, all resident
+    assert mode == "l2" and row_bytes == gemv.PREFETCH_L2_BYTES // (144 * 64) // 16 * 16 >= 2048  # whole split
+    mode, row_bytes = gemv.prefetch_plan(cfg, w, 1000, 1, True, 132)  # many programs: spread over resident ones
+    assert mode == "l2" and row_bytes == gemv.PREFETCH_L2_BYTES // (264 * 64) // 16 * 16
+    assert gemv.prefetch_plan(cfg, w, 36, 4, False, 132) == ("none", 0)  # no PDL: no wait to overlap
+    odd_rows = torch.empty(100, 4097, dtype=torch.bfloat16)[:, :4096]  # row stride 8194 B: not 16-byte aligned
+    assert gemv.prefetch_plan(cfg, odd_rows, 36, 4, True, 132) == ("none", 0)
+    shifted = torch.empty(100, 4096 + 8, dtype=torch.bfloat16)[:, 1:4097]  # rows start 2 B past alignment
+    assert gemv.prefetch_plan(cfg, shifted, 36, 4, True, 132) == ("none", 0)
+    tiny_k = gemv.GemvConfig("fma", block_n=16, block_k=4)  # 8-byte K steps: split starts not 16-byte aligned
+    assert gemv.prefetch_plan(tiny_k, w, 36, 4, True, 132) == ("none", 0)
+    regs = gemv.GemvConfig(prefetch="regs")
+    assert gemv.prefetch_plan(regs, w, 36, 4, True, 132) == gemv.prefetch_plan(regs, w, 36, 4, False, 132) \
+        == ("regs", 0)
+    with pytest.raises(ValueError, match="prefetch"):
+        gemv.GemvConfig(prefetch="smem").validate()
 
 
 # ---- routing (host only) ----

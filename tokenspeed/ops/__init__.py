@@ -207,6 +207,9 @@ def kda_decode(
     update_state: bool = True,
     step_states: Tensor | None = None,
     seq_lens: Tensor | None = None,
+    norm_gate: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> Tensor:
     """KDA decode / k-token verify from the raw projections, fused on CUDA (one launch per layer).
 
@@ -223,20 +226,27 @@ def kda_decode(
     seq_lens [N] (device), if given: only the first min(seq_lens[n], q_len_n) tokens of sequence n are used (the
     KDA replay of accepted drafts reads the verify batch in place); the other rows of o are zeros.
     Returns o [T, H, D] in qkv.dtype.
+    norm_gate ([T, H, D] or [T, H*D], unit last stride; may be a column view of a wider projection) with
+    norm_weight [D]: o is returned as `gated_rms_norm(o, norm_gate, norm_weight, norm_eps)` (the KDA output norm),
+    fused into the kernel's epilogue on CUDA, composed otherwise.
     """
     if step_states is not None and update_state:
         raise ValueError("step_states is for verify (update_state=False)")
-    if _dispatch.use_triton(qkv, f, b, conv_state, state, state_indices) and _dispatch.kda_decode_supported(
-        qkv, conv_weight, dt_bias
-    ):
+    if (norm_gate is None) != (norm_weight is None):
+        raise ValueError("norm_gate and norm_weight go together")
+    if _dispatch.use_triton(qkv, f, b, conv_state, state, state_indices, norm_gate) \
+            and _dispatch.kda_decode_supported(qkv, conv_weight, dt_bias):
         return _dispatch.kernels("kda_decode").kda_decode(
             qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens,
             lower_bound=lower_bound, scale=scale, update_state=update_state, step_states=step_states,
-            seq_lens=seq_lens,
+            seq_lens=seq_lens, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps,
         )
-    return _kda_decode_reference(qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices,
-                                 cu_seqlens, lower_bound=lower_bound, scale=scale, update_state=update_state,
-                                 step_states=step_states, seq_lens=seq_lens)
+    o = _kda_decode_reference(qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices,
+                              cu_seqlens, lower_bound=lower_bound, scale=scale, update_state=update_state,
+                              step_states=step_states, seq_lens=seq_lens)
+    if norm_gate is None:
+        return o
+    return gated_rms_norm(o, norm_gate.view(o.shape), norm_weight, norm_eps)
 
 
 def kda_replay_layers(

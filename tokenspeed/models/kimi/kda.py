@@ -12,7 +12,7 @@ column views of the output (row stride = the merged width, no copy): the fused d
 and b in place. The low-rank gate's two up projections run as one `StackedLinear` (`fg_b_proj`, weight
 [2, local, hd] from f_b_proj and g_b_proj) on the adjacent f_a|g_a columns, giving f and g contiguous; the
 full-rank config keeps `f_b_proj`. Per decode step a KDA layer launches in_proj, fg_b_proj (or f_b_proj), the
-fused kda_decode, the gated norm and o_proj (+ the all-reduce under tensor parallelism).
+fused kda_decode (the gated output norm is its epilogue) and o_proj (+ the all-reduce under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -133,10 +133,11 @@ class KDAAttention(nn.Module):
         if batch.verify:
             cache.replay[self.cache_index] = ReplayInputs(projected, f, b)
         conv_state, rec_state = cache.kda_conv[self.cache_index], cache.kda_recurrent[self.cache_index]
-        if takes_fused_path(batch, x.is_cuda):
+        if takes_fused_path(batch, x.is_cuda):  # the output norm is the fused kernel's epilogue
             o = ops.kda_decode(projected, f, b, self.conv_weight, conv_state, self.A_log, self.dt_bias, rec_state,
                                batch.kda_slots, batch.cu_seqlens, lower_bound=self.lower_bound,
-                               scale=1.0 / math.sqrt(hd), update_state=not batch.verify)
+                               scale=1.0 / math.sqrt(hd), update_state=not batch.verify,
+                               norm_gate=gate.view(t, h, hd), norm_weight=self.o_norm.weight, norm_eps=self.eps)
         else:
             slots = batch.kda_slots
             if batch.verify:  # scratch copies: the committed state is never written by a verification
@@ -149,7 +150,7 @@ class KDAAttention(nn.Module):
             o = ops.kda_prefill(q, k, v, f.view(t, h, hd), b, self.A_log, self.dt_bias, self.lower_bound,
                                 scale=1.0 / math.sqrt(hd), state=rec_state, state_indices=slots,
                                 cu_seqlens=batch.cu_seqlens, cu_seqlens_host=batch.cu_seqlens_host)
-        o = ops.gated_rms_norm(o, gate.view(t, h, hd), self.o_norm.weight, self.eps)
+            o = ops.gated_rms_norm(o, gate.view(t, h, hd), self.o_norm.weight, self.eps)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
 
     def replay_tensors(self, cache: CacheBuffers) -> ops.KdaLayerTensors:

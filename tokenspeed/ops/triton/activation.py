@@ -13,6 +13,7 @@ polynomial below |x| = 0.5, (1 - e^-2|x|) / (1 + e^-2|x|) above: within a few ul
 value sits on a rounding boundary.
 
 Grid: (cdiv(R, BLOCK_R), cdiv(I, BLOCK_I)), one [BLOCK_R, BLOCK_I] tile per program (~2K elements), columns fastest.
+PDL (`tokenspeed.ops.triton.pdl`): gate and up are the previous kernel's output, so a program waits first thing.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenspeed.ops.reference.activation import Activation
+from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import as_rows, next_pow2
 
 KINDS = ("silu", "situ")
@@ -61,8 +64,12 @@ def _gated_activation_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
     SITU: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Y[r, c] = act(G[r, c], U[r, up_offset + c]) for r < R, c < I (fp32 inside, one rounding to Y's dtype)."""
+    if PDL:  # gate / up come from the previous kernel: wait for it, then release our dependents
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < R)[:, None] & (cols < I)[None, :]
@@ -101,6 +108,7 @@ def _launch(g2: Tensor, u2: Tensor, up_offset: int, y2: Tensor, act: Activation)
         g2, u2, y2, r, i, g2.stride(0), u2.stride(0), y2.stride(0), up_offset,
         float(act.beta), float(act.linear_beta),
         BLOCK_R=block_r, BLOCK_I=block_i, SITU=act.kind == "situ", num_warps=4,
+        **pdl.kernel_kwargs(y2.device),
     )
 
 

@@ -16,6 +16,19 @@ Three schedules of the same math (`tokenspeed.ops.reference.attn_res` is the gro
   weighted sum (the second read hits L2), writes the mix, and normalises it in a third pass over its own row.
 - "online" (many rows, prefill): one program per row, one full-width row per candidate, online softmax; every
   candidate byte is read once from memory.
+
+PDL (`tokenspeed.ops.triton.pdl`): every schedule waits first thing (the snapshots and the partial sum are
+activations) and releases its dependents right after. Why the "split" schedule's spin barrier still cannot
+deadlock when it is launched as a programmatic dependent (kernel N after N-1, followed by N+1):
+- N's programs may become resident while N-1's programs still hold SMs, so some of N's programs can be
+  resident and others not yet. But none spins before its `gdc_wait` returns, i.e. before N-1 has completed
+  and released every SM it held. N-1 does complete: N launches only once every program of N-1 has triggered
+  (or exited), so all of them are already resident and past their own wait, and none waits on N.
+- N+1 cannot take SMs that N's missing programs need: N+1 is launched only once every program of N has executed
+  `gdc_launch_dependents` or exited, and a program that is not resident has done neither.
+- So once N-1 exits, only N's programs (and kernels of other streams, unsupported as before) occupy the GPU;
+  T * SPLIT <= SM count and one program fits on an empty SM, so every program becomes resident and the spin ends.
+The counters are touched only after the wait, so a later launch sees the previous launch's counters back at 0.
 """
 
 from __future__ import annotations
@@ -26,7 +39,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
 
 SPLIT_SLICE = 1024  # columns per program in the "split" schedule
@@ -83,7 +98,11 @@ def _attn_res_split_kernel(
     BLOCK_N: tl.constexpr,
     DS: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # before any load and before the spin barrier (see the module docstring: no deadlock)
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     t64 = (pid // SPLIT).to(tl.int64)
     s = pid % SPLIT
@@ -149,7 +168,11 @@ def _attn_res_online_kernel(
     eps, norm_eps,
     BLOCK_D: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     t64 = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -159,7 +182,7 @@ def _attn_res_online_kernel(
     m_run = tl.sum(v * q, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
     l_run = m_run * 0.0 + 1.0
     acc = v
-    for i in range(0, n):
+    for i in range(n):
         v = tl.load(Bk + i * stride_bn + t64 * stride_bt + cols, mask=cmask, other=0.0).to(tl.float32)
         z = tl.sum(v * q, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
         m_new = tl.maximum(m_run, z)
@@ -188,7 +211,11 @@ def _attn_res_tile_kernel(
     CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     t64 = tl.program_id(0).to(tl.int64)
     cand = tl.arange(0, BLOCK_N)
     is_blk = cand < n
@@ -253,6 +280,7 @@ def _launch(blocks: Tensor, partial: Tensor, query: Tensor, eps: float, norm_wei
         schedule = choose_schedule(T, D, n, partial.device)
     common = (bk, partial, query, nw, out, n, D, sbn, sbt, partial.stride(0), out.stride(0), float(eps),
               float(norm_eps))
+    launch = pdl.kernel_kwargs(partial.device)
     if schedule == "split":
         if T * split > _num_sms(partial.device):
             raise ValueError(f"split schedule needs T * {split} <= {_num_sms(partial.device)} programs")
@@ -260,15 +288,16 @@ def _launch(blocks: Tensor, partial: Tensor, query: Tensor, eps: float, norm_wei
         split_p2 = next_pow2(split)
         ws, cnt = _workspace(partial.device, T * (2 * split * block_n + split_p2), 3 * T)
         _attn_res_split_kernel[(T * split,)](*common[:5], ws, cnt, *common[5:], SPLIT=split, SPLIT_P2=split_p2,
-                                             BLOCK_N=block_n, DS=SPLIT_SLICE, HAS_NORM=has_norm, num_warps=8)
+                                             BLOCK_N=block_n, DS=SPLIT_SLICE, HAS_NORM=has_norm, num_warps=8,
+                                             **launch)
     elif schedule == "tile":
         block_n = next_pow2(n + 1)
         chunk = max(64, min(block_d, 4096 // block_n))
         _attn_res_tile_kernel[(T,)](*common, BLOCK_N=block_n, CHUNK=chunk, BLOCK_D=block_d, HAS_NORM=has_norm,
-                                    num_warps=8)
+                                    num_warps=8, **launch)
     elif schedule == "online":
         _attn_res_online_kernel[(T,)](*common, BLOCK_D=block_d, HAS_NORM=has_norm,
-                                      num_warps=4 if block_d <= 2048 else (8 if block_d <= 8192 else 16))
+                                      num_warps=4 if block_d <= 2048 else (8 if block_d <= 8192 else 16), **launch)
     else:
         raise ValueError(f"unknown schedule {schedule!r}")
     return out

@@ -21,6 +21,10 @@ Launches (grids from shapes only; no host synchronisation, so the call can be ca
    state): conv_state[slot, :, j] = x_{len-(W-1)+j} for j < W-1, from x or from the old state (shifted) when the
    sequence has fewer than W-1 new tokens. Every column is read into registers before any is written.
 
+PDL (`tokenspeed.ops.triton.pdl`): both kernels wait first thing (x, cu_seqlens and state_indices come from the
+kernels or copies just before). The state kernel is a programmatic dependent of the conv kernel: its wait returns
+only once the conv kernel has completed, so the conv still reads every OLD state column before one is replaced.
+
 Beyond the reference: a slot `state_indices[n] < 0` (a CUDA-graph padding row) means "no state": its history
 reads as zeros and nothing is stored. cu_seqlens is NOT validated here (that needs a host sync): it must be
 [N + 1], non-decreasing, from 0 to T. Slots >= 0 must be distinct and < S.
@@ -32,7 +36,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
 
 _ACTIVATIONS = ("silu", None)
@@ -126,11 +132,15 @@ def _conv_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     UNROLL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """BLOCK_T consecutive tokens x BLOCK_C channels per program, UNROLL (1 or 2) tokens per step: their rows
     are loaded together, then consumed in order. Each x row is loaded once; the W-1 previous inputs ride along in
     registers (h1 = position i-1, h2 = i-2, h3 = i-3), rebuilt at the program's first token and at the first
     W-1 tokens of each sequence."""
+    if PDL:  # x and the index tensors come from the kernels before: wait, then release our dependents
+        gdc_wait()
+        gdc_launch_dependents()
     t0 = tl.program_id(0) * BLOCK_T
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C
@@ -184,9 +194,13 @@ def _state_kernel(
     stride_xt, stride_ss, stride_sc, stride_sw,
     W: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Sequence n = program 0, BLOCK_C channels: conv_state[state_indices[n], c, :] <- the last W-1 inputs of
     [old state, new tokens] (2 <= W <= 4); nothing for an empty sequence or a slot < 0."""
+    if PDL:  # after the conv kernel has completed (it reads the old state that this kernel replaces)
+        gdc_wait()
+        gdc_launch_dependents()
     n = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     bos = tl.load(CU + n).to(tl.int64)
@@ -289,12 +303,13 @@ def causal_conv1d(
         T, C, N, max(N - 1, 0).bit_length(),
         x.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride(), y.stride(0), group, stride_yg,
         W=W, SILU=activation == "silu", BLOCK_T=block_t, BLOCK_C=block_c, UNROLL=unroll, num_warps=num_warps,
+        **pdl.kernel_kwargs(x.device),
     )
     if W > 1:
         state_block_c = min(1024, next_pow2(C))
         _state_kernel[(N, triton.cdiv(C, state_block_c))](
             x, conv_state, state_indices, cu_seqlens, C,
             x.stride(0), *conv_state.stride(),
-            W=W, BLOCK_C=state_block_c, num_warps=4,
+            W=W, BLOCK_C=state_block_c, num_warps=4, **pdl.kernel_kwargs(x.device),
         )
     return y

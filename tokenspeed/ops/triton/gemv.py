@@ -26,12 +26,29 @@ that arrives last sums the tile's SPLIT_K partials in the fixed order s = 0..SPL
 on the arrival order), rounds once, writes y and resets the semaphore to 0 for the next call or graph replay.
 Nobody waits for anybody, so the scheme cannot deadlock whatever the residency. `reduce="launch"` keeps the
 previous scheme (a second tiny kernel sums the splits in the same order: identical bits) for A/B timing.
-On Hopper the kernels use programmatic dependent launch (PDL): each starts with `griddepcontrol.wait` (so it
-still sees everything the previous kernel wrote, x included, and, for the semaphores, every earlier GEMV has
-finished and reset them) and then releases its dependents at once, so a following GEMV (or reduce) is scheduled
-while this one streams. Kernels not launched as PDL dependents (everything else in the stream) are unaffected.
+On Hopper the kernels use programmatic dependent launch (PDL, `tokenspeed.ops.triton.pdl`; TOKENSPEED_PDL=0
+turns it off): before any read of x, each program executes `griddepcontrol.wait` (so it sees everything the
+previous kernel wrote, x included, and, for the semaphores, every earlier GEMV has finished and reset them) and
+then releases its dependents at once, so a following GEMV (or reduce) is scheduled while this one streams.
 Measured on an H200 in CUDA graphs: two PDL launches cost about 0.6-1 us less per split-K call than two plain
 ones; the fused reduction removes the second launch (and its PDL wait) altogether.
+
+Weight prefetch before the wait (`GemvConfig.prefetch`): a program launched as a dependent is resident while the
+previous kernel still runs, so it can put its weight stream in flight early (no kernel writes a weight).
+- "l2" (the default): one `cp.async.bulk.prefetch.L2.global` per weight row of the program, covering the row's
+  K range of the program (capped so the resident programs prefetch at most PREFETCH_L2_BYTES together). After
+  the wait the loop's loads hit L2 or merge with the prefetches in flight, so the whole K range, not only its
+  first tile, starts streaming during the previous kernel. The loop, its software pipelining and its registers
+  are unchanged. Compiled only into PDL launches (inline asm: not in the interpreter), and only when the rows
+  start 16-byte aligned (the instruction's rule; else "none"). ptxas issues it from a short uniform-register
+  loop over a warp's distinct rows (about 32 iterations), before the wait. It moves no data into the SM, and
+  L2 is where every SM's writes land, so it cannot return stale data even if the "weight" were being written.
+- "regs": the first W tile is loaded into registers before the wait and the loop's first step is peeled (the
+  rest of the loop is pipelined as before). It hides one DRAM round trip at most (the next tile's load is
+  issued after the wait) and holds the tile in registers and shared memory (+20 KB for 64 x 128 bf16 tiles).
+  It stays compiled without PDL (then it is only the peel), so the interpreter tests its loop. Under PDL it
+  reads real data before the wait: the weight must not be written by the two kernels launched before the GEMV.
+- "none": nothing before the wait.
 
 Rows past N and x rows past M are clamped to the last valid row for the loads (so the loads need no row mask)
 and masked at the store. CUDA-graph safe: no host synchronisation; the output and the split-K workspace are
@@ -56,17 +73,29 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from tokenspeed.ops.triton import pdl
+
 MAX_M = 16
 KINDS = ("fma", "dot")
 REDUCES = ("fused", "launch")
+PREFETCHES = ("none", "l2", "regs")
 _NUM_SMS_DEFAULT = 132  # H200 / H100 SXM
+# "l2" prefetch: bytes the programs resident at once may prefetch together (per row: this / (programs * BLOCK_N)),
+# well under the H200's L2 (50+ MB), so prefetched lines are not evicted before the loop reads them and the
+# previous kernel's output (our x) stays in L2. CTAS_PER_SM: the resident programs per SM assumed for that split.
+PREFETCH_L2_BYTES = 24 << 20
+PREFETCH_CTAS_PER_SM = 2
 
 
 @dataclass(frozen=True)
 class GemvConfig:
     """Launch configuration. kind: "fma" | "dot"; block sizes are powers of two (dot: block_n, block_k >= 16).
     reduce (split_k > 1 only): "fused", the last split of each n-tile sums the partials inside the GEMV launch,
-    or "launch", a second kernel does (the previous scheme, kept for A/B timing); both give identical bits."""
+    or "launch", a second kernel does (the previous scheme, kept for A/B timing); both give identical bits.
+    prefetch: what a program does with its weights before its PDL wait (see the module docstring): "none";
+    "l2", an L2 prefetch of its weight rows' K range (PDL launches only, and only when the rows are 16-byte
+    aligned; otherwise "none"); "regs", the first W tile loaded into registers (the loop's first step peeled;
+    also without PDL, where it is only the peel)."""
 
     kind: str = "fma"
     block_n: int = 16
@@ -75,6 +104,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     reduce: str = "fused"
+    prefetch: str = "l2"
 
     def validate(self) -> GemvConfig:
         """Raise ValueError on an impossible configuration; return self."""
@@ -88,24 +118,30 @@ class GemvConfig:
             raise ValueError(f"kind 'dot' needs block_n, block_k >= 16; got {self.block_n}, {self.block_k}")
         if self.reduce not in REDUCES:
             raise ValueError(f"reduce must be one of {REDUCES}; got {self.reduce!r}")
+        if self.prefetch not in PREFETCHES:
+            raise ValueError(f"prefetch must be one of {PREFETCHES}; got {self.prefetch!r}")
         if self.split_k < 1 or self.num_stages < 1:
             raise ValueError(f"split_k and num_stages must be >= 1; got {self.split_k}, {self.num_stages}")
         return self
 
 
-_device_info: dict[int, tuple[int, bool]] = {}
+_device_info: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """The device's SM count; the interpreter: 132 (an H200's)."""
+    if device.type != "cuda":
+        return _NUM_SMS_DEFAULT
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _device_info.get(idx)
+    if sms is None:
+        sms = _device_info[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return sms
 
 
 def _num_sms_pdl(device: torch.device) -> tuple[int, bool]:
-    """(SM count, programmatic dependent launch available: Hopper or newer); interpreter: (132, False)."""
-    if device.type != "cuda":
-        return _NUM_SMS_DEFAULT, False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    info = _device_info.get(idx)
-    if info is None:
-        props = torch.cuda.get_device_properties(idx)
-        info = _device_info[idx] = (props.multi_processor_count, props.major >= 9)
-    return info
+    """(SM count, launch as programmatic dependents: `pdl.enabled`, so TOKENSPEED_PDL=0 turns it off)."""
+    return _num_sms(device), pdl.enabled(device)
 
 
 def default_config(M: int, N: int, K: int, elt_size: int = 2, num_sms: int = _NUM_SMS_DEFAULT) -> GemvConfig:
@@ -148,16 +184,43 @@ def _tiles(X, W, M, N, K, k_split, stride_xm, stride_xk, stride_wn,
 
 
 @triton.jit
+def _load_tile(ptrs, k0, offs_k, K, EVEN_K: tl.constexpr):
+    """The [rows, BLOCK_K] tile at ptrs, whose columns are k0 + offs_k (columns >= K read as 0 unless EVEN_K)."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=((k0 + offs_k) < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _load_k_step(w_ptrs, x_ptrs, k0, offs_k, K, EVEN_K: tl.constexpr):
     """The W [BLOCK_N, BLOCK_K] and x [BLOCK_M, BLOCK_K] tiles at k0 (columns >= K read as 0 unless EVEN_K)."""
-    if EVEN_K:
-        w = tl.load(w_ptrs)
-        x = tl.load(x_ptrs)
-    else:
-        k_ok = (k0 + offs_k) < K
-        w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-        x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-    return w, x
+    return _load_tile(w_ptrs, k0, offs_k, K, EVEN_K), _load_tile(x_ptrs, k0, offs_k, K, EVEN_K)
+
+
+@triton.jit
+def _prefetch_rows_l2(W, offs_n, N, stride_wn, k_lo, k_hi, row_bytes):
+    """One `cp.async.bulk.prefetch.L2` per weight row of the program (rows clamped to N-1): the row's bytes from
+    column k_lo, (k_hi - k_lo) columns capped at row_bytes, rounded down to 16 bytes (the instruction's unit;
+    the host guarantees 16-byte aligned row starts). A hint: fire and forget, no registers held. An element of
+    the row tensor held by several threads issues the same prefetch from each (harmless, merged in L2)."""
+    elt: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    ptrs = W + rows * stride_wn + k_lo
+    nbytes = tl.minimum((k_hi - k_lo) * elt, row_bytes) // 16 * 16 + tl.zeros_like(offs_n)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _pre_wait(W, offs_n, N, stride_wn, k_lo, k_hi, pf_row_bytes, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """PDL launches: the "l2" weight prefetch (weights are never written by a kernel, so they may be read
+    before the wait), then wait for the producer of x and release our dependents. Nothing without PDL."""
+    if PDL:
+        if PREFETCH == "l2":
+            _prefetch_rows_l2(W, offs_n, N, stride_wn, k_lo, k_hi, pf_row_bytes)
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -205,22 +268,30 @@ def _epilogue(acc, Out, Y, Sem, M, N, pid_s, offs_m, offs_n, stride_os, stride_o
 @triton.jit
 def _gemv_fma_kernel(
     X, W, Out, Y, Sem,
-    M, N, K, k_split,
+    M, N, K, k_split, pf_row_bytes,
     stride_xm, stride_xk, stride_wn, stride_os, stride_om,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     REDUCE_SPLITS: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # launched as a programmatic dependent: wait for the producer of x, then let our dependents launch
-        gdc_wait()
-        gdc_launch_dependents()
     pid_s, offs_m, offs_n, offs_k, k_lo, k_hi, w_ptrs, x_ptrs = _tiles(
         X, W, M, N, K, k_split, stride_xm, stride_xk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+    if PREFETCH == "regs":  # the first W tile before the wait (every split owns >= 1 step)
+        w_first = _load_tile(w_ptrs, k_lo, offs_k, K, EVEN_K)
+    _pre_wait(W, offs_n, N, stride_wn, k_lo, k_hi, pf_row_bytes, PREFETCH, PDL)  # x is readable from here on
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_start = k_lo
+    if PREFETCH == "regs":  # the peeled first step
+        x = _load_tile(x_ptrs, k_lo, offs_k, K, EVEN_K)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w_first.to(tl.float32)[None, :, :], axis=2)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K * stride_xk
+        k_start += BLOCK_K
+    for k0 in range(k_start, k_hi, BLOCK_K):
         w, x = _load_k_step(w_ptrs, x_ptrs, k0, offs_k, K, EVEN_K)
         prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         acc += tl.sum(prod, axis=2)
@@ -230,9 +301,17 @@ def _gemv_fma_kernel(
 
 
 @triton.jit
+def _mma(w, x, acc, IEEE: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] += w [BLOCK_N, BLOCK_K] @ x[BLOCK_M, BLOCK_K]^T on tensor cores (fp32 inputs: IEEE)."""
+    if IEEE:
+        return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+    return tl.dot(w, tl.trans(x), acc)
+
+
+@triton.jit
 def _gemv_dot_kernel(
     X, W, Out, Y, Sem,
-    M, N, K, k_split,
+    M, N, K, k_split, pf_row_bytes,
     stride_xm, stride_xk, stride_wn, stride_os, stride_om,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -240,20 +319,25 @@ def _gemv_dot_kernel(
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
     REDUCE_SPLITS: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
     pid_s, offs_m, offs_n, offs_k, k_lo, k_hi, w_ptrs, x_ptrs = _tiles(
         X, W, M, N, K, k_split, stride_xm, stride_xk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
+    if PREFETCH == "regs":  # the first W tile before the wait (every split owns >= 1 step)
+        w_first = _load_tile(w_ptrs, k_lo, offs_k, K, EVEN_K)
+    _pre_wait(W, offs_n, N, stride_wn, k_lo, k_hi, pf_row_bytes, PREFETCH, PDL)  # x is readable from here on
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_start = k_lo
+    if PREFETCH == "regs":  # the peeled first step; the loop below (the rest) is software-pipelined as before
+        x = _load_tile(x_ptrs, k_lo, offs_k, K, EVEN_K)
+        acc = _mma(w_first, x, acc, IEEE)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K * stride_xk
+        k_start += BLOCK_K
+    for k0 in range(k_start, k_hi, BLOCK_K):
         w, x = _load_k_step(w_ptrs, x_ptrs, k0, offs_k, K, EVEN_K)
-        if IEEE:
-            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(x), acc)
+        acc = _mma(w, x, acc, IEEE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K * stride_xk
     _epilogue(acc, Out, Y, Sem, M, N, pid_s, offs_m, offs_n, stride_os, stride_om, True, REDUCE_SPLITS)
@@ -261,8 +345,9 @@ def _gemv_dot_kernel(
 
 @triton.jit
 def _splitk_reduce_kernel(Ws, Y, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # scheduled while the GEMV runs; waits here for its partials
+    if PDL:  # scheduled while the GEMV runs; waits here for its partials, then releases its dependents
         gdc_wait()
+        gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -292,7 +377,7 @@ def _check(x: Tensor, weight: Tensor, out_dtype: torch.dtype, out: Tensor | None
 def resolve_config(M: int, N: int, K: int, elt_size: int, device: torch.device, **overrides: int | str | None
                    ) -> GemvConfig:
     """`default_config` with the given non-None fields replaced (the table stores complete configs)."""
-    base = default_config(M, N, K, elt_size, _num_sms_pdl(device)[0])
+    base = default_config(M, N, K, elt_size, _num_sms(device))
     given = {k: v for k, v in overrides.items() if v is not None}
     return replace(base, **given).validate() if given else base
 
@@ -326,6 +411,24 @@ def effective_split(K: int, cfg: GemvConfig) -> tuple[int, int]:
     return triton.cdiv(K, k_split), k_split
 
 
+def prefetch_plan(cfg: GemvConfig, weight: Tensor, n_tiles: int, split: int, pdl_on: bool, num_sms: int
+                  ) -> tuple[str, int]:
+    """(the PREFETCH mode compiled in, bytes per weight row the "l2" mode may prefetch) for a launch of
+    n_tiles x split programs. "l2" needs a PDL launch (its inline asm exists only in that variant; without PDL
+    there is no wait to overlap) and 16-byte aligned row starts (base, row stride and BLOCK_K steps), else it
+    becomes "none"; the per-row cap spreads PREFETCH_L2_BYTES over the programs resident at once. "regs" is
+    kept without PDL (then it only peels the first K step)."""
+    if cfg.prefetch == "regs":
+        return "regs", 0
+    elt = weight.element_size()
+    aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * elt % 16 == 0 and cfg.block_k * elt % 16 == 0
+    if cfg.prefetch != "l2" or not pdl_on or not aligned:
+        return "none", 0
+    resident = min(n_tiles * split, PREFETCH_CTAS_PER_SM * num_sms)
+    row_bytes = PREFETCH_L2_BYTES // (resident * cfg.block_n) // 16 * 16
+    return ("l2", row_bytes) if row_bytes > 0 else ("none", 0)
+
+
 def gemv(
     x: Tensor,
     weight: Tensor,
@@ -339,13 +442,17 @@ def gemv(
     reduce: str | None = None,
     out_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
+    prefetch: str | None = None,
 ) -> Tensor:
     """y = x @ weight^T for x [M, K] (1 <= M <= 16), weight [N, K] -> y [M, N] contiguous, out_dtype.
 
     out_dtype: x.dtype (None, the default) or torch.float32: then 16-bit inputs give the fp32 accumulation
     itself, never rounded to 16 bits (the MoE router's logits). Launch-config arguments left None come from
-    `default_config` (reduce: "fused" unless given). split_k is capped so every split owns at least one BLOCK_K
-    step. `out`, if given, is a contiguous [M, N] tensor of out_dtype that receives y (and is returned).
+    `default_config` (reduce: "fused", prefetch: "l2" unless given; see `GemvConfig`). split_k is capped so every
+    split owns at least one BLOCK_K step. `out`, if given, is a contiguous [M, N] tensor of out_dtype that
+    receives y (and is returned).
+    prefetch="regs" under PDL reads the first weight tile before waiting for the previous kernel: the weight must
+    not be written by either of the two kernels launched just before (true of model weights).
     Raises ValueError on unsupported shapes, dtypes or layouts (see the module docstring).
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -358,19 +465,21 @@ def gemv(
     if K == 0:
         return y.zero_()
     cfg = resolve_config(M, N, K, x.element_size(), x.device, kind=kind, block_n=block_n, block_k=block_k,
-                         split_k=split_k, num_warps=num_warps, num_stages=num_stages, reduce=reduce)
+                         split_k=split_k, num_warps=num_warps, num_stages=num_stages, reduce=reduce,
+                         prefetch=prefetch)
     split, k_split = effective_split(K, cfg)
     n_tiles = triton.cdiv(N, cfg.block_n)
     sem = semaphores(x.device) if split > 1 and cfg.reduce == "fused" else None
     if sem is not None and n_tiles > sem.numel():  # more n-tiles than counters: the two-launch reduction
         sem = None
     dst = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    pdl = _num_sms_pdl(x.device)[1]
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
-    args = (x, weight, dst, y, dst if sem is None else sem, M, N, K, k_split, x.stride(0), x.stride(1),
-            weight.stride(0), 0 if split == 1 else M * N, N)
+    num_sms, pdl_on = _num_sms_pdl(x.device)
+    mode, pf_row_bytes = prefetch_plan(cfg, weight, n_tiles, split, pdl_on, num_sms)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl_on else {}))
+    args = (x, weight, dst, y, dst if sem is None else sem, M, N, K, k_split, pf_row_bytes, x.stride(0),
+            x.stride(1), weight.stride(0), 0 if split == 1 else M * N, N)
     consts = {"BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN_K": K % cfg.block_k == 0,
-              "REDUCE_SPLITS": 1 if sem is None else split, "PDL": pdl}
+              "REDUCE_SPLITS": 1 if sem is None else split, "PREFETCH": mode, "PDL": pdl_on}
     grid = (n_tiles, split)
     if cfg.kind == "dot":
         _gemv_dot_kernel[grid](*args, BLOCK_M=max(16, triton.next_power_of_2(M)), IEEE=x.dtype == torch.float32,
@@ -379,6 +488,7 @@ def gemv(
         _gemv_fma_kernel[grid](*args, BLOCK_M=triton.next_power_of_2(M), **consts, **launch)
     if split > 1 and sem is None:  # the two-launch reduction
         block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dst, y, M * N, SPLIT_K=split, BLOCK=block, PDL=pdl,
-                                                            num_warps=4, **({"launch_pdl": True} if pdl else {}))
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dst, y, M * N, SPLIT_K=split, BLOCK=block,
+                                                            PDL=pdl_on, num_warps=4,
+                                                            **({"launch_pdl": True} if pdl_on else {}))
     return y

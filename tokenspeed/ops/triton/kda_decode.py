@@ -50,6 +50,34 @@ read as zeros (conv input, conv weight, f, dt_bias, state), so they add nothing 
 the outputs, and are never written. When D is a power of two (and BV divides it) the masks are compile-time
 no-ops (EVEN_K / EVEN_V): the same code as the unpadded kernel.
 
+Norm epilogue (NORM, `kda_decode(norm_gate=, norm_weight=, norm_eps=)`): the KDA output norm
+`gated_rms_norm(o, gate, w, eps)` applied in the kernel, in place on the o rows it wrote, by the formula and
+operation order of `triton.norm.gated_rms_norm` (fp32 from the rounded o as stored, one rounding at the end), so
+it equals that kernel after the plain launch up to the order of the fp32 sum of squares (bit-identical in the
+interpreter; on the GPU the two reductions may associate differently: within 1 ulp of the io dtype where they do).
+Split with NV > 1: the head's o row is spread over NV programs, so the counter pass above also picks the program
+that norms it: the last to arrive, after its acq_rel atomic, reads the rows back through L2 (.cg). Verify
+launches take the counter too (they write no conv state), and the last arriver still resets it: one pass serves
+both uses. NV = 1 and chunked: the program owns the head; a CTA barrier orders its o stores before the reads.
+BR = NORM_ROWS rows are normed per step (several tokens per sequence: verify, prompt tails).
+
+PDL (`tokenspeed.ops.triton.pdl`; Hopper, compiled code only): before `gdc_wait` a single-layer launch reads only
+its slot and bounds (`state_indices[n]`, `cu_seqlens[n:n+2]`), the recurrent-state pool (split: its [BK, BV] tile
+into registers; chunked verify: the first tile; chunked decode: a bulk L2 prefetch of the head's state rows, when
+they are 16-byte aligned: PF_STATE), A_log, and issues L2 prefetch hints for the conv weight, conv state, dt_bias
+and norm weight rows it reads first. Prefetch hints are correct whatever wrote
+the memory (no data is consumed). The state pool is written only by KDA ops of earlier steps (never by either of
+the two launches before this one). Slots and bounds come from a host-to-device copy, which the protocol allows
+pre-wait only when it was written at least two launches earlier: in the model the batch's slots and cu_seqlens
+are copied in before the step's first kernel (one copy of the batch's host buffer; a graph's static buffers are
+filled before its replay) and no kernel writes them, while embedding, norms, in_proj and the gate projection run
+before a KDA layer (in_proj a cuBLAS launch, which starts only after everything before it completed). The caller
+contract of `kda_decode` states it. seq_lens (the replay's accepted counts, produced by the kernel just before),
+the projections, the gate and every write come after the wait, and `gdc_launch_dependents` right after it. No program exits early (padding rows run masked), so
+every program waits. The multi-layer replay waits first thing (its offset table may have been copied in just
+before by an eager replay; as the only kernel of its graph it overlaps nothing anyway). The V-split counters are
+touched only after the wait, so consecutive launches sharing them are ordered.
+
 `kda_replay_layers` (MULTI_LAYER): the state replay of accepted drafts over all L KDA layers of a model in one
 launch, grid (NV, N * H, L). Program (., ., l) adds row l of an int64 [L, 8] element-offset table
 (`tokenspeed.ops.kda_layers.KdaLayerTable`, built once on the host) to the layer-0 base pointer of each per-layer
@@ -67,9 +95,11 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenspeed.ops.dispatch import kda_replay_layers_unsupported
 from tokenspeed.ops.kda_layers import KdaLayerTable
+from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
 
 _COUNTERS: dict[torch.device, Tensor] = {}
@@ -86,6 +116,35 @@ def _counters(device: torch.device, size: int) -> Tensor:
         buf = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
+
+
+@triton.jit
+def _pdl_sync(PDL: tl.constexpr):
+    """PDL: wait for the previous kernel of the stream (completed, its memory visible), then let the next one be
+    scheduled (`tokenspeed.ops.triton.pdl`). No-op without PDL."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _prefetch_l2(ptrs, mask, base):
+    """An L2 prefetch hint for every address of `ptrs` (lanes outside `mask` prefetch `base`, a valid address).
+    Nothing is read into registers, so it is correct whatever wrote (or later writes) the memory: L2 is the point
+    of coherence, and `prefetch.global.L2` fills no L1 line. Compiled code only (inline PTX)."""
+    p = tl.where(mask, ptrs, base)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [p], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def _prefetch_l2_bulk(ptrs, nbytes, mask):
+    """`cp.async.bulk.prefetch.L2` of `nbytes` (a multiple of 16) from each 16-byte aligned address of `ptrs`
+    where `mask` (sm_90; a hint like `_prefetch_l2`: fire and forget, no registers held)."""
+    n = tl.where(mask, nbytes, 0)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, n], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -242,6 +301,44 @@ def _delta_step(b_s, q, k, decay, beta, yv, mv, STORE_OUT: tl.constexpr):
 
 
 @triton.jit
+def _norm_rows(O, G, stride_gt, stride_gh, NW, norm_eps, bos, num_rows, h, H, D: tl.constexpr, ok, lk,
+               BR: tl.constexpr):
+    """The gated RMSNorm epilogue, in place on rows o[bos .. bos + num_rows - 1, h, :D] (lanes `ok`, real where
+    `lk`), BR rows at a time: y = x * rsqrt(sum(x^2) / D + eps) * w * sigmoid(gate) in fp32 from the rounded o x as
+    stored, rounded once to o's dtype (`triton.norm.gated_rms_norm`'s formula and order). The rows are read through
+    L2 (.cg): other programs of the head wrote parts of them (the caller orders those writes before this read)."""
+    w = tl.load(NW + ok, mask=lk, other=0.0).to(tl.float32)
+    r = tl.arange(0, BR)
+    for r0 in range(0, num_rows, BR):
+        t = bos + r0 + r
+        m = (r0 + r < num_rows)[:, None] & lk[None, :]
+        p = O + (t * H + h)[:, None] * D + ok[None, :]
+        x = tl.load(p, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        g = tl.load(G + (t * stride_gt + h * stride_gh)[:, None] + ok[None, :], mask=m, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + norm_eps)
+        y = x * inv[:, None] * w[None, :] * tl.sigmoid(g)
+        tl.store(p, y.to(O.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D: tl.constexpr, ok, cq, ck, cvx, mk, mvx,
+                     NORM: tl.constexpr):
+    """L2 prefetch (before the PDL wait) of the weights and the conv-state rows this program reads first: conv
+    weight and conv state of its q / k channels (`cq`, `ck`, mask `mk`) and v channels (`cvx`, mask `mvx`),
+    dt_bias and the norm weight (NORM) of the head's key lanes `ok`."""
+    _prefetch_l2(CW + cq * 4, mk, CW)
+    _prefetch_l2(CW + ck * 4, mk, CW)
+    _prefetch_l2(CW + cvx * 4, mvx, CW)
+    for j in tl.static_range(3):
+        _prefetch_l2(cs + cq * stride_csc + j * stride_csw, mk, cs)
+        _prefetch_l2(cs + ck * stride_csc + j * stride_csw, mk, cs)
+        _prefetch_l2(cs + cvx * stride_csc + j * stride_csw, mvx, cs)
+    _prefetch_l2(DT + h * D + ok, mk, DT)
+    if NORM:
+        _prefetch_l2(NW + ok, mk, NW)
+
+
+@triton.jit
 def _kda_decode_kernel(
     QKV, stride_qkv,
     F, stride_ft, stride_fh,
@@ -251,7 +348,8 @@ def _kda_decode_kernel(
     S, stride_ss,
     SLOTS, CU, LENS,
     O, STEP, CNT, LOFF,
-    lower_bound, scale,
+    G, stride_gt, stride_gh, NW,
+    lower_bound, scale, norm_eps,
     H: tl.constexpr,
     D: tl.constexpr,
     BK: tl.constexpr,
@@ -268,10 +366,17 @@ def _kda_decode_kernel(
     STORE_OUT: tl.constexpr = True,
     CHUNKS: tl.constexpr = 1,
     STAGES: tl.constexpr = 1,
+    NORM: tl.constexpr = False,
+    NORM_ROWS: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
+    PF_STATE: tl.constexpr = False,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
     if MULTI_LAYER:  # one launch over L layers: layer l's tensors are layer 0's + row l of the offset table
+        # The table may have been copied in just before (an eager replay builds a fresh one): nothing is read
+        # before the PDL wait in this launch (the replay graph's only kernel gains nothing from it anyway).
+        _pdl_sync(PDL)
         layer = tl.program_id(2)
         row = LOFF + layer * 8  # columns: kda_layers.LAYER_FIELDS
         QKV += tl.load(row + 0)
@@ -288,12 +393,12 @@ def _kda_decode_kernel(
     HD = H * D
     OUT_TY = O.dtype.element_ty
 
-    bos = tl.load(CU + n).to(tl.int64)
-    seq_len = tl.load(CU + n + 1).to(tl.int64) - bos
-    if HAS_LENS:  # only the first LENS[n] tokens of the sequence's rows (KDA replay of accepted drafts)
-        seq_len = tl.maximum(tl.minimum(tl.load(LENS + n).to(tl.int64), seq_len), 0)
+    # Single-layer launch: up to `_pdl_sync` below, only reads allowed before the PDL wait (module docstring,
+    # "PDL"): the slot and the sequence bounds, the recurrent-state pool and the weights.
     slot_raw = tl.load(SLOTS + n).to(tl.int64)
     slot = tl.maximum(slot_raw, 0)
+    bos = tl.load(CU + n).to(tl.int64)
+    seq_len = tl.load(CU + n + 1).to(tl.int64) - bos
 
     ok = tl.arange(0, BK)                # key channel within the head (BK = D unless D is padded)
     ov = pid_v * (CHUNKS * BV) + tl.arange(0, BV)   # value channel within the head (chunked: of the first tile)
@@ -317,8 +422,23 @@ def _kda_decode_kernel(
     if CHUNKS == 1:
         b_s = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
         b_s = tl.where(ms, b_s, 0.0)  # a padding row reads slot 0 (lanes only, unmasked when even), then zeros
+    elif not UPDATE:  # chunked verify: the first tile (the pool is not written by this launch)
+        nxt = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
 
     rate = tl.exp(tl.load(A_log + h).to(tl.float32))
+    if PDL and not MULTI_LAYER:  # L2 prefetch hints for what the first token reads next to the state
+        if CHUNKS == 1:
+            _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D, ok, cq, ck, cv, mk, mv, NORM)
+        else:
+            cw_all = 2 * HD + h * D + ok  # the head's v channels (CHUNKS * BV = BK)
+            _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D, ok, cq, ck, cw_all, mk, mk, NORM)
+            if UPDATE and PF_STATE:  # the head's state (read tile by tile in the pipelined loop below), by rows
+                _prefetch_l2_bulk(S + slot * stride_ss + h * D * D + ok * D, D * 4, mk)
+    if not MULTI_LAYER:
+        _pdl_sync(PDL)
+
+    if HAS_LENS:  # only the first LENS[n] tokens of the sequence's rows (KDA replay of accepted drafts)
+        seq_len = tl.maximum(tl.minimum(tl.load(LENS + n).to(tl.int64), seq_len), 0)
 
     if CHUNKS == 1:
         for i in range(seq_len):  # (the original code, kept verbatim: the same SASS as before the chunked paths)
@@ -408,11 +528,13 @@ def _kda_decode_kernel(
             _store_conv_states3(QKV, stride_qkv, cs, stride_csc, stride_csw, t, 1, 2 * HD + h * D + ow, mw, cq, ck,
                                 mk)
             tl.debug_barrier()  # the state and conv-state writes before the next token's reads (other threads)
+        if NORM:  # this program wrote the whole o[t, h] rows (every tile), ordered by the barriers above
+            _norm_rows(O, G, stride_gt, stride_gh, NW, norm_eps, bos, seq_len, h, H, D, ok, lk, NORM_ROWS)
     else:
         # Chunked, one program per head, pools untouched (verify): tile by tile, each carried through all tokens in
         # registers (the token's q / k / gate recomputed per tile: L1 hits), the state after every token written to
-        # STEP if asked; the next tile is loaded into registers before this tile's token loop.
-        nxt = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
+        # STEP if asked; the next tile is loaded into registers before this tile's token loop (the first one above,
+        # before the PDL wait).
         for c in range(CHUNKS):
             ovc = ov + c * BV
             lvc = ovc < D
@@ -438,22 +560,34 @@ def _kda_decode_kernel(
                 if STORE_STEPS:
                     tl.store(STEP + (t * H + h) * D * D + ok[:, None] * D + ovc[None, :], b_s, mask=msc,
                              cache_modifier=".cs")
+        if NORM:
+            tl.debug_barrier()  # every tile's o stores (all threads of this program) before the rows are read
+            _norm_rows(O, G, stride_gt, stride_gh, NW, norm_eps, bos, seq_len, h, H, D, ok, lk, NORM_ROWS)
 
-    if UPDATE and CHUNKS == 1:
+    if CHUNKS == 1 and (UPDATE or NORM):
         mkl = mk & ((ok * 0 + seq_len) > 0)   # live: a real slot and at least one token
         mvl = mv & ((ov * 0 + seq_len) > 0)
         mlast = mkl
+        last = pid_v == 0  # NV == 1: the one program of the head
         if NV > 1:
-            # All NV programs of this (sequence, head) read the old q/k columns in their loops; the last to arrive
-            # writes them. Arrive before the big state store, so the release fence waits only on loads.
-            tl.debug_barrier()  # every warp of this program is past its reads before the release
+            # One pass of the per-(sequence, head) counter serves both epilogues. All NV programs of the head read
+            # the old q/k conv-state columns and wrote their o slices in their loops; the last to arrive writes
+            # those columns (UPDATE) and norms the head's o rows (NORM), and resets the counter for the next launch.
+            # Arrive before the big state store, so the release fence waits only on the loads and the o stores.
+            tl.debug_barrier()  # every warp of this program is past its reads and o stores before the release
             arrived = tl.atomic_add(CNT + pid_nh, 1, sem="acq_rel")
             tl.atomic_xchg(CNT + pid_nh, 0, mask=arrived == NV - 1)
             mlast = mkl & ((ok * 0 + arrived) == NV - 1)
-        _store_state(p_s, b_s, mkl[:, None] & mvl[None, :], HINTS)
-        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cv, mvl)
-        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cq, mlast)
-        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, ck, mlast)
+            last = arrived == NV - 1
+        if UPDATE:
+            _store_state(p_s, b_s, mkl[:, None] & mvl[None, :], HINTS)
+            _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cv, mvl)
+            _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, cq, mlast)
+            _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, ck, mlast)
+        if NORM:  # noqa: SIM102 - a compile-time branch around a runtime one
+            if last:  # uniform over the program: the barrier inside is reached by every thread or none
+                tl.debug_barrier()  # NV == 1: this program's own o stores (other threads) before the reads
+                _norm_rows(O, G, stride_gt, stride_gh, NW, norm_eps, bos, seq_len, h, H, D, ok, lk, NORM_ROWS)
 
 
 class KdaConfig(NamedTuple):
@@ -602,12 +736,25 @@ def kda_decode(
     num_stages: int | None = None,
     out: Tensor | None = None,
     seq_lens: Tensor | None = None,
+    norm_gate: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> Tensor:
     """Triton `ops.kda_decode` (same contract). `config` (a `KdaConfig`; default `default_config(N * H, D,
-    ceil(T / N))`) and the overrides BV / num_warps / hints / chunked / num_stages (fields of it) set the launch."""
+    ceil(T / N))`) and the overrides BV / num_warps / hints / chunked / num_stages (fields of it) set the launch.
+
+    norm_gate ([T, H, D] or [T, H * D], unit last stride: a column view of a wider projection is read in place) and
+    norm_weight [D]: the returned o is `gated_rms_norm(o, norm_gate, norm_weight, norm_eps)` of the plain result,
+    fused as an epilogue (`_norm_rows`). Rows the kernel does not compute (past `seq_lens`) stay zero.
+
+    On Hopper the launch is a programmatic dependent (`tokenspeed.ops.triton.pdl`; module docstring, "PDL"):
+    `state_indices`, `cu_seqlens` and the two pools are read before the kernel waits for the previous one, so
+    neither of the two kernels launched just before may write them (true in the model: slots and bounds are copied
+    in before a step's first kernel, and only KDA ops of earlier steps write the pools)."""
     H, D = dt_bias.shape
     T, N = qkv.shape[0], state_indices.numel()
     f3 = _check_layer(qkv, f, b, conv_weight, conv_state, dt_bias, state, N, cu_seqlens, seq_lens)
+    g3 = _check_norm(norm_gate, norm_weight, T, H, D)
     cw = conv_weight if conv_weight.is_contiguous() and conv_weight.dtype == torch.float32 \
         else conv_weight.float().contiguous()
     if out is None:  # with seq_lens the rows past each count are not written: zeros
@@ -623,7 +770,9 @@ def kda_decode(
         return out
     opts = _split(N * H, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     nv = opts["NV"]
-    cnt = _counters(qkv.device, N * H) if (update_state and nv > 1) else cu_seqlens
+    norm = g3 is not None
+    cnt = _counters(qkv.device, N * H) if ((update_state or norm) and nv > 1) else cu_seqlens
+    gate = g3 if norm else out
     _kda_decode_kernel[(nv, N * H)](
         qkv, qkv.stride(0),
         f3, f3.stride(0), f3.stride(1),
@@ -633,11 +782,31 @@ def kda_decode(
         state, state.stride(0),
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         out, step_states if step_states is not None else state, cnt, cu_seqlens,
-        float(lower_bound) if lower_bound is not None else 0.0, float(scale),
+        gate, gate.stride(0), gate.stride(1), norm_weight.contiguous() if norm else A_log,
+        float(lower_bound) if lower_bound is not None else 0.0, float(scale), float(norm_eps),
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=bool(update_state), STORE_STEPS=step_states is not None,
-        HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, **opts,
+        HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, NORM=norm,
+        NORM_ROWS=min(next_pow2(triton.cdiv(T, N)), 16) if norm else 1, PDL=pdl.enabled(qkv.device),
+        PF_STATE=D % 4 == 0 and state.data_ptr() % 16 == 0 and state.stride(0) % 4 == 0,
+        **opts, **pdl.launch_kwargs(qkv.device),
     )
     return out
+
+
+def _check_norm(gate: Tensor | None, weight: Tensor | None, T: int, H: int, D: int) -> Tensor | None:
+    """Validate the norm epilogue's arguments of `kda_decode`; returns the gate as a [T, H, D] view (None: no
+    epilogue). Raises ValueError when only one of the two is given or on a bad shape / stride."""
+    if gate is None and weight is None:
+        return None
+    if gate is None or weight is None:
+        raise ValueError("norm_gate and norm_weight go together")
+    g3 = gate.view(T, H, D) if gate.dim() == 2 else gate
+    if g3.shape != (T, H, D) or g3.stride(2) != 1:
+        raise ValueError(f"norm_gate must be [T, H, D] = [{T}, {H}, {D}] with unit last stride; got "
+                         f"{tuple(gate.shape)}")
+    if weight.shape != (D,):
+        raise ValueError(f"norm_weight must be [{D}]; got {tuple(weight.shape)}")
+    return g3
 
 
 def kda_replay_layers(
@@ -679,7 +848,9 @@ def kda_replay_layers(
         state, state.stride(0),
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         qkv, state, cnt, table.offsets,  # O: unused (STORE_OUT False), typed like the io dtype for the roundings
-        float(lower_bound) if lower_bound is not None else 0.0, 1.0,
+        qkv, 0, 0, A_log,  # the norm epilogue's gate / weight: unused (no outputs)
+        float(lower_bound) if lower_bound is not None else 0.0, 1.0, 0.0,
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=True, STORE_STEPS=False, HAS_LENS=seq_lens is not None,
-        MULTI_LAYER=True, STORE_OUT=False, **opts,
+        MULTI_LAYER=True, STORE_OUT=False, NORM=False, PDL=pdl.enabled(qkv.device), **opts,
+        **pdl.launch_kwargs(qkv.device),
     )

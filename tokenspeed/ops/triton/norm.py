@@ -7,6 +7,9 @@ Rounding follows `tokenspeed.ops.reference.norm` exactly:
 - `add_rms_norm`:   s = cast(residual + x, x.dtype) (stored), then `rms_norm` of s, by the same code path and tile
                     choice as `rms_norm` itself: the normed output equals `rms_norm(residual + x)` of this module
                     (one launch instead of an add kernel and a norm kernel).
+
+PDL (`tokenspeed.ops.triton.pdl`): every input is an activation written by the kernel just before (x, the gate,
+the residual), so a program waits first thing (`gdc_wait`) and then lets its dependents launch.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import as_rows, next_pow2
 
 
@@ -29,7 +34,11 @@ def _rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     GATED: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # x / gate / residual come from the previous kernel: wait for it, then release our dependents
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
@@ -88,7 +97,7 @@ def _launch(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, out: Ten
     _rms_norm_kernel[grid](
         x2, g2, weight, y2, res2, s2, r, d, x2.stride(0), g2.stride(0), y2.stride(0), res2.stride(0), s2.stride(0),
         float(eps), BLOCK_R=block_r, BLOCK_D=block_d, GATED=gate is not None, RESIDUAL=residual is not None,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl.kernel_kwargs(x.device),
     )
     return out
 
