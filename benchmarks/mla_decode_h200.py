@@ -17,6 +17,27 @@ reference `_paged_decode` (padded to the longest history, fp32) is timed where i
 and every timed case is checked against it once (max relative error in the JSON). --sweep also times a few
 launch configurations (BLOCK_H, BLOCK_N, num_warps, num_stages) and max_splits (waves) on the mixed case.
 Writes the JSON to --out and prints a table. --smoke: tiny fp32 shapes on the CPU interpreter (plumbing only).
+
+--policies (alone: the cases above are skipped) sweeps the split policy instead, in one run (~30 s on an H200):
+batch 1 / 4 / 16 / 64 x context 4096 / 32768 (equal lengths, Q = 1), each with min_chunk 64 / 128 / 256 / 512 rows
+x max_splits = default_max_splits at 2 waves (the default) or 1 wave, or that capped at 32 / 16 / 8 (pairs that
+give the same launch are timed once); the default policy also with PDL off (TOKENSPEED_PDL=0). Per config: the
+split + combine time from a CUDA graph of 20 calls, each after an L2-clearing memset (a graph of the memsets
+alone subtracted), the splits per sequence, and the partial bytes (written by the split kernel, read back by
+the combine); the output is checked against the first policy's (mc64_w2). Prints a policy x shape table and the best
+policy per shape; writes --out (default benchmarks/results/mla_decode_policies_h200.json).
+
+--ragged (alone: the cases above are skipped) times one MLA layer's attention (`MLAAttention._attend`: the q
+absorption, attention, the W_UV product; Kimi-Linear-48B's layer, bf16, random weights) on mixed batches, ~20 s
+on an H200: a tail of 16 / 64 / 128 / 256 / 1024 new tokens on a 16K history, alone and beside 15 decodes at 4K.
+Forms: `today` (the composition before the ragged kernel: the torch absorbed reference for sequences of <= 8 new
+tokens, the expanded form for longer ones, gathers between), `ragged` (the whole batch through the ragged
+absorbed kernel, ABSORBED_MAX_TAIL unbounded), `split` (beside decodes only: the tail expanded, the decodes
+through the ragged kernel, as with a tail over ABSORBED_MAX_TAIL), and `kernel` (the ragged `mla_decode` call
+alone, on absorbed queries). Per form: the median of 10 calls' CUDA-event time (host gaps included: the
+reference and the gathers wait on the host) and the max relative error against `today`. Writes --out (default
+benchmarks/results/mla_ragged_h200.json) and prints a table with the ragged / today and ragged / split ratios:
+ABSORBED_MAX_TAIL (tokenspeed/models/kimi/mla.py) belongs below the tails where `split` beats `ragged`.
 """
 
 from __future__ import annotations
@@ -188,6 +209,85 @@ def bench_case(name, kv_lens, Q, args, rows, configs=None):
             print(f"{'':22s} {cfg_name:18s} balanced/uniform speedup {times['uniform'] / times['balanced']:.2f}x")
 
 
+POLICY_BATCHES = (1, 4, 16, 64)
+POLICY_CONTEXTS = (4096, 32768)
+POLICY_MIN_CHUNKS = (64, 128, 256, 512)
+POLICY_SPLITS = ("w2", "w1", "cap32", "cap16", "cap8")  # w2 = the default (DEFAULT_WAVES = 2)
+
+
+def policy_max_splits(kind: str, batch: int, q_rows: int) -> int:
+    """max_splits of a named policy: default_max_splits at 2 or 1 waves, or the 2-wave value capped."""
+    if kind.startswith("w"):
+        return k_mla.default_max_splits(batch, q_rows, waves=float(kind[1:]))
+    return min(k_mla.default_max_splits(batch, q_rows, waves=2.0), int(kind[3:]))
+
+
+def policy_case(batch: int, ctx: int, args, rows: list[dict]) -> None:
+    """Every (min_chunk, max_splits) policy on `batch` sequences of `ctx` rows (see --policies)."""
+    dev = "cpu" if args.smoke else "cuda"
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    lens = [ctx] * batch
+    q, cache, table, kv = make_case(lens, 1, dtype, dev)
+    scale = DL ** -0.5
+    base = None
+    seen = set()
+    runs = [(mc, kind, True) for kind in POLICY_SPLITS for mc in POLICY_MIN_CHUNKS] + [(k_mla.MIN_CHUNK, "w2", False)]
+    for mc, kind, pdl_on in runs:
+        ms = policy_max_splits(kind, batch, H)
+        if (ms, mc, pdl_on) in seen:
+            continue
+        seen.add((ms, mc, pdl_on))
+        kw = {"max_splits": ms, "min_chunk": mc}
+        if args.smoke:
+            kw["BLOCK_N"] = 16
+
+        def fn(kw=kw):
+            return k_mla.mla_decode(q, cache, table, kv, scale, V, **kw)
+
+        saved = os.environ.get("TOKENSPEED_PDL")
+        os.environ["TOKENSPEED_PDL"] = "1" if pdl_on else "0"  # read by pdl.enabled at each launch (capture)
+        try:
+            out = fn()
+            base = out.clone() if base is None else base
+            t = graph_us(fn, n=20, smoke=args.smoke)
+        finally:
+            if saved is None:
+                os.environ.pop("TOKENSPEED_PDL", None)
+            else:
+                os.environ["TOKENSPEED_PDL"] = saved
+        chunks, counts = k_mla.plan_splits(lens, ms, True, kw.get("BLOCK_N", 32), mc)
+        part_bytes = (sum(counts) if counts[0] > 1 else 0) * H * V * 4
+        row = {"batch": batch, "ctx": ctx, "policy": f"mc{mc}_{kind}" + ("" if pdl_on else "_nopdl"),
+               "min_chunk": mc, "max_splits": ms, "splits_per_seq": counts[0], "chunk": chunks[0],
+               "partial_bytes": part_bytes, "cache_bytes": batch * ctx * DL * cache.element_size(), "us": t,
+               "pdl": pdl_on, "max_rel_err_vs_first_policy": rel(out, base)}
+        rows.append(row)
+        print(f"b{batch:<3d} ctx {ctx:6d} {row['policy']:18s} ms {ms:4d} splits/seq {counts[0]:4d} chunk "
+              f"{chunks[0]:6d} partials {part_bytes / 1e6:7.2f} MB  {t:8.2f} us", flush=True)
+
+
+def _cell(row: dict | None) -> str:
+    return "-" if row is None else f"{row['us']:.2f}"
+
+
+def print_policy_table(rows: list[dict]) -> None:
+    shapes = sorted({(r["batch"], r["ctx"]) for r in rows})
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    by = {(r["policy"], r["batch"], r["ctx"]): r for r in rows}
+    print("\nsplit + combine, us (CUDA graph, cold L2; '-' = same launch as a policy above)")
+    print(f"{'policy':18s}" + "".join(f"{f'b{b}/{c // 1024}K':>10s}" for b, c in shapes))
+    for p in policies:
+        cells = [by.get((p, b, c)) for b, c in shapes]
+        print(f"{p:18s}" + "".join(f"{_cell(r):>10s}" for r in cells))
+    print("best per shape:")
+    for b, c in shapes:
+        cand = [r for r in rows if (r["batch"], r["ctx"]) == (b, c) and r["pdl"]]
+        best = min(cand, key=lambda r: r["us"])
+        dflt = by.get((f"mc{k_mla.MIN_CHUNK}_w2", b, c))
+        print(f"  b{b}/{c // 1024}K: {best['policy']} {best['us']:.2f} us (splits/seq {best['splits_per_seq']}); "
+              f"default {dflt['us'] if dflt else float('nan'):.2f} us")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/mla_decode_h200.json")
@@ -196,7 +296,13 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also launch configurations / waves on the mixed case")
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
     ap.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU interpreter")
+    ap.add_argument("--policies", action="store_true", help="only the split-policy sweep (batch x context)")
+    ap.add_argument("--ragged", action="store_true", help="only the mixed-batch layer attention forms (ragged)")
     args = ap.parse_args()
+    if args.policies and args.out == ap.get_default("out"):
+        args.out = "benchmarks/results/mla_decode_policies_h200.json"
+    if args.ragged and args.out == ap.get_default("out"):
+        args.out = "benchmarks/results/mla_ragged_h200.json"
     t0 = time.time()
     global H, DL, V, PAGE, k_mla
     if args.smoke:
@@ -210,6 +316,10 @@ def main():
         cases = [("mixed_b16", [65536, 16384, 4096, 1024] * 4), ("equal_16x16k", [16384] * 16),
                  ("equal_64x4k", [4096] * 64), ("equal_1x64k", [65536])]
     rows: list[dict] = []
+    if args.policies:
+        return run_policies(args, t0, triton)
+    if args.ragged:
+        return run_ragged(args, t0, triton)
     for name, lens in cases:
         bench_case(name, lens, 1, args, rows)
     if args.verify:
@@ -242,6 +352,157 @@ def main():
               f"{r['hbm_frac'] * 100:6.1f} {(f'{sp:.2f}x' if sp else ''):>8s} {r['ref_us'] or float('nan'):10.1f}")
     print(f"wrote {args.out} ({time.time() - t0:.1f} s)")
 
+
+def run_policies(args, t0: float, triton) -> None:
+    global POLICY_BATCHES, POLICY_CONTEXTS, POLICY_MIN_CHUNKS
+    if args.smoke:
+        POLICY_BATCHES, POLICY_CONTEXTS, POLICY_MIN_CHUNKS = (1, 3), (100,), (16, 32)
+    rows: list[dict] = []
+    for ctx in POLICY_CONTEXTS:
+        for batch in POLICY_BATCHES:
+            policy_case(batch, ctx, args, rows)
+    print_policy_table(rows)
+    meta = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)",
+        "torch": torch.__version__, "triton": triton.__version__, "H": H, "Dl": DL, "v_dim": V, "page_size": PAGE,
+        "Q": 1, "default_min_chunk": k_mla.MIN_CHUNK, "default_waves": k_mla.DEFAULT_WAVES,
+        "timing": "CUDA graph of 20 calls, each after a 256 MiB memset; memset-only graph subtracted; median of 10",
+        "wall_s": time.time() - t0, "smoke": args.smoke,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"wrote {args.out} ({time.time() - t0:.1f} s)")
+
+
+RAGGED_TAILS = (16, 64, 128, 256, 1024)
+RAGGED_HISTORY, RAGGED_DECODE_CTX, RAGGED_DECODES = 16384, 4096, 15
+
+
+def ragged_layer(smoke: bool):
+    """(MLAAttention of Kimi-Linear-48B (tiny-kimi-linear for --smoke) with random weights, its dtype, device)."""
+    from tokenspeed.distributed import ParallelContext
+    from tokenspeed.models import parse_hf_config, preset_hf_config
+    from tokenspeed.models.kimi.mla import MLAAttention
+    from tokenspeed.models.weights import init_dummy_weights
+
+    config = parse_hf_config(preset_hf_config("tiny-kimi-linear" if smoke else "kimi-linear-48b-a3b"))
+    dtype, dev = (torch.float32, "cpu") if smoke else (torch.bfloat16, "cuda")
+    attn = MLAAttention(config, 0, ParallelContext(), dtype, dev).eval()
+    init_dummy_weights(attn, seed=0)
+    return attn, dtype, dev
+
+
+def ragged_batch(attn, q_lens: list[int], kv_lens: list[int], dtype, dev, page: int):
+    """(ForwardBatch, latent cache [P, page, Dl] random, queries [T, H, nope + rope]); pages in random order."""
+    from tokenspeed.models.batch import ForwardBatch
+
+    g = torch.Generator().manual_seed(0)
+    need = [-(-k // page) for k in kv_lens]
+    perm = torch.randperm(sum(need), generator=g).tolist()
+    tables, off = [], 0
+    for k in need:
+        tables.append(perm[off:off + k])
+        off += k
+    ids = [[5] * q for q in q_lens]
+    batch = ForwardBatch.build(ids, [k - q for k, q in zip(kv_lens, q_lens)], tables, list(range(len(q_lens))), page,
+                               device=dev)
+    cache = torch.randn(sum(need), page, attn.kv_lora_rank + attn.rope, generator=g).to(dtype).to(dev)
+    q = torch.randn(sum(q_lens), attn.num_heads, attn.nope + attn.rope, generator=g).to(dtype).to(dev)
+    return batch, cache, q
+
+
+def ragged_forms(attn, batch, cache, q) -> dict:
+    """name -> a thunk computing the batch's attention in that form (see --ragged)."""
+    from tokenspeed import ops
+    from tokenspeed.models.kimi import mla
+
+    def attend(max_tail: int | None, kernel: bool):
+        def fn():
+            saved = mla.ABSORBED_MAX_TAIL, ops.mla_decode_kernel_usable
+            mla.ABSORBED_MAX_TAIL = max_tail if max_tail is not None else saved[0]
+            if not kernel:  # the layer then composes as before the ragged kernel existed
+                ops.mla_decode_kernel_usable = lambda *a, **k: False
+            try:
+                return attn._attend(q, batch, cache, 1.0)
+            finally:
+                mla.ABSORBED_MAX_TAIL, ops.mla_decode_kernel_usable = saved
+        return fn
+
+    r, h = attn.kv_lora_rank, attn.num_heads
+    q_lat = torch.randn(q.shape[0], h, r, dtype=q.dtype, device=q.device)
+    max_q = max(batch.query_lens_host)
+    forms = {"today": attend(None, False), "ragged": attend(10**9, True)}
+    if batch.num_seqs > 1:
+        forms["split"] = attend(8, True)
+    forms["kernel"] = lambda: ops.mla_decode(q_lat, cache, batch.page_table, batch.kv_lens, attn.scale, r,
+                                             q_rope=q[..., attn.nope:], cu_seqlens_q=batch.cu_seqlens, max_q=max_q)
+    return forms
+
+
+def ragged_case(attn, dtype, dev, tail: int, decodes: int, args, rows: list[dict]) -> None:
+    """Every form of --ragged on one batch: a `tail`-token tail on the history beside `decodes` decodes."""
+    from graph_timing import events_ms
+
+    hist, ctx, page = (40, 20, 8) if args.smoke else (RAGGED_HISTORY, RAGGED_DECODE_CTX, PAGE)
+    q_lens = [1] * decodes + [tail]
+    kv_lens = [ctx] * decodes + [hist + tail]
+    batch, cache, q = ragged_batch(attn, q_lens, kv_lens, dtype, dev, page)
+    forms = ragged_forms(attn, batch, cache, q)
+    times = {}
+    with torch.no_grad():
+        base = forms["today"]()
+        for name, fn in forms.items():
+            err = rel(fn(), base) if name != "kernel" else None
+            if args.smoke:
+                t = time.perf_counter()
+                fn()
+                ms = (time.perf_counter() - t) * 1e3
+            else:
+                ms = events_ms(fn, reps=10, warmup=2)
+            times[name] = ms
+            rows.append({"tail": tail, "history": hist, "decodes": decodes, "decode_ctx": ctx, "form": name,
+                         "ms": ms, "max_rel_err_vs_today": err})
+            print(f"tail {tail:5d} + {decodes:2d} decodes  {name:7s} {ms:9.3f} ms  "
+                  f"err {err if err is not None else float('nan'):.1e}", flush=True)
+    rows[-1]["ragged_over_today"] = times["ragged"] / times["today"]
+    if "split" in times:
+        rows[-1]["ragged_over_split"] = times["ragged"] / times["split"]
+
+
+def print_ragged_table(rows: list[dict]) -> None:
+    forms = ("today", "ragged", "split", "kernel")
+    print(f"\n{'tail':>5s} {'decodes':>7s} " + "".join(f"{f:>9s}" for f in forms) + "  ragged/today ragged/split")
+    by = {(r["tail"], r["decodes"], r["form"]): r for r in rows}
+    for tail, decodes in sorted({(r["tail"], r["decodes"]) for r in rows}, key=lambda k: (k[1], k[0])):
+        cells = [by.get((tail, decodes, f)) for f in forms]
+        last = by[(tail, decodes, "kernel")]
+        print(f"{tail:5d} {decodes:7d} " + "".join(f"{c['ms']:9.3f}" if c else f"{'-':>9s}" for c in cells)
+              + f"  {last['ragged_over_today']:12.2f} {last.get('ragged_over_split', float('nan')):11.2f}")
+
+
+def run_ragged(args, t0: float, triton) -> None:
+    """--ragged: every tail alone and beside the decodes; the table; the JSON."""
+    global RAGGED_TAILS
+    if args.smoke:
+        RAGGED_TAILS = (3, 12)
+        os.environ["TOKENSPEED_OPS"] = "triton"  # the interpreter serves the kernel on the CPU
+    attn, dtype, dev = ragged_layer(args.smoke)
+    rows: list[dict] = []
+    for decodes in (0, 3 if args.smoke else RAGGED_DECODES):
+        for tail in RAGGED_TAILS:
+            ragged_case(attn, dtype, dev, tail, decodes, args, rows)
+    print_ragged_table(rows)
+    meta = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)",
+        "torch": torch.__version__, "triton": triton.__version__, "layer": "kimi-linear-48b-a3b MLA, bf16",
+        "timing": "median of 10 calls, CUDA events (host gaps included), after 2 warm-up calls",
+        "wall_s": time.time() - t0, "smoke": args.smoke,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"wrote {args.out} ({time.time() - t0:.1f} s)")
 
 if __name__ == "__main__":
     main()

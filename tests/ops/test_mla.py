@@ -296,3 +296,36 @@ def test_batched_decode_equals_each_sequence_alone() -> None:
     for n in range(5):
         solo = mla_attention_paged(q[n : n + 1], cache, table[n : n + 1], [0, 1], kv_lens[n : n + 1], 0.3, 16)
         torch.testing.assert_close(batched[n : n + 1], solo, rtol=1e-6, atol=1e-6)
+
+
+def test_mla_decode_reference_ragged_form() -> None:
+    """The ragged form of the reference `mla_decode` (flat q [T, H, Dl], cu_seqlens): each live sequence equals
+    `mla_attention_paged` of it alone, the rows of a padding sequence (kv_len <= 0) are zeros and one without new
+    tokens takes no rows; the q / q_rope split is the concatenation; a uniform batch gives the uniform form."""
+    from tokenspeed.ops.reference.mla import mla_attention_paged, mla_decode
+
+    torch.manual_seed(4)
+    page, dl, h, v = 4, 24, 3, 16
+    cache = torch.randn(40, page, dl)
+    q_lens, kv_lens = [1, 6, 0, 2, 1], [9, 13, 4, 0, 5]
+    table = torch.randperm(40)[: 5 * 4].view(5, 4).int()
+    cu_list = [0]
+    for n in q_lens:
+        cu_list.append(cu_list[-1] + n)
+    cu = torch.tensor(cu_list)
+    q = torch.randn(cu_list[-1], h, dl)
+    got = mla_decode(q, cache, table, torch.tensor(kv_lens), 0.3, v, cu_seqlens_q=cu, max_q=6)
+    assert got.shape == (10, h, v)
+    for n, (ql, kv) in enumerate(zip(q_lens, kv_lens)):
+        rows = slice(cu_list[n], cu_list[n + 1])
+        want = torch.zeros(ql, h, v) if kv <= 0 else mla_attention_paged(q[rows], cache, table[n : n + 1], [0, ql],
+                                                                           [kv], 0.3, v)
+        assert torch.equal(got[rows], want)
+    split = mla_decode(q[..., :v], cache, table, torch.tensor(kv_lens), 0.3, v, q_rope=q[..., v:], cu_seqlens_q=cu,
+                       max_q=6)
+    assert torch.equal(split, got)
+    qu = torch.randn(3, 2, h, dl)
+    uniform = mla_decode(qu, cache, table[:3], torch.tensor(kv_lens[:3]), 0.3, v)
+    ragged = mla_decode(qu.view(6, h, dl), cache, table[:3], torch.tensor(kv_lens[:3]), 0.3, v,
+                        cu_seqlens_q=torch.tensor([0, 2, 4, 6]), max_q=2)
+    torch.testing.assert_close(ragged.view(3, 2, h, v), uniform, rtol=1e-6, atol=1e-6)

@@ -4,7 +4,7 @@ Models import `tokenspeed.ops` only, never a concrete kernel. Each function runs
 (`tokenspeed.ops.reference.*`, the ground truth and the CPU path) or, for CUDA tensors, the Triton kernel of the
 same contract in `tokenspeed.ops.triton` (`rms_norm`, `gated_rms_norm`, `add_rms_norm`, `gated_activation`,
 `gated_activation_merged`, `attn_res_mix`, `attn_res_mix_rms_norm`, `moe_route`, `kda_decode`, `kda_replay_layers`,
-`moe_experts`, `mla_decode`, and `linear` where the GEMV routing table picks it).
+`moe_experts`, `mla_decode`, `mla_norm_store_latent`, and `linear` where the GEMV routing table picks it).
 `TOKENSPEED_OPS=reference` forces the reference; `tokenspeed.ops.dispatch` has the rule.
 """
 
@@ -174,13 +174,34 @@ def mla_attention_expanded(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: list[i
 
 
 def mla_decode(q: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, scale: float, v_dim: int,
-               kv_scale: float = 1.0) -> Tensor:
-    if _dispatch.use_triton(q, cache, page_table, kv_lens) and _dispatch.mla_decode_supported(q, cache, v_dim):
-        return _dispatch.kernels("mla_decode").mla_decode(q, cache, page_table, kv_lens, scale, v_dim, kv_scale)
-    return _ref_mla.mla_decode(q, cache, page_table, kv_lens, scale, v_dim, kv_scale)
+               kv_scale: float = 1.0, *, q_rope: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
+               max_q: int | None = None) -> Tensor:
+    if _dispatch.use_triton(q, cache, page_table, kv_lens, q_rope, cu_seqlens_q) and _dispatch.mla_decode_supported(
+            q, cache, v_dim, q_rope=q_rope, cu_seqlens_q=cu_seqlens_q):
+        return _dispatch.kernels("mla_decode").mla_decode(q, cache, page_table, kv_lens, scale, v_dim, kv_scale,
+                                                          q_rope=q_rope, cu_seqlens_q=cu_seqlens_q, max_q=max_q)
+    return _ref_mla.mla_decode(q, cache, page_table, kv_lens, scale, v_dim, kv_scale, q_rope=q_rope,
+                               cu_seqlens_q=cu_seqlens_q, max_q=max_q)
+
+
+def mla_decode_kernel_usable(cache: Tensor, v_dim: int, *tensors: Tensor) -> bool:
+    """Whether `mla_decode` over `cache` (value width v_dim; `tensors`: its other tensor arguments) runs the Triton
+    kernel rather than the torch reference, for queries of the matching width and form. Host-only (no sync): a
+    layer asks before it builds its queries, to give the kernel batches the reference serves badly."""
+    return _dispatch.use_triton(cache, *tensors) and _dispatch.mla_cache_supported(cache, v_dim)
+
+
+def mla_norm_store_latent(kv_c: Tensor, k_pe: Tensor, weight: Tensor, eps: float, cache: Tensor,
+                          slot_mapping: Tensor, kv_scale: float = 1.0) -> None:
+    if _dispatch.use_triton(kv_c, k_pe, weight, cache, slot_mapping) and _dispatch.mla_norm_store_supported(
+            kv_c, k_pe, weight, cache, slot_mapping):
+        return _dispatch.kernels("mla_prep").mla_norm_store_latent(kv_c, k_pe, weight, eps, cache, slot_mapping,
+                                                                   kv_scale)
+    return _ref_mla.mla_norm_store_latent(kv_c, k_pe, weight, eps, cache, slot_mapping, kv_scale)
 
 
 for _fn, _ref in ((moe_experts, _ref_moe.moe_experts), (mla_decode, _ref_mla.mla_decode),
+                  (mla_norm_store_latent, _ref_mla.mla_norm_store_latent),
                   (mla_attention_expanded, _ref_mla.mla_attention_expanded), (rms_norm, _ref_norm.rms_norm),
                   (gated_rms_norm, _ref_norm.gated_rms_norm), (add_rms_norm, _ref_norm.add_rms_norm),
                   (gated_activation, _ref_act.gated_activation),
@@ -428,7 +449,9 @@ __all__ = [
     "mla_attention_expanded",
     "mla_attention_paged",
     "mla_decode",
+    "mla_decode_kernel_usable",
     "mla_gather_latent",
+    "mla_norm_store_latent",
     "mla_store_latent",
     "moe_experts",
     "moe_route",

@@ -162,8 +162,37 @@ def moe_experts_supported(x: Tensor, w1: Tensor, act) -> bool:
         torch.bfloat16, torch.float16, torch.float32)
 
 
-def mla_decode_supported(q: Tensor, cache: Tensor, v_dim: int) -> bool:
-    return q.dim() == 4 and cache.dim() == 3 and 0 < v_dim < cache.shape[-1] <= 1024 and q.shape[-1] == cache.shape[-1]
+def mla_cache_supported(cache: Tensor, v_dim: int) -> bool:
+    """Triton `mla_decode`'s cache: 3-D fp32 / bf16 / fp8 e4m3, rows <= 1024 wide, 0 < v_dim < row width."""
+    return cache.dim() == 3 and 0 < v_dim < cache.shape[-1] <= 1024 and cache.dtype in (
+        torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+
+
+def mla_decode_supported(q: Tensor, cache: Tensor, v_dim: int, *, q_rope: Tensor | None = None,
+                         cu_seqlens_q: Tensor | None = None) -> bool:
+    """Triton `mla_decode`: a supported cache (`mla_cache_supported`); q 4-D, or 3-D [T, H, .] with cu_seqlens_q
+    (ragged) on q's device; q the full row (or, with q_rope, q the first v_dim columns and q_rope the rest, of q's
+    leading shape and dtype, on q's device)."""
+    if not (q.dim() == (4 if cu_seqlens_q is None else 3) and mla_cache_supported(cache, v_dim)):
+        return False
+    if cu_seqlens_q is not None and cu_seqlens_q.device != q.device:
+        return False
+    if q_rope is None:
+        return q.shape[-1] == cache.shape[-1]
+    return q.shape[-1] == v_dim and q_rope.dim() == q.dim() and q_rope.shape[:-1] == q.shape[:-1] \
+        and v_dim + q_rope.shape[-1] == cache.shape[-1] and q_rope.dtype == q.dtype and q_rope.device == q.device
+
+
+def mla_norm_store_supported(kv_c: Tensor, k_pe: Tensor, weight: Tensor, cache: Tensor, slot_mapping: Tensor) -> bool:
+    """Triton `mla_norm_store_latent`: 2-D kv_c / k_pe of one float dtype and row count with unit last strides, a
+    [R] weight, a 3-D fp32 / bf16 / fp16 / fp8 e4m3 cache of rows R + DR with unit last stride, a [T] slot_mapping on
+    the cache's device, R <= MAX_NORM_DIM."""
+    return kv_c.dim() == 2 and k_pe.dim() == 2 and k_pe.shape[0] == kv_c.shape[0] and kv_c.dtype == k_pe.dtype \
+        and kv_c.is_floating_point() and kv_c.stride(-1) == 1 and k_pe.stride(-1) == 1 \
+        and 0 < kv_c.shape[1] <= MAX_NORM_DIM and weight.shape == (kv_c.shape[1],) and cache.dim() == 3 \
+        and cache.shape[-1] == kv_c.shape[1] + k_pe.shape[1] and cache.stride(-1) == 1 \
+        and cache.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn) \
+        and slot_mapping.shape == (kv_c.shape[0],) and slot_mapping.device == cache.device
 
 
 # Projections (`ops.linear`): the Triton GEMV (`tokenspeed.ops.triton.gemv`) only where the committed routing table

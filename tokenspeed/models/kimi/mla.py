@@ -1,10 +1,11 @@
 """Gated NoPE MLA layer (K3), plain MLA (Kimi Linear), and MLA with RoPE/YaRN (drafts).
 
 Math: k3-architecture.md section 2.5. New latent rows [c_kv ; k_pe] are written to the paged cache first, then
-each sequence attends over its whole cached context. Sequences with few new tokens (decode, verify) use the
-absorbed form (MQA over the latent cache); longer ones (prefill chunks) expand keys/values per head with
-kv_b_proj. Both are the same function; tests check they agree. Inside attention the reference keeps fp32 (the
-absorbed query, the expanded keys/values, the softmax) and rounds once at the output.
+each sequence attends over its whole cached context. Sequences with few new tokens (decode, verify; with the
+Triton kernel, tails up to ABSORBED_MAX_TAIL) use the absorbed form (MQA over the latent cache); longer ones
+(prefill chunks) expand keys/values per head with kv_b_proj. Both are the same function; tests check they agree.
+Inside attention the reference keeps fp32 (the absorbed query, the expanded keys/values, the softmax) and rounds
+once at the output.
 """
 
 from __future__ import annotations
@@ -21,8 +22,20 @@ from tokenspeed.models.config import KimiConfig
 from tokenspeed.models.layers import Linear, RMSNorm
 from tokenspeed.ops.h2d import to_device
 
-# A sequence with at most this many new tokens attends in the absorbed (latent) form.
+# A sequence with at most this many new tokens attends in the absorbed (latent) form through the torch reference
+# (`_attend_absorbed`: the CPU path, and wherever the Triton kernel is not used).
 ABSORBED_MAX_QUERY_LEN = 8
+# With the Triton kernel (`ops.mla_decode_kernel_usable`): a sequence with at most this many new tokens attends in the
+# absorbed form through the ragged kernel (`_attend_ragged`), longer ones expanded. FLOPs per new token and context
+# row, summed over the H heads: absorbed 2 H (Dl + r) (QK over the 576-wide latent row, PV over its 512 columns:
+# 69.6K at Kimi-Linear's H 32), expanded 2 H (qk + v) (192 + 128: 20.5K), plus the expansion itself, once per
+# context row: 2 r H (nope + v) = 8.4M. So for a history much longer than the tail the absorbed form is cheaper
+# below 8.4M / (69.6K - 20.5K) ~ 171 new tokens (~340 for a fresh prompt, where causality halves the attention
+# terms but not the expansion). The expanded form also writes and reads per-head K/V (20 KB per context row
+# against the 1.2 KB latent row: 335 MB at 16K, GBs at 200K) and gathers on the host, while the absorbed kernel
+# runs its dots in 32-row tiles below cuBLAS's / SDPA's tensor-core efficiency; 128 (the power of two below the
+# FLOP crossover) until benchmarks/mla_decode_h200.py --ragged measures where the crossover is.
+ABSORBED_MAX_TAIL = 128
 
 
 class MLAAttention(nn.Module):
@@ -75,18 +88,20 @@ class MLAAttention(nn.Module):
         t, h = x.shape[0], self.num_heads
         q = self._query(x).view(t, h, self.nope + self.rope)
         kv_a = self.kv_a_proj_with_mqa(x)
-        c_kv = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])
         k_pe = kv_a[:, self.kv_lora_rank :]
         if self.use_rope:
             cos, sin = ops.rope_cos_sin(batch.positions, self.rope, self.rope_theta, self.rope_scaling)
             q = torch.cat([q[..., : self.nope], ops.apply_rope(q[..., self.nope :], cos, sin)], dim=-1)
             k_pe = ops.apply_rope(k_pe.unsqueeze(1), cos, sin).squeeze(1)
         latent_cache = cache.mla_latent[self.cache_index]
-        ops.mla_store_latent(torch.cat([c_kv, k_pe], dim=-1), latent_cache, batch.slot_mapping, cache.mla_kv_scale)
+        # kv_a_layernorm of c_kv, [c_kv ; k_pe] and the cache write: one launch on CUDA, reading kv_a in place.
+        norm = self.kv_a_layernorm
+        ops.mla_norm_store_latent(kv_a[:, : self.kv_lora_rank], k_pe, norm.weight, norm.eps, latent_cache,
+                                  batch.slot_mapping, cache.mla_kv_scale)
         ql = batch.uniform_query_len
         if ql is not None and 1 <= ql <= ABSORBED_MAX_QUERY_LEN:
             o = self._attend_uniform(q, batch, latent_cache, cache.mla_kv_scale)
-        else:
+        else:  # mixed query lengths (or one longer than a verify window): by sequence, see `_attend`
             o = self._attend(q, batch, latent_cache, cache.mla_kv_scale)  # [T, H, v]
         o = o.reshape(t, h * self.v_dim)
         if hasattr(self, "g_proj"):
@@ -95,29 +110,56 @@ class MLAAttention(nn.Module):
 
     def _attend_uniform(self, q: Tensor, batch: ForwardBatch, latent_cache: Tensor, kv_scale: float) -> Tensor:
         """Absorbed attention when every sequence has the same q_len (decode, verify): device values only, so it
-        can be captured in a CUDA graph. On CUDA the absorption runs in the model dtype (tensor cores); elsewhere
-        in fp32 like `_attend_absorbed`, so CPU results do not depend on which path a batch took."""
+        can be captured in a CUDA graph. See `_attend_latent` (q [N*Q, H, .] viewed as [N, Q, H, .])."""
+        return self._attend_latent(q, latent_cache, batch.page_table, batch.kv_lens, kv_scale)
+
+    def _attend_latent(self, q: Tensor, latent_cache: Tensor, page_table: Tensor, kv_lens: Tensor, kv_scale: float,
+                       cu_seqlens_q: Tensor | None = None, max_q: int = 0) -> Tensor:
+        """Absorbed attention through `ops.mla_decode`: q [T, H, nope + rope] the sequences' query rows, page_table
+        / kv_lens [N] (device) theirs; uniform (T = N * Q, rows sequence-major) or, with cu_seqlens_q [N+1] (device)
+        and max_q (host), ragged. Returns [T, H, v] in the model dtype. On CUDA the absorption runs in the model
+        dtype (tensor cores); elsewhere in fp32 like `_attend_absorbed`, so CPU results do not depend on which path
+        a batch took.
+
+        Launches on CUDA: the W_UK bmm, mla_decode (split + combine), the W_UV bmm. The absorbed query is passed
+        as two views (q_lat, and q_pe read in place from q), not concatenated; the W_UV bmm writes straight into
+        a [T, H, v] buffer (through its [H, T, v] transpose), so the o_proj input needs no copy."""
         t, h, r = q.shape[0], self.num_heads, self.kv_lora_rank
         cdt = q.dtype if q.is_cuda else torch.float32
         w = self.kv_b_proj.weight.to(cdt).view(h, self.nope + self.v_dim, r)
         q_lat = torch.bmm(q[..., : self.nope].to(cdt).transpose(0, 1), w[:, : self.nope])  # [H, T, r]
-        q_abs = torch.cat([q_lat.transpose(0, 1), q[..., self.nope :].to(cdt)], dim=-1)
-        n = batch.kv_lens.shape[0]
-        o_lat = ops.mla_decode(q_abs.view(n, t // n, h, -1), latent_cache, batch.page_table, batch.kv_lens,
-                               self.scale, r, kv_scale)
-        o = torch.bmm(o_lat.view(t, h, r).transpose(0, 1), w[:, self.nope :].transpose(1, 2))  # [H, T, v]
-        return o.transpose(0, 1).to(self.kv_b_proj.weight.dtype)
+        if cu_seqlens_q is None:
+            n = kv_lens.shape[0]
+            o_lat = ops.mla_decode(q_lat.transpose(0, 1).view(n, t // n, h, r), latent_cache, page_table, kv_lens,
+                                   self.scale, r, kv_scale,
+                                   q_rope=q[..., self.nope :].to(cdt).view(n, t // n, h, self.rope))
+        else:
+            o_lat = ops.mla_decode(q_lat.transpose(0, 1), latent_cache, page_table, kv_lens, self.scale, r, kv_scale,
+                                   q_rope=q[..., self.nope :].to(cdt), cu_seqlens_q=cu_seqlens_q, max_q=max_q)
+        o = torch.empty(t, h, self.v_dim, dtype=cdt, device=q.device)
+        torch.bmm(o_lat.view(t, h, r).transpose(0, 1), w[:, self.nope :].transpose(1, 2), out=o.transpose(0, 1))
+        return o.to(self.kv_b_proj.weight.dtype)
 
     def _attend(self, q: Tensor, batch: ForwardBatch, latent_cache: Tensor, kv_scale: float) -> Tensor:
-        """Attention of every sequence, each routed to the absorbed or the expanded form by its query length."""
+        """Attention of every sequence, each routed to the absorbed or the expanded form by its query length.
+
+        Where `mla_decode` runs the Triton kernel, sequences with up to ABSORBED_MAX_TAIL new tokens take the ragged
+        absorbed kernel (`_attend_ragged`; the whole batch in one launch when none is longer); otherwise (the CPU
+        path) those with up to ABSORBED_MAX_QUERY_LEN take the torch reference (`_attend_absorbed`)."""
         qlens = batch.query_lens_host
-        short = [n for n, ql in enumerate(qlens) if 0 < ql <= ABSORBED_MAX_QUERY_LEN]
-        long = [n for n, ql in enumerate(qlens) if ql > ABSORBED_MAX_QUERY_LEN]
+        kernel = ops.mla_decode_kernel_usable(latent_cache, self.kv_lora_rank, q, batch.page_table, batch.kv_lens,
+                                              batch.cu_seqlens)
+        limit = ABSORBED_MAX_TAIL if kernel else ABSORBED_MAX_QUERY_LEN
+        absorbed = self._attend_ragged if kernel else self._attend_absorbed
+        short = [n for n, ql in enumerate(qlens) if 0 < ql <= limit]
+        long = [n for n, ql in enumerate(qlens) if ql > limit]
+        if kernel and not long:  # sequences without new tokens take no work in the ragged kernel
+            return self._attend_ragged(q, list(range(len(qlens))), batch, latent_cache, kv_scale, batch.page_table)
         if len(short) == len(qlens) or len(long) == len(qlens):  # one form for the whole batch: no gathers
-            fn = self._attend_absorbed if short else self._attend_expanded
+            fn = absorbed if short else self._attend_expanded
             return fn(q, list(range(len(qlens))), batch, latent_cache, kv_scale, batch.page_table)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
-        for subset, fn in ((short, self._attend_absorbed), (long, self._attend_expanded)):
+        for subset, fn in ((short, absorbed), (long, self._attend_expanded)):
             if subset:
                 cu = batch.cu_seqlens_host
                 tokens = to_device([t for n in subset for t in range(cu[n], cu[n + 1])], torch.long, q.device)
@@ -125,6 +167,19 @@ class MLAAttention(nn.Module):
                 out.index_copy_(0, tokens, fn(q.index_select(0, tokens), subset, batch, latent_cache, kv_scale,
                                               pages))
         return out
+
+    def _attend_ragged(self, q, subset, batch, latent_cache, kv_scale, page_table) -> Tensor:
+        """`subset`'s sequences (host indices into the batch; their query rows `q`, page-table rows `page_table`)
+        through the ragged absorbed kernel. The whole batch uses the batch's device offsets and lengths (no host
+        copy: graph-safe once max_q is fixed); a subset copies its own in."""
+        qlens = batch.query_lens_host
+        max_q = max((qlens[n] for n in subset), default=0)
+        if len(subset) == batch.num_seqs:
+            cu, kv_lens = batch.cu_seqlens, batch.kv_lens
+        else:
+            cu = to_device(_cumsum([qlens[n] for n in subset]), torch.long, q.device)
+            kv_lens = to_device([batch.kv_lens_host[n] for n in subset], torch.long, q.device)
+        return self._attend_latent(q, latent_cache, page_table, kv_lens, kv_scale, cu, max_q)
 
     def _attend_absorbed(self, q, subset, batch, latent_cache, kv_scale, page_table) -> Tensor:
         """`subset`'s sequences (host indices into the batch), their query rows `q` and page-table rows."""

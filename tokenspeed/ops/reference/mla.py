@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tokenspeed.ops.reference.norm import rms_norm
+
 
 def _causal_softmax_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """q: [Q, H, Dk], k: [S, H|1, Dk], v: [S, H|1, Dv] -> [Q, H, Dv] fp32; query j at position S - Q + j."""
@@ -51,6 +53,17 @@ def mla_store_latent(latent: Tensor, cache: Tensor, slot_mapping: Tensor, kv_sca
     flat = cache.view(-1, cache.shape[-1])
     rows = latent.float() / kv_scale if kv_scale != 1.0 else latent
     flat[slot_mapping] = rows.to(cache.dtype)
+
+
+def mla_norm_store_latent(kv_c: Tensor, k_pe: Tensor, weight: Tensor, eps: float, cache: Tensor,
+                          slot_mapping: Tensor, kv_scale: float = 1.0) -> None:
+    """Normalise and store new latent rows: `mla_store_latent(cat([rms_norm(kv_c, weight, eps), k_pe], -1), cache,
+    slot_mapping, kv_scale)` (the kv_a_layernorm of c_kv, then the cache write).
+
+    kv_c: [T, kv_lora_rank] pre-norm c_kv; k_pe: [T, rope] (already rotated where the model rotates); weight:
+    [kv_lora_rank] the norm gain. Mutates `cache` rows `slot_mapping` only; returns nothing (c_kv is read back from
+    the cache by every consumer)."""
+    mla_store_latent(torch.cat([rms_norm(kv_c, weight, eps), k_pe], dim=-1), cache, slot_mapping, kv_scale)
 
 
 def mla_gather_latent(
@@ -123,20 +136,47 @@ def mla_decode(
     scale: float,
     v_dim: int,
     kv_scale: float = 1.0,
+    *,
+    q_rope: Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None,
+    max_q: int | None = None,
 ) -> Tensor:
-    """`mla_attention_paged` for a batch where every sequence has the same Q new tokens (decode: 1, verify: k).
+    """`mla_attention_paged` for a batch where every sequence has the same Q new tokens (decode: 1, verify: k), or
+    for any mix of query lengths (ragged, with cu_seqlens_q).
 
-    q: [N, Q, H, Dl] absorbed queries; kv_lens: [N] (device) context lengths after this step; a sequence with
-    kv_lens[n] <= 0 is a padding row and gets zeros. Returns [N, Q, H, v_dim] in q.dtype. The Triton kernel of the
-    same contract takes only device values (graph-safe); this reference reads kv_lens on the host.
+    q: [N, Q, H, Dl] absorbed queries; or, with q_rope [N, Q, H, Dl - v_dim], q [N, Q, H, v_dim] holds the latent
+    part and q_rope the rope part of the same queries (the concatenation is the query; two views, so the caller
+    needs no copy). kv_lens: [N] (device) context lengths after this step; a sequence with kv_lens[n] <= 0 is a
+    padding row and gets zeros. Returns [N, Q, H, v_dim] in q.dtype.
+    Ragged: q [T, H, Dl] (q_rope [T, H, Dl - v_dim]) flat, cu_seqlens_q [N+1] (device) offsets of each sequence's
+    tokens, max_q a host int >= every sequence's token count (the Triton kernel's grid bound; unused here); returns
+    [T, H, v_dim], zeros for the rows of padding sequences. The Triton kernel of the same contract takes only
+    device values (graph-safe); this reference reads kv_lens (and cu_seqlens_q) on the host.
     """
+    if q_rope is not None:
+        q = torch.cat([q, q_rope], dim=-1)
+    if cu_seqlens_q is not None:
+        return _ragged_decode(q, cache, page_table, kv_lens.tolist(), cu_seqlens_q.tolist(), scale, v_dim, kv_scale)
     n, ql, h, dl = q.shape
     lens = kv_lens.tolist()
     out = q.new_zeros(n, ql, h, v_dim)
     live = [i for i, kv_len in enumerate(lens) if kv_len > 0]
     if live:
         idx = torch.tensor(live, device=q.device)
-        o = mla_attention_paged(q[idx].reshape(-1, h, dl), cache, page_table[idx], list(range(0, ql * len(live) + 1, ql)),
-                                [lens[i] for i in live], scale, v_dim, kv_scale)
+        o = mla_attention_paged(q[idx].reshape(-1, h, dl), cache, page_table[idx],
+                                list(range(0, ql * len(live) + 1, ql)), [lens[i] for i in live], scale, v_dim, kv_scale)
         out[idx] = o.view(len(live), ql, h, v_dim)
+    return out
+
+
+def _ragged_decode(q: Tensor, cache: Tensor, page_table: Tensor, kv_lens: list[int], cu: list[int], scale: float,
+                   v_dim: int, kv_scale: float) -> Tensor:
+    """The ragged `mla_decode`: each live sequence (kv_len > 0, some tokens) on its own (the padded all-decode path of
+    `mla_attention_paged` would read the rows past the shorter histories); zeros elsewhere."""
+    out = q.new_zeros(q.shape[0], q.shape[1], v_dim)
+    for n, kv_len in enumerate(kv_lens):
+        qs, qe = cu[n], cu[n + 1]
+        if kv_len > 0 and qe > qs:
+            out[qs:qe] = mla_attention_paged(q[qs:qe], cache, page_table[n:n + 1], [0, qe - qs], [kv_len], scale,
+                                             v_dim, kv_scale)
     return out

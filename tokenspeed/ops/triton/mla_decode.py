@@ -3,7 +3,9 @@
 The function of `tokenspeed.ops.reference.mla.mla_attention_paged` (and `_paged_decode`) for the batch shape
 of decode and verify: N sequences with the same number Q of new tokens (1 for decode, up to ~8 for verify):
 
-    q          [N, Q, H, Dl]   absorbed queries [W_UK^T q_nope ; q_pe] (fp32 / bf16), unit last stride
+    q          [N, Q, H, Dl]   absorbed queries [W_UK^T q_nope ; q_pe] (fp32 / bf16), unit last stride; or, with
+                               `q_rope`, q [N, Q, H, v_dim] = W_UK^T q_nope and q_rope [N, Q, H, Dl - v_dim] = q_pe,
+                               two strided views (no concatenated copy: the kernel reads the two parts anyway)
     cache      [P, page_size, Dl]  latent rows [c_kv (v_dim) ; k_pe]; bf16 / fp32 / fp8 e4m3 (stored / kv_scale)
     page_table [N, W] int32    a sequence's row i is page_table[n, i // page_size] * page_size + i % page_size
     kv_lens    [N] int (device) context length after this step (the new rows already stored); <= 0: padding
@@ -19,7 +21,7 @@ with HB = cdiv(Q*H, BLOCK_H): G = N * max_splits split slots. The number of spli
 split length are computed on the device from kv_lens by every program (no host synchronisation; the grid
 depends only on shapes and max_splits, so the launch is CUDA-graph capturable):
 
-* balanced (default): chunk = max(cdiv(sum(kv_lens), max(G - N, 1)), MIN_CHUNK) rounded up to BLOCK_N, and
+* balanced (default): chunk = max(cdiv(sum(kv_lens), max(G - N, 1)), min_chunk) rounded up to BLOCK_N, and
   splits_n = cdiv(kv_len_n, chunk); so every split in the batch covers about `chunk` rows whatever the mix of
   history lengths (a 64K history gets many splits, a 1K one a single one). The slots are a flat work list:
   slot p = n_slot * max_splits + s serves the split p - start_m of the sequence m with
@@ -41,7 +43,52 @@ normalised partial output [v_dim] fp32 and log-sum-exp (log2) per row into a wor
 combine kernel merges the splits of every sequence with more than one (the weights exp2(lse_i - max)). Padding
 rows are zeroed by the split kernel's programs (hb, 0, n) of that sequence. With max_splits == 1 there is no
 combine launch. Default launch: BLOCK_N 32, 2 stages; BLOCK_H 32 with 8 warps when Q*H is a multiple of 32, else
-16 with 4 warps (sm_90 offline compile: 177 / 196 registers, no spills, cp.async-pipelined KV loads).
+16 with 4 warps (sm_90 offline compile with Triton 3.6, benchmarks/mla_compile_sm90.py: 184 / 210 registers for
+a bf16 cache, 255 for fp8, no spills, cp.async-pipelined KV loads).
+
+Split policy (the two knobs; module constants read at call time, keyword arguments per call): max_splits
+defaults to `default_max_splits` (a grid of DEFAULT_WAVES x 132 programs) and min_chunk to MIN_CHUNK. Every split
+of more than one writes Q*H*v_dim*4 bytes of partials that the combine reads back (64 KB per split at Q*H = 32,
+v_dim = 512), against chunk * Dl * 2 bytes of bf16 cache it reads: at batch 1 / 4K the default plan is 64 splits
+of 64 rows (4 MB of partials for a 4.7 MB cache). benchmarks/mla_decode_h200.py --policies times the choices.
+
+PDL (`tokenspeed.ops.triton.pdl`): both kernels wait first (`gdc_wait`) and then release their dependents. Nothing
+is read before the wait: the split kernel's first reads are kv_lens and the page table (host-to-device copies
+of this step), the queries (the previous kernel's output) and the cache (its new rows stored just before); the
+combine reads the split kernel's partials. So the overlap is only the launch and the wait itself.
+
+Ragged batches (`cu_seqlens_q` given): any mix of query lengths, e.g. 15 decodes beside a 16..1000-token tail on
+a long history, in one launch (plus the combine), with the same split and combine kernels (RAGGED constexpr; the
+flash loop and the output store are shared @triton.jit helpers, so the uniform path compiles as before):
+
+    q            [T, H, Dl] flat (or q [T, H, v_dim] + q_rope [T, H, Dl - v_dim]), any token / head strides
+    cu_seqlens_q [N+1] int32 / int64 (device): sequence n's tokens are cu[n]..cu[n+1]-1
+    max_q        host int >= every q_len_n (not a constexpr: it only bounds the grid)
+    out          [T, H, v_dim] in q.dtype; rows of padding sequences (kv_len <= 0) are zeros, of tokens past
+                 cu[N] unwritten
+
+Sequence n's rows are r = j * H + h (j < q_len_n, token cu[n] + j, causal limit kv_len_n - q_len_n + j), in
+row blocks of BLOCK_H; blocks_n = cdiv(q_len_n * H, BLOCK_H) (0 when q_len_n = 0: nothing of it is touched).
+Plan, computed by every program from cu_seqlens and kv_lens (device values only: no host synchronisation):
+with the budget B = N * max_splits (default: DEFAULT_WAVES x the SM count) and the work W = sum_n blocks_n *
+kv_len_n, chunk = max(cdiv(W, B), min_chunk) rounded up to BLOCK_N, splits_n = max(cdiv(kv_len_n, chunk), 1).
+A work item is (sequence, split s, row block hb) and covers keys s*chunk .. (s+1)*chunk - 1 (also cut at the
+block's last causal limit); items are numbered sequence by sequence, split-major within one (the row blocks
+of one key range run side by side and share it in L2). So a long tail, whose row blocks already fill the
+machine, keeps one split (W / B exceeds its history) while a decode beside a short tail gets several, and a
+64K decode among 1K ones gets more than the short ones: splitting follows the work, not the query length.
+
+Bounds (what keeps the grid static and the workspace small): let RB = min(N * cdiv(bucket(max_q) * H,
+BLOCK_H), cdiv(T * H, BLOCK_H) + N - 1) >= sum_n blocks_n, bucket(max_q) = max(16, next_pow2(max_q)) (q lengths
+are clamped to it). The items number sum_n blocks_n * splits_n < W / chunk + sum_n blocks_n <= B + RB: the split
+grid is 1-D of B + RB programs (those past the last item exit at once, after the PDL wait). A sequence with more
+than one split has kv_len > chunk >= W / B, so the row blocks of split sequences total < B, and their items
+(the only ones that write partials) < 2 B and < B + RB. The workspace holds min(2 B, B + RB) items of BLOCK_H
+rows x v_dim fp32 (+ LSE): 2 x 264 x 32 x 512 x 4 = 35 MB at the defaults on an H200 (H 32, v_dim 512; N <= 64:
+B <= 320, 42 MB), whatever max_q; the combine grid is (v_dim / 128, min(B, RB)) programs, one per row block of a
+split sequence, merging its splits over a [BLOCK_H, 128] tile. max_splits == 1: no splits, RB programs, no
+combine launch, no workspace. The grid depends only on (T, N, bucket(max_q), max_splits), so a CUDA graph
+captured for one bucket replays any batch of that shape. `plan_ragged` / `ragged_grid` mirror it on the host.
 """
 
 from __future__ import annotations
@@ -52,22 +99,28 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
 
 LOG2E = 1.4426950408889634
-MIN_CHUNK = 64  # rows: shorter balanced splits cost more in partials (Q*H*v_dim*8 bytes) than they save
+# The shortest balanced split (rows). Partials cost Q*H*v_dim*8 bytes per split (written, then read back), so at
+# Q*H = 32 a split under ~114 bf16 rows moves more partial bytes than cache bytes; 64 is kept until the H200 sweep
+# (benchmarks/mla_decode_h200.py --policies) picks a value.
+MIN_CHUNK = 64
+DEFAULT_WAVES = 2.0  # default_max_splits: split slots for about this many waves of 132 programs
 
 
 @triton.jit
-def _plan_balanced(KV_LENS, N, G, BLOCK_SEQ: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK_: tl.constexpr):
+def _plan_balanced(KV_LENS, N, G, min_chunk, BLOCK_SEQ: tl.constexpr, BLOCK_N: tl.constexpr):
     """(idx, lens, counts, starts, chunk) of the balanced split plan, as [BLOCK_SEQ] vectors + the chunk."""
     idx = tl.arange(0, BLOCK_SEQ)
     lens = tl.load(KV_LENS + idx, mask=idx < N, other=0).to(tl.int64)
     lens = tl.maximum(lens, 0)
     total = tl.sum(lens, axis=0)
     denom = tl.maximum(G - N, 1)
-    chunk = tl.maximum((total + denom - 1) // denom, MIN_CHUNK_)
+    chunk = tl.maximum((total + denom - 1) // denom, min_chunk)
     chunk = (chunk + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     counts = (lens + chunk - 1) // chunk
     starts = tl.cumsum(counts, axis=0) - counts
@@ -87,82 +140,78 @@ def _uniform_chunk(kv_len, MAX_SPLITS, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _mla_split_kernel(
-    Qp, stride_qn, stride_qj, stride_qh,
-    CACHE, stride_cp, stride_cr,
-    PT, stride_pt,
-    KV_LENS,
-    O, PART, LSE,
-    N, MAX_SPLITS, sm_scale_log2, kv_scale,
-    QN: tl.constexpr,
-    H: tl.constexpr,
-    PAGE: tl.constexpr,
-    DV: tl.constexpr,
-    DR: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_DR: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SEQ: tl.constexpr,
-    MIN_CHUNK_: tl.constexpr,
-    BALANCED: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    pid_h = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_n = tl.program_id(2).to(tl.int64)
-    QH: tl.constexpr = QN * H
-    OUT_TY = O.dtype.element_ty
+def _plan_ragged(CU, KV_LENS, N, max_q, budget, min_chunk, H: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_SEQ: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The ragged plan (module docstring) as [BLOCK_SEQ] vectors, one lane per sequence (lanes >= N hold zeros):
+    (idx, first token, q_len, kv_len, row blocks, splits, item starts, partial-item starts, combine-block starts)
+    and the scalar chunk."""
+    idx = tl.arange(0, BLOCK_SEQ)
+    ok = idx < N
+    first = tl.load(CU + idx, mask=ok, other=0).to(tl.int64)
+    q_len = tl.load(CU + idx + 1, mask=ok, other=0).to(tl.int64) - first
+    # Clamped to the grid's bucket of max_q: a sequence longer than it breaks the contract (its rows come out wrong
+    # or unwritten) but every program and workspace index stays in bounds.
+    q_len = tl.minimum(tl.maximum(q_len, 0), max_q)
+    kv = tl.maximum(tl.load(KV_LENS + idx, mask=ok, other=0).to(tl.int64), 0)
+    blocks = (q_len * H + BLOCK_H - 1) // BLOCK_H
+    work = tl.sum(blocks * kv, axis=0)
+    chunk = tl.maximum((work + budget - 1) // budget, min_chunk)
+    chunk = (chunk + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    # A sequence with rows but no keys (padding) keeps one split: its programs write its zeros.
+    splits = tl.where(blocks > 0, tl.maximum((kv + chunk - 1) // chunk, 1), 0)
+    items = blocks * splits
+    starts = tl.cumsum(items, axis=0) - items
+    split_items = tl.where(splits > 1, items, 0)
+    part_starts = tl.cumsum(split_items, axis=0) - split_items
+    split_blocks = tl.where(splits > 1, blocks, 0)
+    comb_starts = tl.cumsum(split_blocks, axis=0) - split_blocks
+    return idx, first, q_len, kv, blocks, splits, starts, part_starts, comb_starts, chunk
+
+
+@triton.jit
+def _ragged_item(CU, KV_LENS, N, MAX_SPLITS, min_chunk, max_q, H: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_SEQ: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The work item of split program p = program_id(0) under the ragged plan: (sequence n, its number of splits
+    (0: p is past the last item), rows [BLOCK_H] (sequence-local r = j * H + h), row_ok, first token, key range
+    lo..hi, causal limit per row, and the row base of its stores). Row r goes to output row base + r (first * H +
+    r) when the sequence has one split, else to partial row base + r (item * BLOCK_H + r - hb * BLOCK_H): one int32
+    scalar live across the flash loop, not two (T * H and the workspace's rows fit in int32). The per-sequence
+    values are picked inline, not through `_pick`: each helper call costs the interpreter milliseconds, and every
+    program of the grid runs this."""
+    p = tl.program_id(0).to(tl.int64)
+    idx, first, q_len, kv, blocks, splits, starts, part_starts, _, chunk = _plan_ragged(
+        CU, KV_LENS, N, max_q, N * MAX_SPLITS, min_chunk, H, BLOCK_H, BLOCK_SEQ, BLOCK_N)
+    n = tl.sum(((starts + blocks * splits <= p) & (idx < N)).to(tl.int64), axis=0)  # the sequence p falls in
+    sel = idx == n  # no lane when p is past the last item (n == N): every pick is then 0
+    count = tl.sum(tl.where(sel, splits, 0), axis=0)
+    nb = tl.maximum(tl.sum(tl.where(sel, blocks, 0), axis=0), 1)
+    local = p - tl.sum(tl.where(sel, starts, 0), axis=0)
+    s = local // nb  # split-major: the row blocks of one key range run side by side (it is read once from DRAM)
+    hb = local - s * nb
+    ql = tl.sum(tl.where(sel, q_len, 0), axis=0)
+    kv_len = tl.sum(tl.where(sel, kv, 0), axis=0)
+    # int32 rows and limits (a sequence's positions and rows fit): fewer registers live across the flash loop
+    rows = (hb * BLOCK_H).to(tl.int32) + tl.arange(0, BLOCK_H)
+    lim = (kv_len - ql).to(tl.int32) + rows // H
+    last_lim = kv_len - ql + (tl.minimum(hb * BLOCK_H + BLOCK_H, ql * H) - 1) // H
+    lo = s * chunk
+    hi = tl.minimum(tl.minimum(lo + chunk, kv_len), last_lim + 1)  # no key past the block's last causal limit
+    tok0 = tl.sum(tl.where(sel, first, 0), axis=0)
+    base = tl.where(count == 1, tok0 * H, (tl.sum(tl.where(sel, part_starts, 0), axis=0) + local - hb) * BLOCK_H)
+    return n, count, rows, rows < ql * H, tok0, lo.to(tl.int32), hi.to(tl.int32), lim, base.to(tl.int32)
+
+
+@triton.jit
+def _flash_rows(q_v, q_r, lim, CACHE, stride_cp, stride_cr, pt_row, lo, hi, sm_scale_log2, dv, dv_ok, dr, dr_ok,
+                PAGE: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_DV: tl.constexpr, IEEE: tl.constexpr):
+    """Online softmax of BLOCK_H query rows (q_v [BLOCK_H, BLOCK_DV], q_r [BLOCK_H, BLOCK_DR] in the dot type)
+    over the keys lo..hi-1 of one sequence (page-table row pt_row); row i sees keys <= lim[i].
+    Returns (acc [BLOCK_H, BLOCK_DV] fp32 unnormalised, running max m_i and sum l_i [BLOCK_H], log2 domain)."""
     CT = tl.float32 if IEEE else tl.bfloat16
-
-    rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_ok = rows < QH
-    dv = tl.arange(0, BLOCK_DV)
-    dr = tl.arange(0, BLOCK_DR)
-    dv_ok = dv < DV
-    dr_ok = dr < DR
-
-    # Padding sequence: zeros, written once (slot 0 of its own row of the grid, whatever the plan).
-    own_len = tl.load(KV_LENS + pid_n).to(tl.int64)
-    if (pid_s == 0) & (own_len <= 0):
-        zo = O + (pid_n * QH + rows[:, None]) * DV + dv[None, :]
-        tl.store(zo, tl.zeros([BLOCK_H, BLOCK_DV], dtype=OUT_TY), mask=row_ok[:, None] & dv_ok[None, :])
-
-    # Which (sequence, split) this slot serves.
-    if BALANCED:
-        p = pid_n * MAX_SPLITS + pid_s
-        idx, lens, counts, starts, chunk = _plan_balanced(KV_LENS, N, N * MAX_SPLITS, BLOCK_SEQ, BLOCK_N,
-                                                          MIN_CHUNK_)
-        n = tl.sum((starts + counts <= p).to(tl.int64), axis=0)  # first sequence whose splits end after p
-        n = tl.minimum(n, N - 1)
-        kv_len = _pick(idx, lens, n)
-        count = _pick(idx, counts, n)
-        start = _pick(idx, starts, n)
-        s = p - start
-    else:
-        n = pid_n
-        kv_len = tl.maximum(own_len, 0)
-        chunk = _uniform_chunk(kv_len, MAX_SPLITS, BLOCK_N)
-        count = (kv_len + chunk - 1) // chunk
-        start = n * MAX_SPLITS
-        s = pid_s.to(tl.int64)
-    if s >= count:  # past the plan's last split (or a padding sequence)
-        return
-
-    lo = (s * chunk).to(tl.int32)  # positions fit in int32 (page_table is int32-indexed anyway)
-    hi = tl.minimum(lo + chunk, kv_len).to(tl.int32)
-    j = rows // H
-    h = rows % H
-    lim = kv_len - QN + j  # last key position row r sees
-
-    q_ptr = Qp + n * stride_qn + j.to(tl.int64) * stride_qj + h.to(tl.int64) * stride_qh
-    q_v = tl.load(q_ptr[:, None] + dv[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0).to(CT)
-    q_r = tl.load(q_ptr[:, None] + DV + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0).to(CT)
-
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    pt_row = PT + n * stride_pt
     for k0 in range(lo, hi, BLOCK_N):
         pos = k0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < hi
@@ -191,70 +240,232 @@ def _mla_split_kernel(
         else:
             acc = tl.dot(pr.to(CT), kv, acc=acc * alpha[:, None])
         m_i = m_new
-
-    inv = tl.where(l_i > 0, kv_scale / tl.where(l_i > 0, l_i, 1.0), 0.0)
-    o = acc * inv[:, None]
-    omask = row_ok[:, None] & dv_ok[None, :]
-    if count == 1:
-        tl.store(O + (n * QH + rows[:, None]) * DV + dv[None, :], o.to(OUT_TY), mask=omask)
-    else:
-        slot = start + s
-        tl.store(PART + (slot * QH + rows[:, None]) * DV + dv[None, :], o, mask=omask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(LSE + slot * QH + rows, lse, mask=row_ok)
+    return acc, m_i, l_i
 
 
 @triton.jit
+def _store_rows(acc, m_i, l_i, kv_scale, direct, O, o_base, o_rows, PART, LSE, p_base, p_rows, row_ok, dv, dv_ok,
+                DV: tl.constexpr):
+    """The normalised output of a row tile: to O rows o_base + o_rows when `direct` (the sequence's only split),
+    else to the partial rows p_base + p_rows (fp32 output and log2 LSE, -inf for a row that saw no key)."""
+    inv = tl.where(l_i > 0, kv_scale / tl.where(l_i > 0, l_i, 1.0), 0.0)
+    o = acc * inv[:, None]
+    omask = row_ok[:, None] & dv_ok[None, :]
+    if direct:  # the bases widen to int64 here (not before the caller's loop, where they would hold registers)
+        tl.store(O + (o_base.to(tl.int64) + o_rows[:, None]) * DV + dv[None, :], o.to(O.dtype.element_ty),
+                 mask=omask)
+    else:
+        tl.store(PART + (p_base.to(tl.int64) + p_rows[:, None]) * DV + dv[None, :], o, mask=omask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(LSE + p_base.to(tl.int64) + p_rows, lse, mask=row_ok)
+
+
+# The scalars that vary with the batch and the policy are not specialised (divisible by 16, equal to 1): one
+# compiled variant serves them all (fewer JIT compiles at warm-up and in the policy sweep).
+@triton.jit(do_not_specialize=["N", "MAX_SPLITS", "min_chunk", "max_q"])
+def _mla_split_kernel(
+    Qp, stride_qn, stride_qj, stride_qh,
+    QR, stride_rn, stride_rj, stride_rh,
+    CACHE, stride_cp, stride_cr,
+    PT, stride_pt,
+    KV_LENS,
+    O, PART, LSE,
+    N, MAX_SPLITS, min_chunk, sm_scale_log2, kv_scale,
+    CU, max_q,
+    QN: tl.constexpr,
+    H: tl.constexpr,
+    PAGE: tl.constexpr,
+    DV: tl.constexpr,
+    DR: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SEQ: tl.constexpr,
+    BALANCED: tl.constexpr,
+    RAGGED: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # everything this kernel reads may come from the kernels just before it: wait first, on every path
+        gdc_wait()
+        gdc_launch_dependents()
+    CT = tl.float32 if IEEE else tl.bfloat16
+    if RAGGED:  # a 1-D grid over the plan's work items; q [T, H, .] (stride_qj / stride_rj: per token)
+        n, count, rows, row_ok, first, lo, hi, lim, base = _ragged_item(CU, KV_LENS, N, MAX_SPLITS, min_chunk,
+                                                                        max_q, H, BLOCK_H, BLOCK_SEQ, BLOCK_N)
+        if count == 0:  # past the last item
+            return
+        dv = tl.arange(0, BLOCK_DV)
+        dr = tl.arange(0, BLOCK_DR)
+        dv_ok = dv < DV
+        dr_ok = dr < DR
+        tok = first + rows // H
+        h64 = (rows % H).to(tl.int64)
+        q_ptr = Qp + tok * stride_qj + h64 * stride_qh
+        r_ptr = QR + tok * stride_rj + h64 * stride_rh
+        o_base = base  # one of the two is used: see `_ragged_item`
+        p_base = base
+        p_rows = rows
+    else:
+        pid_h = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        pid_n = tl.program_id(2).to(tl.int64)
+        QH: tl.constexpr = QN * H
+        OUT_TY = O.dtype.element_ty
+
+        rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        row_ok = rows < QH
+        dv = tl.arange(0, BLOCK_DV)
+        dr = tl.arange(0, BLOCK_DR)
+        dv_ok = dv < DV
+        dr_ok = dr < DR
+
+        # Padding sequence: zeros, written once (slot 0 of its own row of the grid, whatever the plan).
+        own_len = tl.load(KV_LENS + pid_n).to(tl.int64)
+        if (pid_s == 0) & (own_len <= 0):
+            zo = O + (pid_n * QH + rows[:, None]) * DV + dv[None, :]
+            tl.store(zo, tl.zeros([BLOCK_H, BLOCK_DV], dtype=OUT_TY), mask=row_ok[:, None] & dv_ok[None, :])
+
+        # Which (sequence, split) this slot serves.
+        if BALANCED:
+            p = pid_n * MAX_SPLITS + pid_s
+            idx, lens, counts, starts, chunk = _plan_balanced(KV_LENS, N, N * MAX_SPLITS, min_chunk, BLOCK_SEQ,
+                                                              BLOCK_N)
+            n = tl.sum((starts + counts <= p).to(tl.int64), axis=0)  # first sequence whose splits end after p
+            n = tl.minimum(n, N - 1)
+            kv_len = _pick(idx, lens, n)
+            count = _pick(idx, counts, n)
+            start = _pick(idx, starts, n)
+            s = p - start
+        else:
+            n = pid_n
+            kv_len = tl.maximum(own_len, 0)
+            chunk = _uniform_chunk(kv_len, MAX_SPLITS, BLOCK_N)
+            count = (kv_len + chunk - 1) // chunk
+            start = n * MAX_SPLITS
+            s = pid_s.to(tl.int64)
+        if s >= count:  # past the plan's last split (or a padding sequence)
+            return
+
+        lo = (s * chunk).to(tl.int32)  # positions fit in int32 (page_table is int32-indexed anyway)
+        hi = tl.minimum(lo + chunk, kv_len).to(tl.int32)
+        j = rows // H
+        h = rows % H
+        lim = kv_len - QN + j  # last key position row r sees
+
+        j64 = j.to(tl.int64)
+        h64 = h.to(tl.int64)
+        q_ptr = Qp + n * stride_qn + j64 * stride_qj + h64 * stride_qh
+        r_ptr = QR + n * stride_rn + j64 * stride_rj + h64 * stride_rh
+        o_base = n * QH
+        p_base = (start + s) * QH
+        p_rows = rows
+    q_v = tl.load(q_ptr[:, None] + dv[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0).to(CT)
+    q_r = tl.load(r_ptr[:, None] + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0).to(CT)
+    acc, m_i, l_i = _flash_rows(q_v, q_r, lim, CACHE, stride_cp, stride_cr, PT + n * stride_pt, lo, hi,
+                                sm_scale_log2, dv, dv_ok, dr, dr_ok, PAGE, DV, BLOCK_H, BLOCK_N, BLOCK_DV, IEEE)
+    _store_rows(acc, m_i, l_i, kv_scale, count == 1, O, o_base, rows, PART, LSE, p_base, p_rows, row_ok, dv, dv_ok,
+                DV)
+
+
+@triton.jit
+def _merge_splits(O, PART, LSE, o_rows, row_ok, first, step, count, dv, dv_ok, DV: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_VC: tl.constexpr):
+    """Ragged combine of one row tile: rows o_rows of O (a [BLOCK_H, BLOCK_VC] column tile) from the `count`
+    partial items first + s * step (each BLOCK_H rows of PART / LSE), weighted exp2(lse - max)."""
+    ri = tl.arange(0, BLOCK_H)
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for s in range(count):
+        m = tl.maximum(m, tl.load(LSE + (first + s * step) * BLOCK_H + ri, mask=row_ok, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([BLOCK_H, BLOCK_VC], dtype=tl.float32)
+    wsum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for s in range(count):
+        prow = (first + s * step) * BLOCK_H + ri
+        w = tl.exp2(tl.load(LSE + prow, mask=row_ok, other=float("-inf")) - m)
+        part = tl.load(PART + prow[:, None] * DV + dv[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+        acc += part * w[:, None]
+        wsum += w
+    out = acc / tl.where(wsum > 0, wsum, 1.0)[:, None]
+    tl.store(O + o_rows[:, None] * DV + dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["N", "MAX_SPLITS", "min_chunk", "max_q"])
 def _mla_combine_kernel(
     KV_LENS, O, PART, LSE,
-    N, MAX_SPLITS,
+    N, MAX_SPLITS, min_chunk,
+    CU, max_q,
     QH: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_VC: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_SEQ: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MIN_CHUNK_: tl.constexpr,
     BALANCED: tl.constexpr,
+    PDL: tl.constexpr,
+    RAGGED: tl.constexpr = False,
+    H: tl.constexpr = 1,
+    BLOCK_H: tl.constexpr = 16,
 ):
+    if PDL:  # the partials come from the split kernel just before: wait first, on every path
+        gdc_wait()
+        gdc_launch_dependents()
     pid_v = tl.program_id(0)
-    r = tl.program_id(1)
-    n = tl.program_id(2).to(tl.int64)
-    if BALANCED:
-        idx, _, counts, starts, _ = _plan_balanced(KV_LENS, N, N * MAX_SPLITS, BLOCK_SEQ, BLOCK_N, MIN_CHUNK_)
-        count = _pick(idx, counts, n)
-        start = _pick(idx, starts, n)
+    if RAGGED:  # program (pid_v, c): the c-th row block among the sequences with more than one split
+        c = tl.program_id(1).to(tl.int64)
+        idx, first, q_len, _, blocks, splits, _, part_starts, comb_starts, _ = _plan_ragged(
+            CU, KV_LENS, N, max_q, N * MAX_SPLITS, min_chunk, H, BLOCK_H, BLOCK_SEQ, BLOCK_N)
+        split_blocks = tl.where(splits > 1, blocks, 0)
+        sel = idx == tl.sum(((comb_starts + split_blocks <= c) & (idx < N)).to(tl.int64), axis=0)
+        count = tl.sum(tl.where(sel, splits, 0), axis=0)  # 0 past the last block (no lane selected)
+        if count <= 1:
+            return
+        hb = c - tl.sum(tl.where(sel, comb_starts, 0), axis=0)
+        rows = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        dv = pid_v * BLOCK_VC + tl.arange(0, BLOCK_VC)
+        _merge_splits(O, PART, LSE, tl.sum(tl.where(sel, first, 0), axis=0) * H + rows,
+                      rows < tl.sum(tl.where(sel, q_len, 0), axis=0) * H,
+                      tl.sum(tl.where(sel, part_starts, 0), axis=0) + hb, tl.sum(tl.where(sel, blocks, 0), axis=0),
+                      count, dv, dv < DV, DV, BLOCK_H, BLOCK_VC)
     else:
-        kv_len = tl.maximum(tl.load(KV_LENS + n).to(tl.int64), 0)
-        chunk = _uniform_chunk(kv_len, MAX_SPLITS, BLOCK_N)
-        count = (kv_len + chunk - 1) // chunk
-        start = n * MAX_SPLITS
-    if count <= 1:  # written by the split kernel (one split) or a padding row (zeroed there)
-        return
+        r = tl.program_id(1)
+        n = tl.program_id(2).to(tl.int64)
+        if BALANCED:
+            idx, _, counts, starts, _ = _plan_balanced(KV_LENS, N, N * MAX_SPLITS, min_chunk, BLOCK_SEQ, BLOCK_N)
+            count = _pick(idx, counts, n)
+            start = _pick(idx, starts, n)
+        else:
+            kv_len = tl.maximum(tl.load(KV_LENS + n).to(tl.int64), 0)
+            chunk = _uniform_chunk(kv_len, MAX_SPLITS, BLOCK_N)
+            count = (kv_len + chunk - 1) // chunk
+            start = n * MAX_SPLITS
+        if count <= 1:  # written by the split kernel (one split) or a padding row (zeroed there)
+            return
 
-    si = tl.arange(0, BLOCK_S)
-    m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
-    for c0 in range(0, count, BLOCK_S):
-        ok = c0 + si < count
-        m = tl.maximum(m, tl.load(LSE + (start + c0 + si) * QH + r, mask=ok, other=float("-inf")))
-    mx = tl.max(m, axis=0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
+        si = tl.arange(0, BLOCK_S)
+        m = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+        for c0 in range(0, count, BLOCK_S):
+            ok = c0 + si < count
+            m = tl.maximum(m, tl.load(LSE + (start + c0 + si) * QH + r, mask=ok, other=float("-inf")))
+        mx = tl.max(m, axis=0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
 
-    dv = pid_v * BLOCK_VC + tl.arange(0, BLOCK_VC)
-    dv_ok = dv < DV
-    acc = tl.zeros([BLOCK_VC], dtype=tl.float32)
-    wsum = tl.zeros([BLOCK_S], dtype=tl.float32)
-    for c0 in range(0, count, BLOCK_S):
-        ok = c0 + si < count
-        slot = start + c0 + si
-        w = tl.exp2(tl.load(LSE + slot * QH + r, mask=ok, other=float("-inf")) - mx)
-        part = tl.load(PART + (slot[:, None] * QH + r) * DV + dv[None, :], mask=ok[:, None] & dv_ok[None, :],
-                       other=0.0)
-        wsum += w
-        acc += tl.sum(part * w[:, None], axis=0)
-    tot = tl.sum(wsum, axis=0)
-    out = acc / tl.where(tot > 0, tot, 1.0)
-    tl.store(O + (n * QH + r) * DV + dv, out.to(O.dtype.element_ty), mask=dv_ok)
+        dv = pid_v * BLOCK_VC + tl.arange(0, BLOCK_VC)
+        dv_ok = dv < DV
+        acc = tl.zeros([BLOCK_VC], dtype=tl.float32)
+        wsum = tl.zeros([BLOCK_S], dtype=tl.float32)
+        for c0 in range(0, count, BLOCK_S):
+            ok = c0 + si < count
+            slot = start + c0 + si
+            w = tl.exp2(tl.load(LSE + slot * QH + r, mask=ok, other=float("-inf")) - mx)
+            part = tl.load(PART + (slot[:, None] * QH + r) * DV + dv[None, :], mask=ok[:, None] & dv_ok[None, :],
+                           other=0.0)
+            wsum += w
+            acc += tl.sum(part * w[:, None], axis=0)
+        tot = tl.sum(wsum, axis=0)
+        out = acc / tl.where(tot > 0, tot, 1.0)
+        tl.store(O + (n * QH + r) * DV + dv, out.to(O.dtype.element_ty), mask=dv_ok)
 
 
 def default_block_h(q_rows: int) -> int:
@@ -264,10 +475,54 @@ def default_block_h(q_rows: int) -> int:
 
 
 def default_max_splits(num_seqs: int, q_rows: int, num_sms: int = 132, *, block_h: int | None = None,
-                       waves: float = 2.0) -> int:
-    """Split slots per sequence so that the grid (HB x max_splits x N) holds about `waves` x num_sms programs."""
+                       waves: float | None = None) -> int:
+    """Split slots per sequence so that the grid (HB x max_splits x N) holds about `waves` (default DEFAULT_WAVES)
+    x num_sms programs."""
+    waves = DEFAULT_WAVES if waves is None else waves
     hb = triton.cdiv(max(q_rows, 1), block_h or default_block_h(q_rows))
     return max(1, min(1024, math.ceil(waves * num_sms / (max(num_seqs, 1) * hb))))
+
+
+def _check_queries(q: Tensor, q_rope: Tensor | None, v_dim: int, ragged: bool = False) -> int:
+    """Validates q (and q_rope): [N, Q, H, D], or [T, H, D] when ragged; returns the latent row width Dl."""
+    nd, form = (3, "[T, H, D]") if ragged else (4, "[N, Q, H, D]")
+    if q.dim() != nd or q.stride(-1) != 1:
+        raise ValueError(f"q must be {form} with unit last stride; got {tuple(q.shape)}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be fp32 / bf16 / fp16; got {q.dtype}")
+    if q_rope is None:
+        return q.shape[-1]
+    if q.shape[-1] != v_dim:
+        raise ValueError(f"with q_rope, q holds the latent part only: last dim {v_dim}; got {q.shape[-1]}")
+    if q_rope.dim() != nd or q_rope.shape[:-1] != q.shape[:-1] or q_rope.stride(-1) != 1 or q_rope.dtype != q.dtype:
+        raise ValueError(f"q_rope must be [{', '.join(map(str, q.shape[:-1]))}, R] of q's dtype with unit last "
+                         f"stride; got {tuple(q_rope.shape)} {q_rope.dtype}")
+    return v_dim + q_rope.shape[-1]
+
+
+def _check_rest(N: int, Dl: int, cache: Tensor, page_table: Tensor, kv_lens: Tensor, v_dim: int) -> None:
+    if cache.dim() != 3 or cache.shape[-1] != Dl or cache.stride(-1) != 1:
+        raise ValueError(f"cache must be [P, page_size, {Dl}] with unit last stride; got {tuple(cache.shape)}")
+    if not 0 < v_dim < Dl:
+        raise ValueError(f"v_dim must be in (0, {Dl}); got {v_dim}")
+    if page_table.dim() != 2 or page_table.shape[0] != N:
+        raise ValueError(f"page_table must be [{N}, W]; got {tuple(page_table.shape)}")
+    if kv_lens.shape != (N,):
+        raise ValueError(f"kv_lens must be [{N}]; got {tuple(kv_lens.shape)}")
+    if cache.dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        raise ValueError(f"cache must be fp32 / bf16 / fp8 e4m3; got {cache.dtype}")
+
+
+def _check_launch(bh: int, block_n: int, ms: int, n: int, min_chunk: int | None) -> int:
+    """Validates the launch knobs; returns min_chunk (default MIN_CHUNK)."""
+    if bh < 16 or bh & (bh - 1) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"BLOCK_H and BLOCK_N must be powers of two >= 16; got {bh}, {block_n}")
+    if not 1 <= ms <= 65535 or n > 65535:
+        raise ValueError(f"max_splits must be in [1, 65535] and N <= 65535; got {ms}, {n}")
+    mc = int(MIN_CHUNK if min_chunk is None else min_chunk)
+    if mc < 1:
+        raise ValueError(f"min_chunk must be >= 1; got {mc}")
+    return mc
 
 
 def mla_decode(
@@ -279,38 +534,35 @@ def mla_decode(
     v_dim: int,
     kv_scale: float = 1.0,
     *,
+    q_rope: Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None,
+    max_q: int | None = None,
     max_splits: int | None = None,
     balanced: bool = True,
     BLOCK_H: int | None = None,
     BLOCK_N: int = 32,
     num_warps: int | None = None,
     num_stages: int = 2,
-    min_chunk: int = MIN_CHUNK,
+    min_chunk: int | None = None,
     out: Tensor | None = None,
 ) -> Tensor:
-    """Paged absorbed-MLA decode / verify (the contract of the module docstring). Returns [N, Q, H, v_dim].
+    """Paged absorbed-MLA decode / verify (the contract of the module docstring). Returns [N, Q, H, v_dim], or
+    [T, H, v_dim] for a ragged batch.
 
-    max_splits: split slots per sequence (default `default_max_splits`); balanced: the balanced plan (else
-    uniform); BLOCK_H / BLOCK_N / num_warps / num_stages: launch configuration; min_chunk: the shortest balanced
-    split (rows); out: a contiguous output."""
-    if q.dim() != 4 or q.stride(-1) != 1:
-        raise ValueError(f"q must be [N, Q, H, Dl] with unit last stride; got {tuple(q.shape)}")
-    N, QN, H, Dl = q.shape
-    if cache.dim() != 3 or cache.shape[-1] != Dl or cache.stride(-1) != 1:
-        raise ValueError(f"cache must be [P, page_size, {Dl}] with unit last stride; got {tuple(cache.shape)}")
-    if not 0 < v_dim < Dl:
-        raise ValueError(f"v_dim must be in (0, {Dl}); got {v_dim}")
-    if page_table.dim() != 2 or page_table.shape[0] != N:
-        raise ValueError(f"page_table must be [{N}, W]; got {tuple(page_table.shape)}")
-    if page_table.stride(-1) != 1:
-        page_table = page_table.contiguous()
-    if kv_lens.shape != (N,):
-        raise ValueError(f"kv_lens must be [{N}]; got {tuple(kv_lens.shape)}")
+    q_rope: the query's rope part as its own [..., Dl - v_dim] tensor (q is then [..., v_dim]); cu_seqlens_q:
+    [N+1] int32 / int64 device offsets of each sequence's tokens in a flat q [T, H, .] (the ragged form; max_q, a
+    host int >= every sequence's token count, is then required); max_splits: split slots per sequence (default
+    `default_max_splits`); balanced: the balanced plan (else uniform; the ragged plan is always balanced);
+    BLOCK_H / BLOCK_N / num_warps / num_stages: launch configuration; min_chunk: the shortest balanced split in
+    rows (default MIN_CHUNK); out: a contiguous output. Reads only; writes `out` (and its own workspace)."""
+    if cu_seqlens_q is not None:
+        return _mla_decode_ragged(q, cache, page_table, kv_lens, scale, v_dim, kv_scale, q_rope, cu_seqlens_q, max_q,
+                                  max_splits, BLOCK_H, BLOCK_N, num_warps, num_stages, min_chunk, out)
+    Dl = _check_queries(q, q_rope, v_dim)
+    N, QN, H = q.shape[:3]
+    _check_rest(N, Dl, cache, page_table, kv_lens, v_dim)
+    page_table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
     kv_lens = kv_lens if kv_lens.is_contiguous() else kv_lens.contiguous()
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"q must be fp32 / bf16 / fp16; got {q.dtype}")
-    if cache.dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
-        raise ValueError(f"cache must be fp32 / bf16 / fp8 e4m3; got {cache.dtype}")
     if out is None:
         out = torch.empty(N, QN, H, v_dim, dtype=q.dtype, device=q.device)
     elif out.shape != (N, QN, H, v_dim) or out.dtype != q.dtype or not out.is_contiguous():
@@ -319,51 +571,170 @@ def mla_decode(
         return out
     qh = QN * H
     bh = BLOCK_H or default_block_h(qh)
-    if bh < 16 or bh & (bh - 1) or BLOCK_N < 16 or BLOCK_N & (BLOCK_N - 1):
-        raise ValueError(f"BLOCK_H and BLOCK_N must be powers of two >= 16; got {bh}, {BLOCK_N}")
     ms = int(max_splits) if max_splits is not None else default_max_splits(N, qh, block_h=bh)
-    if ms < 1:
-        raise ValueError(f"max_splits must be >= 1; got {ms}")
-    hb = triton.cdiv(qh, bh)
-    if ms > 65535 or N > 65535:
-        raise ValueError("grid too large: max_splits and N must be <= 65535")
-    ieee = cache.dtype == torch.float32
-    G = N * ms
+    mc = _check_launch(bh, BLOCK_N, ms, N, min_chunk)
+    qr = q[..., v_dim:] if q_rope is None else q_rope
+    _launch(q, qr, cache, page_table, kv_lens, out, scale, kv_scale, ms, mc, balanced, bh, BLOCK_N, num_warps,
+            num_stages)
+    return out
+
+
+def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, out: Tensor, scale: float,
+            kv_scale: float, ms: int, min_chunk: int, balanced: bool, bh: int, block_n: int, num_warps: int | None,
+            num_stages: int) -> None:
+    """The split kernel, then (max_splits > 1) the combine kernel, over validated arguments."""
+    N, QN, H = q.shape[:3]
+    qh, v_dim, Dl = QN * H, out.shape[-1], cache.shape[-1]
     if ms > 1:
-        part = torch.empty(G, qh, v_dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(G, qh, dtype=torch.float32, device=q.device)
+        part = torch.empty(N * ms, qh, v_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(N * ms, qh, dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # never touched: one split per sequence
     block_seq = next_pow2(N) if balanced else 1  # the uniform plan reads only its own kv_len
-    nw = num_warps or (4 if bh <= 16 else 8)
-    _mla_split_kernel[(hb, ms, N)](
+    use_pdl = pdl.enabled(q.device)
+    launch = pdl.launch_kwargs(q.device)
+    _mla_split_kernel[(triton.cdiv(qh, bh), ms, N)](
         q, q.stride(0), q.stride(1), q.stride(2),
+        qr, qr.stride(0), qr.stride(1), qr.stride(2),
         cache, cache.stride(0), cache.stride(1),
         page_table, page_table.stride(0),
         kv_lens,
         out, part, lse,
-        N, ms, float(scale) * float(kv_scale) * LOG2E, float(kv_scale),
+        N, ms, min_chunk, float(scale) * float(kv_scale) * LOG2E, float(kv_scale),
+        kv_lens, 0,  # CU, max_q: ragged only
         QN=QN, H=H, PAGE=cache.shape[1], DV=v_dim, DR=Dl - v_dim,
-        BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(Dl - v_dim)), BLOCK_H=bh, BLOCK_N=BLOCK_N,
-        BLOCK_SEQ=block_seq, MIN_CHUNK_=int(min_chunk), BALANCED=bool(balanced), IEEE=ieee,
-        num_warps=nw, num_stages=num_stages,
+        BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(Dl - v_dim)), BLOCK_H=bh, BLOCK_N=block_n,
+        BLOCK_SEQ=block_seq, BALANCED=bool(balanced), RAGGED=False, IEEE=cache.dtype == torch.float32, PDL=use_pdl,
+        num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
     )
     if ms > 1:
         block_vc = min(next_pow2(v_dim), 128)
         _mla_combine_kernel[(triton.cdiv(v_dim, block_vc), qh, N)](
             kv_lens, out, part, lse,
-            N, ms,
-            QH=qh, DV=v_dim, BLOCK_VC=block_vc, BLOCK_S=16, BLOCK_SEQ=block_seq, BLOCK_N=BLOCK_N,
-            MIN_CHUNK_=int(min_chunk), BALANCED=bool(balanced),
-            num_warps=4,
+            N, ms, min_chunk,
+            kv_lens, 0,
+            QH=qh, DV=v_dim, BLOCK_VC=block_vc, BLOCK_S=16, BLOCK_SEQ=block_seq, BLOCK_N=block_n,
+            BALANCED=bool(balanced), PDL=use_pdl,
+            num_warps=4, **launch,
         )
+
+
+_SM_COUNTS: dict[int, int] = {}
+INTERPRETER_SMS = 4  # num_sms off CUDA: every program of a grid costs the interpreter milliseconds
+
+
+def num_sms(device: torch.device) -> int:
+    """The SM count the ragged default split budget is sized for (DEFAULT_WAVES x it): the CUDA device's (132 on an
+    H200), INTERPRETER_SMS elsewhere (the Triton interpreter: small grids keep the CPU tests fast)."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNTS:
+        _SM_COUNTS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNTS[idx]
+
+
+def ragged_max_q_bucket(max_q: int) -> int:
+    """The grid's bucket of a ragged batch's longest query: a power of two >= 16 (few distinct grids)."""
+    return max(16, next_pow2(max_q))
+
+
+def ragged_grid(num_tokens: int, num_seqs: int, heads: int, max_q: int, max_splits: int, block_h: int
+                ) -> tuple[int, int, int]:
+    """(split programs, combine row blocks, partial items of workspace) of a ragged launch; host ints only.
+
+    RB = min(N * cdiv(bucket(max_q) * H, BLOCK_H), cdiv(T * H, BLOCK_H) + N - 1) bounds the row blocks
+    sum_n cdiv(q_len_n * H, BLOCK_H); B = N * max_splits is the plan's budget. The plan keeps < B + RB items, the
+    row blocks of split sequences < B, and their items < min(2 B, B + RB) (module docstring). max_splits == 1:
+    no splits, RB programs, no combine, no workspace."""
+    rb = min(num_seqs * triton.cdiv(ragged_max_q_bucket(max_q) * heads, block_h),
+             triton.cdiv(num_tokens * heads, block_h) + num_seqs - 1)
+    if max_splits == 1:
+        return rb, 0, 0
+    budget = num_seqs * max_splits
+    return budget + rb, min(budget, rb), min(2 * budget, budget + rb)
+
+
+def _mla_decode_ragged(q: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, scale: float, v_dim: int,
+                       kv_scale: float, q_rope: Tensor | None, cu: Tensor, max_q: int | None,
+                       max_splits: int | None, BLOCK_H: int | None, BLOCK_N: int, num_warps: int | None,
+                       num_stages: int, min_chunk: int | None, out: Tensor | None) -> Tensor:
+    """`mla_decode` of a ragged batch: validates, then launches (`_launch_ragged`). Returns [T, H, v_dim]."""
+    Dl = _check_queries(q, q_rope, v_dim, ragged=True)
+    T, H = q.shape[:2]
+    N = kv_lens.shape[0] if kv_lens.dim() == 1 else -1
+    _check_rest(N, Dl, cache, page_table, kv_lens, v_dim)
+    if cu.shape != (N + 1,) or cu.dtype not in (torch.int32, torch.int64) or cu.device != q.device:
+        raise ValueError(f"cu_seqlens_q must be an int32 / int64 [{N + 1}] tensor on q's device; got "
+                         f"{tuple(cu.shape)} {cu.dtype} {cu.device}")
+    if max_q is None or int(max_q) < 0:
+        raise ValueError(f"a ragged batch needs max_q, a host int >= every sequence's query length; got {max_q}")
+    if out is None:
+        out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)
+    elif out.shape != (T, H, v_dim) or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{T}, {H}, {v_dim}] tensor of q's dtype")
+    if N == 0 or T * H == 0:
+        return out
+    bh = BLOCK_H or default_block_h(H)
+    ms = int(max_splits) if max_splits is not None else default_max_splits(N, bh, num_sms(q.device), block_h=bh)
+    mc = _check_launch(bh, BLOCK_N, ms, N, min_chunk)
+    page_table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
+    kv_lens = kv_lens if kv_lens.is_contiguous() else kv_lens.contiguous()
+    cu = cu if cu.is_contiguous() else cu.contiguous()
+    qr = q[..., v_dim:] if q_rope is None else q_rope
+    _launch_ragged(q, qr, cache, page_table, kv_lens, cu, int(max_q), out, scale, kv_scale, ms, mc, bh, BLOCK_N,
+                   num_warps, num_stages)
     return out
 
 
+def _launch_ragged(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, cu: Tensor,
+                   max_q: int, out: Tensor, scale: float, kv_scale: float, ms: int, min_chunk: int, bh: int,
+                   block_n: int, num_warps: int | None, num_stages: int) -> None:
+    """The ragged split kernel (a 1-D grid over the plan's items), then the ragged combine, over validated
+    arguments (`ragged_grid` sizes both and the workspace)."""
+    T, H = q.shape[:2]
+    N, v_dim, Dl = kv_lens.shape[0], out.shape[-1], cache.shape[-1]
+    programs, comb_blocks, part_items = ragged_grid(T, N, H, max_q, ms, bh)
+    if part_items:
+        part = torch.empty(part_items, bh, v_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(part_items, bh, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # never touched: one split per sequence
+    mc = min_chunk if ms > 1 else 2**31 - 1  # max_splits == 1: a chunk longer than any history, so no splits
+    mq, block_seq = ragged_max_q_bucket(max_q), next_pow2(N)
+    use_pdl = pdl.enabled(q.device)
+    launch = pdl.launch_kwargs(q.device)
+    _mla_split_kernel[(programs, 1, 1)](
+        q, 0, q.stride(0), q.stride(1),
+        qr, 0, qr.stride(0), qr.stride(1),
+        cache, cache.stride(0), cache.stride(1),
+        page_table, page_table.stride(0),
+        kv_lens,
+        out, part, lse,
+        N, ms, mc, float(scale) * float(kv_scale) * LOG2E, float(kv_scale),
+        cu, mq,
+        QN=1, H=H, PAGE=cache.shape[1], DV=v_dim, DR=Dl - v_dim,
+        BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(Dl - v_dim)), BLOCK_H=bh, BLOCK_N=block_n,
+        BLOCK_SEQ=block_seq, BALANCED=True, RAGGED=True, IEEE=cache.dtype == torch.float32, PDL=use_pdl,
+        num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
+    )
+    if comb_blocks:
+        block_vc = min(next_pow2(v_dim), 128)
+        _mla_combine_kernel[(triton.cdiv(v_dim, block_vc), comb_blocks, 1)](
+            kv_lens, out, part, lse,
+            N, ms, mc,
+            cu, mq,
+            QH=1, DV=v_dim, BLOCK_VC=block_vc, BLOCK_S=16, BLOCK_SEQ=block_seq, BLOCK_N=block_n,
+            BALANCED=True, PDL=use_pdl, RAGGED=True, H=H, BLOCK_H=bh,
+            num_warps=4, **launch,
+        )
+
+
 def plan_splits(kv_lens: list[int], max_splits: int, balanced: bool = True, block_n: int = 32,
-                min_chunk: int = MIN_CHUNK) -> tuple[list[int], list[int]]:
+                min_chunk: int | None = None) -> tuple[list[int], list[int]]:
     """Host mirror of the kernels' split plan (for tests and reports): (split length, number of splits) per
-    sequence. The kernels compute the same on the device."""
+    sequence. The kernels compute the same on the device. min_chunk: default MIN_CHUNK."""
+    min_chunk = MIN_CHUNK if min_chunk is None else min_chunk
     lens = [max(int(k), 0) for k in kv_lens]
     if balanced:
         denom = max(len(lens) * max_splits - len(lens), 1)
@@ -372,6 +743,23 @@ def plan_splits(kv_lens: list[int], max_splits: int, balanced: bool = True, bloc
     else:
         chunks = [_cdiv(_cdiv(max(k, 1), max_splits), block_n) * block_n for k in lens]
     return chunks, [_cdiv(k, c) for k, c in zip(lens, chunks)]
+
+
+def plan_ragged(q_lens: list[int], kv_lens: list[int], heads: int, max_splits: int, block_h: int,
+                block_n: int = 32, min_chunk: int | None = None, max_q: int | None = None) -> dict:
+    """Host mirror of the ragged plan (for tests and reports): {"chunk", "blocks", "splits"} (per sequence) and
+    the totals {"items", "partial_items", "combine_blocks"} the kernels compute on the device."""
+    mq = ragged_max_q_bucket(max(q_lens, default=0) if max_q is None else max_q)
+    qls = [min(max(int(q), 0), mq) for q in q_lens]
+    kvs = [max(int(k), 0) for k in kv_lens]
+    blocks = [_cdiv(q * heads, block_h) for q in qls]
+    mc = (MIN_CHUNK if min_chunk is None else min_chunk) if max_splits > 1 else 2**31 - 1
+    budget = len(qls) * max_splits
+    chunk = _cdiv(max(_cdiv(sum(b * k for b, k in zip(blocks, kvs)), budget), mc), block_n) * block_n
+    splits = [max(_cdiv(k, chunk), 1) if b else 0 for b, k in zip(blocks, kvs)]
+    split = [(b, s) for b, s in zip(blocks, splits) if s > 1]
+    return {"chunk": chunk, "blocks": blocks, "splits": splits, "items": sum(b * s for b, s in zip(blocks, splits)),
+            "partial_items": sum(b * s for b, s in split), "combine_blocks": sum(b for b, _ in split)}
 
 
 def _cdiv(a: int, b: int) -> int:
