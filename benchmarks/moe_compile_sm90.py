@@ -1,17 +1,24 @@
-"""Compile every routed-expert kernel variant of the prefill sweep for sm_90 on a host without a GPU, and report
-each one's shared memory, registers per thread and spill stack (Triton's own ptxas and cuobjdump), or its error.
+"""Compile the MoE kernels for sm_90 on a host without a GPU, with programmatic dependent launch (PDL) on or off,
+and report each one's shared memory, registers per thread and spill stack (Triton's own ptxas and cuobjdump), the
+PTX facts of its PDL protocol, or its error.
 
-    PYTHONPATH=benchmarks:. python benchmarks/moe_compile_sm90.py [--only REGEX] [--decode] [--sass]
+    PYTHONPATH=/path/to/triton-3.6:benchmarks:. python benchmarks/moe_compile_sm90.py [--decode] [--no-pdl]
+        [--only REGEX] [--sass]
 
-It runs `moe_experts` on small CPU tensors with each config of `moe_prefill_h200.GATE_UP` / `DOWN`, catches the
-kernel launches instead of running them, and hands each (kernel, arguments) to `triton.compile` for
-GPUTarget("cuda", 90, 32) with the signature and specialisations the JIT would derive (16-divisible strides,
-constant 1s, descriptor block shapes). The shapes are Kimi-Linear's D 2304, I 1024 (E 16, 1024 tokens), so the
-EVEN_K choices match both prefill geometries. Use the Triton the GPU runs (e.g. `pip install --target DIR
-triton==3.6.0`, then PYTHONPATH=DIR:benchmarks:.): a variant that fails here fails there. Needs no CUDA driver.
---decode compiles instead the decode launches of `default_config` at T = 1, 2, 4, 8 (Kimi-Linear's top-8 of 256),
-each in the direct mode (`direct_max_tokens`, no alignment launch) and in the aligned one; --sass adds a hash of
-each kernel's SASS (equal hashes: the same machine code).
+Each wrapper runs on small CPU tensors with `pdl.enabled` forced to the chosen value; its kernel launches (the
+router `_moe_route_kernel`, the fused alignment `_align_kernel`, `_gather_x_kernel`, `_gate_up_kernel`,
+`_down_kernel`, the combines `_combine_kernel` / `_combine_norm_kernel`) are caught instead of run and handed to
+`triton.compile` for GPUTarget("cuda", 90, 32) with the signature and specialisations the JIT would derive
+(16-divisible strides, constant 1s, descriptor block shapes); launches that compile to the same kernel are compiled
+once. Default: the prefill sweep's configs (`moe_prefill_h200.GATE_UP` / `DOWN`, Kimi-Linear's D 2304, I 1024,
+E 16, 1024 tokens). --decode: the decode launches of `default_config` at T = 1, 2, 4, 8, 64 (Kimi-Linear's top-8 of
+256 + the folded shared expert), direct and aligned, plain, with `add=` and with the fused junction
+(`residual=`), with the folded shared expert as the gate/up prefetch hint, plus the router. With PDL the PTX must
+show `griddepcontrol.wait` before `griddepcontrol.launch_dependents`; gate_up's hinted W1 / W3 and the down
+kernel's W2 L2 prefetch (`cp.async.bulk.prefetch.L2.global`) and its routing loads (`ld.global.cg`) before the
+wait; the combine's pre-wait `.cg` loads of the residual / add; the others no global load before the wait. Use the Triton the GPU runs (e.g. `pip install --target DIR triton==3.6.0`, then
+PYTHONPATH=DIR:benchmarks:.): a variant that fails here fails there. Needs no CUDA driver. --sass adds a hash of
+each kernel's SASS (equal hashes: the same machine code). Exit status 1 if anything fails.
 """
 
 from __future__ import annotations
@@ -21,21 +28,25 @@ import hashlib
 import os
 import re
 import subprocess
+import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 import triton
-from moe_prefill_h200 import DOWN, GATE_UP
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from tokenspeed.ops.reference.activation import Activation
+from tokenspeed.ops.triton import moe_align, moe_combine, moe_pdl, moe_route, pdl
 from tokenspeed.ops.triton import moe_experts as tk
 
 TARGET = GPUTarget("cuda", 90, 32)
-KERNELS = ("_gate_up_kernel", "_down_kernel", "_gather_x_kernel", "_combine_kernel", "_align_kernel")
+KERNELS = {tk: ("_gate_up_kernel", "_down_kernel", "_gather_x_kernel"), moe_combine: ("_combine_kernel",
+           "_combine_norm_kernel"), moe_align: ("_align_kernel",), moe_route: ("_moe_route_kernel",)}
+KIMI = {"k": 8, "E": 256, "D": 2304, "DI": 1024}
 
 
 class _Catch:
@@ -48,28 +59,54 @@ class _Catch:
         return lambda *args, **kw: self.calls.append((self.fn, args, kw))
 
 
-def launches(cfg: tk.ExpertsConfig, T: int = 1024, k: int = 8, E: int = 16, D: int = 2304, DI: int = 1024) -> list:
-    """The (kernel, args, kwargs) that moe_experts launches for this config (bf16, SiLU; torch alignment)."""
+def caught(call: Callable[[], object], pdl_on: bool) -> list:
+    """The (kernel, args, kwargs) launches of call(), with `pdl.enabled` forced to pdl_on (132 SMs assumed)."""
     calls: list = []
-    saved = {n: getattr(tk, n) for n in KERNELS}
-    for n, f in saved.items():
-        setattr(tk, n, _Catch(f, calls))
+    saved = {(m, n): getattr(m, n) for m, names in KERNELS.items() for n in names}
+    real_enabled, real_sms = pdl.enabled, moe_pdl._sm_count
+    pdl.enabled = lambda device: pdl_on
+    moe_pdl._sm_count = lambda device: 132
+    for (m, n), f in saved.items():
+        setattr(m, n, _Catch(f, calls))
     try:
-        dt = torch.bfloat16
-        x, w1, w2 = torch.zeros(T, D, dtype=dt), torch.zeros(E, DI, D, dtype=dt), torch.zeros(E, D, DI, dtype=dt)
-        ids = torch.randint(0, E, (T, k))
-        tk.moe_experts(x, w1, w1.clone(), w2, torch.rand(T, k), ids, Activation("silu"), config=cfg)
+        call()
     finally:
-        for n, f in saved.items():
-            setattr(tk, n, f)
+        pdl.enabled, moe_pdl._sm_count = real_enabled, real_sms
+        for (m, n), f in saved.items():
+            setattr(m, n, f)
     return calls
 
 
-def compile_sm90(fn, args, kwargs) -> dict:
+def experts_call(cfg: tk.ExpertsConfig | None, T: int, k: int, E: int, D: int, DI: int, add: bool = False,
+                 junction: bool = False) -> Callable[[], object]:
+    """moe_experts on zero bf16 CPU tensors (SiLU): plain, with `add=`, and / or with the fused junction; expert
+    E - 1 is the `prefetch_expert` hint (Kimi-Linear's folded shared expert)."""
+    def call():
+        dt = torch.bfloat16
+        x, w1, w2 = torch.zeros(T, D, dtype=dt), torch.zeros(E, DI, D, dtype=dt), torch.zeros(E, D, DI, dtype=dt)
+        ids = torch.randint(0, E, (T, k))
+        kw = {"add": torch.zeros(T, D, dtype=dt)} if add else {}
+        if junction:
+            kw.update(residual=torch.zeros(T, D, dtype=dt), norm_weight=torch.ones(D, dtype=dt), norm_eps=1e-6)
+        tk.moe_experts(x, w1, w1.clone(), w2, torch.rand(T, k), ids, Activation("silu"), config=cfg,
+                       prefetch_expert=E - 1, **kw)
+    return call
+
+
+def route_call(T: int) -> Callable[[], object]:
+    E = KIMI["E"]
+    return lambda: moe_route.moe_route(torch.zeros(T, E), torch.zeros(E), KIMI["k"], shared_expert_id=E)
+
+
+def pack(fn, args, kwargs):
     backend = make_backend(TARGET)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, spec, opts = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+    return fn._pack_args(backend, kwargs, bound, spec, opts)
+
+
+def compile_sm90(fn, packed) -> dict:
+    options, signature, constexprs, attrs = packed
     kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -82,47 +119,93 @@ def compile_sm90(fn, args, kwargs) -> dict:
     sass = "\n".join(line for line in sass.splitlines() if not line.lstrip().startswith(("code for", "Fatbin")))
     return {"shared": kernel.metadata.shared, "regs": int(regs.group(1)) if regs else None,
             "stack": int(stack.group(1)) if stack else None, "tma": "cp.async.bulk.tensor" in ptx,
-            "wgmma": "wgmma.mma_async" in ptx, "sass": hashlib.sha1(sass.encode()).hexdigest()[:12]}
+            "wgmma": "wgmma.mma_async" in ptx, "sass": hashlib.sha1(sass.encode()).hexdigest()[:12], "ptx": ptx}
 
 
-def decode_variants() -> list[tuple[str, tk.ExpertsConfig, int]]:
-    """(tag, config, T) of the decode launches: `default_config` at Kimi-Linear's shapes, direct and aligned."""
+def pdl_checks(name: str, ptx: str, kwargs: dict, pdl_on: bool) -> list[str]:
+    """The PTX facts of the PDL protocol for this kernel; returns the failed ones."""
+    wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    pf = ptx.find("cp.async.bulk.prefetch.L2.global")
+    first_ld = ptx.find("ld.global")
+    if not pdl_on:
+        return ["no griddepcontrol without PDL"] if wait >= 0 or trig >= 0 or pf >= 0 else []
+    bad = [] if 0 <= wait < trig else ["griddepcontrol.wait, then launch_dependents"]
+    if kwargs.get("PREFETCH") and not 0 <= pf < wait:
+        bad.append("the weight L2 prefetch before the wait")
+    if not kwargs.get("PREFETCH") and pf >= 0:
+        bad.append("no L2 prefetch unless asked")
+    pre_loads = re.findall(r"ld\.global[\w.:]*", ptx[:max(wait, 0)])
+    if name == "_down_kernel":
+        if not pre_loads or any(".cg" not in ld for ld in pre_loads):
+            bad.append("the routing loads (expert id) before the wait, through L2 only (.cg)")
+    elif name in ("_combine_kernel", "_combine_norm_kernel"):
+        pre = kwargs.get("HAS_ADD") or name == "_combine_norm_kernel"
+        if pre != any(".cg" in ld for ld in pre_loads):
+            bad.append("the residual / add loaded (.cg) before the wait" if pre else "no global load before the wait")
+    elif 0 <= first_ld < wait:
+        bad.append("no global load before the wait")
+    return bad
+
+
+def decode_variants() -> list[tuple[str, Callable[[], object]]]:
+    """(tag, call) of the decode launches: `default_config` at Kimi-Linear's shapes (k 8 + the shared expert over
+    257 experts), direct and aligned, plain / add / fused junction; and the router."""
     out = []
-    for T in (1, 2, 4, 8):
-        cfg = tk.default_config(T, 8, 256, 2304, 1024)
-        out += [(f"decode_T{T}_direct", replace(cfg, direct_max_tokens=T), T),
-                (f"decode_T{T}_aligned", replace(cfg, direct_max_tokens=0), T)]
+    k, E, D, DI = KIMI["k"] + 1, KIMI["E"] + 1, KIMI["D"], KIMI["DI"]
+    for T in (1, 2, 4, 8, 64):
+        cfg = tk.default_config(T, k, E, D, DI)
+        modes = [("aligned", replace(cfg, direct_max_tokens=0))]
+        if T <= tk.DIRECT_MAX_TOKENS:
+            modes.insert(0, ("direct", replace(cfg, direct_max_tokens=T)))
+        for mode, c in modes:
+            out += [(f"T{T}_{mode}", experts_call(c, T, k, E, D, DI)),
+                    (f"T{T}_{mode}_add", experts_call(c, T, k, E, D, DI, add=True)),
+                    (f"T{T}_{mode}_junction", experts_call(c, T, k, E, D, DI, junction=True)),
+                    (f"T{T}_{mode}_add_junction", experts_call(c, T, k, E, D, DI, add=True, junction=True))]
+        out.append((f"T{T}_route", route_call(T)))
     return out
+
+
+def prefill_variants() -> list[tuple[str, Callable[[], object]]]:
+    from moe_prefill_h200 import DOWN, GATE_UP
+
+    return [(tag, experts_call(cfg, 1024, 8, 16, 2304, 1024)) for tag, cfg in [*GATE_UP.items(), *DOWN.items()]]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="regex of variant names")
     ap.add_argument("--decode", action="store_true", help="the decode launches (direct and aligned), not prefill")
+    ap.add_argument("--no-pdl", action="store_true", help="compile without PDL (the interpreter's kernels)")
     ap.add_argument("--sass", action="store_true", help="print a hash of each kernel's SASS")
     args = ap.parse_args()
-    print(f"triton {triton.__version__}, target {TARGET}", flush=True)
-    if args.decode:
-        variants = [(tag, cfg, T, ("_gate_up_kernel", "_down_kernel")) for tag, cfg, T in decode_variants()]
-    else:
-        variants = [(tag, cfg, 1024, ("_gate_up_kernel", "_gather_x_kernel") if tag.startswith("g")
-                     else ("_down_kernel",)) for tag, cfg in [*GATE_UP.items(), *DOWN.items()]]
+    pdl_on = not args.no_pdl
+    print(f"triton {triton.__version__}, target {TARGET}, PDL {pdl_on}", flush=True)
+    seen: dict = {}
     failed = 0
-    for tag, cfg, T, want in variants:
+    for tag, call in decode_variants() if args.decode else prefill_variants():
         if args.only and not re.search(args.only, tag):
             continue
-        for fn, a, kw in launches(cfg, T=T):
-            if fn.__name__ not in want:
+        for fn, a, kw in caught(call, pdl_on):
+            packed = pack(fn, a, kw)
+            key = (fn.__name__, repr(packed[1:]))
+            if key in seen:
+                print(f"{tag:28s} {fn.__name__:21s} = {seen[key]}", flush=True)
                 continue
+            seen[key] = tag
             try:
-                r = compile_sm90(fn, a, kw)
-                print(f"{tag:28s} {fn.__name__:17s} smem {r['shared']:6d} B  regs {r['regs']}  stack {r['stack']}"
-                      f"  tma {r['tma']}  wgmma {r['wgmma']}" + (f"  sass {r['sass']}" if args.sass else ""),
-                      flush=True)
+                r = compile_sm90(fn, packed)
             except Exception as e:  # noqa: BLE001 - report every variant that does not compile, then go on
                 failed += 1
-                print(f"{tag:28s} {fn.__name__:17s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(f"{tag:28s} {fn.__name__:21s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            bad = pdl_checks(fn.__name__, r["ptx"], kw, pdl_on) + (["no spills"] if r["stack"] else [])
+            failed += bool(bad)
+            print(f"{tag:28s} {fn.__name__:21s} smem {r['shared']:6d} B  regs {r['regs']}  stack {r['stack']}"
+                  f"  tma {r['tma']}  wgmma {r['wgmma']}" + (f"  sass {r['sass']}" if args.sass else "")
+                  + ("  ok" if not bad else "  CHECK FAILED: " + "; ".join(bad)), flush=True)
     print(f"{failed} failed", flush=True)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@
 - short-tail prefill: T new tokens (64 / 256 / 1024) on a 16K-token history, eager as the engine runs it: wall
   time to completion against the kernel time, the kernel count, the host syncs, and a cProfile of the host side
   (the functions the host time goes to);
-- PDL A/B (`--pdl-ab`): the same decode graph captured with programmatic dependent launch on and off
-  (TOKENSPEED_PDL), replayed from the same saved state for several steps: step times side by side and whether the
-  logits of every step are bit-identical (PDL changes no arithmetic, so any difference is a race);
+- PDL A/B (`--pdl-ab`, `--pdl-configs`): the same decode graph captured under several PDL / weight-prefetch
+  settings (TOKENSPEED_PDL families, TOKENSPEED_GEMV_PREFETCH, TOKENSPEED_L2_PREFETCH), timed interleaved, and
+  replayed from the same saved state for several steps: step times side by side and whether the logits of every
+  step are bit-identical to the first setting's (neither changes arithmetic, so any difference is a race);
 - KDA path for short tails: the same eager forward (a tail alone, and beside 15 decoding sequences) with the KDA
   layers on the fused recurrent kernel vs the chunked scan: wall time, kernel time, logits of one against the
   other.
@@ -138,37 +139,54 @@ def host_profile(model, batch: int, ctx: int) -> dict:
     return out
 
 
-def pdl_ab(model, batch: int, ctx: int, steps: int = 8) -> dict:
-    """Decode graphs captured with PDL on and off over one cache; each replays `steps` steps from the same saved
-    KDA state: step time (events, median) per setting and bit-equality of all steps' logits."""
+PDL_ENV = ("TOKENSPEED_PDL", "TOKENSPEED_GEMV_PREFETCH", "TOKENSPEED_L2_PREFETCH")
+
+
+def _config_env(config: str) -> dict[str, str]:
+    """"pdl:gemv_prefetch:l2" (e.g. "1:regs:1", "-mla,-kda:regs:0") -> the environment of that setting."""
+    pdl_set, prefetch, l2 = (config.split(":") + ["", ""])[:3]
+    return {"TOKENSPEED_PDL": pdl_set or "1", "TOKENSPEED_GEMV_PREFETCH": prefetch or "regs",
+            "TOKENSPEED_L2_PREFETCH": l2 or "1"}
+
+
+def pdl_ab(model, batch: int, ctx: int, configs: list[str], steps: int = 8, rounds: int = 5) -> dict:
+    """Decode graphs captured under each PDL / prefetch setting (`_config_env`) over one cache, all kept alive and
+    timed interleaved (`rounds` rounds of events over 20 replays each, medians), so clock or thermal drift hits
+    every setting alike; each also replays `steps` steps from the same saved KDA state, and its logits must equal
+    the first setting's bit for bit (PDL and prefetches change no arithmetic: a difference is a race)."""
     page_size = 64
     buf, pps = decode_setup(model, batch, ctx, page_size)
     saved = [t.clone() for t in buf.kda_recurrent + buf.kda_conv]
     fb = decode_batch(batch, ctx, pps, page_size)
-    out, logits = {"batch": batch, "ctx": ctx}, {}
-    prev = os.environ.get("TOKENSPEED_PDL")
+    prev = {k: os.environ.get(k) for k in PDL_ENV}
+    graphs, logits = {}, {}
     try:
-        for pdl in ("1", "0"):
-            os.environ["TOKENSPEED_PDL"] = pdl
-            graphs = DecodeGraphs(model, buf, batch, pps, scratch_page=batch * pps)
-            graphs.capture()
+        for cfg in configs:
+            os.environ.update(_config_env(cfg))
+            g = graphs[cfg] = DecodeGraphs(model, buf, batch, pps, scratch_page=batch * pps)
+            g.capture()
             for dst, src in zip(buf.kda_recurrent + buf.kda_conv, saved, strict=True):
                 dst.copy_(src)
-            logits[pdl] = [graphs.run(fb).float().clone() for _ in range(steps)]
-            out[f"pdl{pdl}_step_ms"] = events_ms(lambda g=graphs: g.run(fb), 30, 5)
-            out[f"pdl{pdl}_kernels"] = len(kernels_of(lambda g=graphs: g.run(fb)))
-            del graphs
+            logits[cfg] = [g.run(fb).float().clone() for _ in range(steps)]
     finally:
-        if prev is None:
-            os.environ.pop("TOKENSPEED_PDL", None)
-        else:
-            os.environ["TOKENSPEED_PDL"] = prev
-    out["logits_bit_equal"] = all(torch.equal(a, b) for a, b in zip(logits["1"], logits["0"], strict=True))
-    out["max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(logits["1"], logits["0"], strict=True))
-    out["speedup"] = out["pdl0_step_ms"] / out["pdl1_step_ms"]
-    log(f"PDL A/B b{batch} ctx {ctx}: on {out['pdl1_step_ms']:.3f} ms vs off {out['pdl0_step_ms']:.3f} ms "
-        f"(x{out['speedup']:.3f}), logits bit-equal over {steps} steps: {out['logits_bit_equal']} "
-        f"(max diff {out['max_abs_diff']:.3g})")
+        for k, v in prev.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    times = {cfg: [] for cfg in configs}
+    for _ in range(rounds):
+        for cfg in configs:
+            times[cfg].append(events_ms(lambda g=graphs[cfg]: g.run(fb), 20, 3))
+    base = configs[0]
+    out = {"batch": batch, "ctx": ctx, "rounds": rounds, "configs": {}}
+    for cfg in configs:
+        same = all(torch.equal(a, b) for a, b in zip(logits[cfg], logits[base], strict=True))
+        ms = statistics.median(times[cfg])
+        out["configs"][cfg] = {"step_ms": ms, "all_ms": times[cfg], "bit_equal_to_first": same}
+        log(f"PDL A/B b{batch} ctx {ctx} [{cfg:>18}]: {ms:.3f} ms (x{statistics.median(times[base]) / ms:.3f} "
+            f"vs {base}), logits bit-equal to {base} over {steps} steps: {same}")
+    del graphs
     torch.cuda.empty_cache()
     return out
 
@@ -282,7 +300,9 @@ def main() -> None:
     ap.add_argument("--policy-tails", default="16,64,160,256,512,1024")
     ap.add_argument("--skip", default="", help="comma list of: decode, prefill, policy")
     ap.add_argument("--host", action="store_true", help="cProfile one eager batch-1 decode forward")
-    ap.add_argument("--pdl-ab", default="", help="comma list of batches for the PDL on/off A/B at 4K (none: skip)")
+    ap.add_argument("--pdl-ab", default="", help="comma list of batches for the PDL / prefetch A/B at 4K (none: skip)")
+    ap.add_argument("--pdl-configs", default="0:regs:1;1:regs:1;1:regs:0;1:none:1;1:l2:1;-mla:regs:1;-mla,-kda:regs:1",
+                    help="';' list of pdl:gemv_prefetch:l2 settings for --pdl-ab (the first is the reference)")
     args = ap.parse_args()
     res = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "python": platform.python_version(), "commit": os.environ.get("BENCH_COMMIT", "unknown"),
@@ -295,7 +315,8 @@ def main() -> None:
         if args.host:
             res["host"] = host_profile(model, 1, 4096)
         if args.pdl_ab:
-            res["pdl_ab"] = [pdl_ab(model, int(b), 4096) for b in args.pdl_ab.split(",")]
+            configs = args.pdl_configs.split(";")
+            res["pdl_ab"] = [pdl_ab(model, int(b), 4096, configs) for b in args.pdl_ab.split(",")]
         if "prefill" not in skip:
             res["prefill"] = prefill_profile(model, args.history, [int(t) for t in args.tails.split(",")])
         if "policy" not in skip:

@@ -32,6 +32,7 @@ from tokenspeed.models.eagle3 import (
     parse_eagle3_config,
     write_tiny_eagle3_checkpoint,
 )
+from tokenspeed.models.kimi.moe import SparseMoE
 
 F32 = torch.float32
 PAGE = 4
@@ -271,8 +272,11 @@ def test_broken_checkpoints_are_reported(tmp_path: Path, k3) -> None:
 
 # --------------------------------------------------------------------------------------------------- features
 def _sublayer_outputs(target, ids) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """(embeddings, [(attn_out, ffn_out) per layer], logits) of a plain forward, recorded with hooks."""
+    """(embeddings, [(attn_out, ffn_out) per layer], logits) of a plain forward, recorded with hooks. A MoE layer's
+    junction runs unfused here (its output is materialised only then; fused, the same bits)."""
     outs: dict[tuple[int, str], torch.Tensor] = {}
+    fused_junction = SparseMoE.forward_add_norm
+    SparseMoE.forward_add_norm = lambda self, x, r, n: ops.add_rms_norm(self(x), r, n.weight, n.eps)
     hooks = []
     for i, layer in enumerate(target.model.layers):
         ffn = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
@@ -284,6 +288,7 @@ def _sublayer_outputs(target, ids) -> tuple[torch.Tensor, list[tuple[torch.Tenso
         with torch.no_grad():
             logits = target(ForwardBatch.build([ids], [0], [list(range(pages))], [0], PAGE), cache)
     finally:
+        SparseMoE.forward_add_norm = fused_junction
         for h in hooks:
             h.remove()
     n = target.config.num_hidden_layers

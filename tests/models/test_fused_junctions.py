@@ -6,8 +6,9 @@ through `ops.gated_activation_merged`) against the unfused composition the model
 `h = h + attn(input_norm(h))`, `h = h + ffn(post_norm(h))`, `gate, up = gate_up(x).chunk(2)`, `norm(h)`; the
 MoE's shared expert stays folded into the routed experts, checked against a separate shared MLP in
 test_moe_fold.py): logits and every captured layer's residual stream bit for bit over a batched prefill and two
-decode steps, so greedy tokens cannot change. Also: one `add_rms_norm` per junction (2 per layer) and no other
-norm of the residual stream.
+decode steps, so greedy tokens cannot change. Also: one fused junction per add (2 per layer: `add_rms_norm`, or
+for a MoE layer's second one the experts' combine, `moe_experts(..., residual=)`) and no other norm of the
+residual stream.
 """
 
 from __future__ import annotations
@@ -87,15 +88,24 @@ def test_plain_model_bit_identical_to_unfused(dtype: torch.dtype, monkeypatch) -
 
 def test_one_add_rms_norm_per_junction(monkeypatch) -> None:
     model = build(torch.float32)
-    counts = {"add_rms_norm": 0, "rms_norm": 0}
-    for name in counts:
+    counts = {"add_rms_norm": 0, "rms_norm": 0, "moe_junction": 0}
+    for name in ("add_rms_norm", "rms_norm"):
         real = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *a, _r=real, _n=name: counts.__setitem__(_n, counts[_n] + 1) or _r(*a))
+    experts = ops.moe_experts
+
+    def moe_experts(*a, **kw):
+        counts["moe_junction"] += kw.get("residual") is not None
+        return experts(*a, **kw)
+
+    monkeypatch.setattr(ops, "moe_experts", moe_experts)
     cache = CacheBuffers.allocate(model.config, 4, PAGE, 1, torch.float32)
     with torch.no_grad():
         model(ForwardBatch.build([[5, 6, 7]], [0], [[0]], [0], PAGE), cache)
     c = model.config
-    assert counts["add_rms_norm"] == 2 * c.num_hidden_layers
+    moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+    assert moe_layers > 0 and counts["moe_junction"] == moe_layers  # one rank: every MoE junction in the combine
+    assert counts["add_rms_norm"] + counts["moe_junction"] == 2 * c.num_hidden_layers
     # plain norms left: the first layer's input norm and the MLA layers' q_a norms (the kv_a norm runs inside
     # ops.mla_norm_store_latent, fused with the latent cache write)
     assert counts["rms_norm"] == 1 + len(c.mla_layers) * (c.q_lora_rank is not None)

@@ -189,8 +189,8 @@ def test_pdl_launch_plumbing(on, monkeypatch):
             return lambda *args, **kw: calls.append(kw)
 
     monkeypatch.setattr(mod, "_kda_decode_kernel", Catch())
-    monkeypatch.setattr(pdl, "enabled", lambda device: on)
-    monkeypatch.setattr(pdl, "launch_kwargs", lambda device: {"launch_pdl": True} if on else {})
+    monkeypatch.setattr(pdl, "enabled", lambda device, family="": on)
+    monkeypatch.setattr(pdl, "launch_kwargs", lambda device, family="": {"launch_pdl": True} if on else {})
     inp = make([1, 2], 1, 16, torch.float32, "cpu")
     mod.kda_decode(**clone(inp), lower_bound=LOWER, scale=1.0, **norm_args(3, 1, 16))
     table = KdaLayerTable.build([KdaLayerTensors(*(inp[k] for k in KdaLayerTensors._fields))] * 2, strict=True)

@@ -160,9 +160,10 @@ def test_plan_balanced_properties():
         _, ucounts = plan_splits(lens, ms, False)
         assert all(c <= ms for c in ucounts)
     mixed = [65536, 16384, 4096, 1024] * 4
-    _, counts = plan_splits(mixed, default_max_splits(16, 32), True)
+    _, counts = plan_splits(mixed, default_max_splits(16, 32, waves=2.0), True)  # two waves of slots
     assert counts[:4] == [48, 12, 3, 1]
-    assert default_max_splits(16, 32) * 16 >= 2 * 132
+    assert default_max_splits(16, 32, waves=2.0) * 16 >= 2 * 132
+    assert default_max_splits(16, 32) * 16 >= 132  # the default: one wave
 
 
 def test_policy_constants_read_at_call_time(monkeypatch):

@@ -93,7 +93,7 @@ def test_add_empty_and_errors_interp(poison_empty):
 def _combine(buf: torch.Tensor, tw: torch.Tensor, add: torch.Tensor | None, k: int) -> torch.Tensor:
     import triton
 
-    from tokenspeed.ops.triton.moe_experts import _combine_kernel
+    from tokenspeed.ops.triton.moe_combine import _combine_kernel
 
     T, D = buf.shape[0] // k, buf.shape[1]
     out = torch.full((T, D), float("nan"), dtype=buf.dtype)

@@ -67,7 +67,7 @@ def _wrapper_calls():
 def test_every_launch_gets_pdl_from_one_decision(on, monkeypatch):
     pdl, *mods = _mods()
     attn_res = mods[3]
-    monkeypatch.setattr(pdl, "enabled", lambda device: on)
+    monkeypatch.setattr(pdl, "enabled", lambda device, family="": on)
     monkeypatch.setitem(attn_res._NUM_SMS, torch.device("cpu"), 132)  # the split schedule's residency check
     calls = _catch(monkeypatch, mods)
     for call in _wrapper_calls():
@@ -76,7 +76,7 @@ def test_every_launch_gets_pdl_from_one_decision(on, monkeypatch):
         assert kw.get("PDL") is on, (name, kw)
         assert kw.get("launch_pdl", False) is on, (name, kw)
         if name in ("_gemv_dot_kernel", "_gemv_fma_kernel"):
-            assert kw["PREFETCH"] == ("l2" if on else "none"), kw  # fp32 rows of 64: 16-byte aligned
+            assert kw["PREFETCH"] == "regs", kw  # the default mode: compiled with or without PDL (then a peel)
     assert {name for name, _ in calls} == {
         "_rms_norm_kernel", "_gated_activation_kernel", "_conv_kernel", "_state_kernel", "_gemv_dot_kernel",
         "_gemv_fma_kernel", "_splitk_reduce_kernel", "_attn_res_split_kernel", "_attn_res_tile_kernel",
@@ -93,3 +93,16 @@ def test_enabled_off_the_gpu_and_env_switch(monkeypatch):
     monkeypatch.setenv("TOKENSPEED_PDL", "1")
     assert pdl.enabled(torch.device("cuda", 0))
     assert pdl.kernel_kwargs(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+
+
+def test_pdl_families_from_the_environment(monkeypatch):
+    """TOKENSPEED_PDL: unset / "1" every family, "0" none, "a,b" only those, "-a" all but a; typos raise."""
+    from tokenspeed.ops.triton import pdl
+
+    assert pdl.family_on("mla", "") and pdl.family_on("mla", "1") and not pdl.family_on("mla", "0")
+    assert pdl.family_on("gemv", "gemv,moe") and not pdl.family_on("mla", "gemv,moe")
+    assert not pdl.family_on("mla", "-mla,-kda") and pdl.family_on("gemv", "-mla,-kda")
+    with pytest.raises(ValueError, match="unknown family"):
+        pdl.family_on("gemv", "-mal")
+    monkeypatch.setenv("TOKENSPEED_PDL", "gemv")
+    assert not pdl.enabled(torch.device("cpu"), "gemv")  # never on the CPU (interpreter)

@@ -159,11 +159,28 @@ def moe_route(
 
 
 def moe_experts(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-                act: Activation, *, add: Tensor | None = None) -> Tensor:
-    if _dispatch.use_triton(x, w1, w3, w2, topk_weights, topk_ids, add) and _dispatch.moe_experts_supported(
-            x, w1, act):
-        return _dispatch.kernels("moe_experts").moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act, add=add)
-    return _ref_moe.moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act, add=add)
+                act: Activation, *, add: Tensor | None = None, residual: Tensor | None = None,
+                norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
+                prefetch_expert: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    triton_ok = _dispatch.use_triton(x, w1, w3, w2, topk_weights, topk_ids, add, residual, norm_weight) \
+        and _dispatch.moe_experts_supported(x, w1, act)
+    kernels = _dispatch.kernels("moe_experts") if triton_ok else None
+    if residual is None and norm_weight is None:
+        if kernels is not None:
+            return kernels.moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act, add=add,
+                                       prefetch_expert=prefetch_expert)
+        return _ref_moe.moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act, add=add)
+    # The junction: fused into the combine where `add_rms_norm` itself would run its one-row fused kernel (the
+    # same bits), else the unfused pair; the reference composes the same two.
+    _ref_moe.check_norm(residual, norm_weight, x, w2.shape[1])
+    if kernels is None:
+        return _ref_moe.moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act, add=add, residual=residual,
+                                    norm_weight=norm_weight, norm_eps=norm_eps)
+    if x.shape[0] <= ADD_NORM_FUSED_MAX_ROWS and _dispatch.norm_supported(residual):
+        return kernels.moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act, add=add, residual=residual,
+                                   norm_weight=norm_weight, norm_eps=norm_eps, prefetch_expert=prefetch_expert)
+    out = kernels.moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act, add=add, prefetch_expert=prefetch_expert)
+    return add_rms_norm(out, residual, norm_weight, norm_eps)
 
 
 def mla_attention_expanded(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: list[int], cu_seqlens_k: list[int],

@@ -5,8 +5,9 @@ Block AttnRes (K3, section 2.3 of k3-architecture.md):
   3. a = Attn(input_norm(x_a)); 4. P += a; 5. x_m = mix_mlp(blocks + [P]); 6. f = FFN(post_norm(x_m)); 7. P += f
 Plain pre-norm residual (Kimi Linear): h += Attn(input_norm(h)); h += FFN(post_norm(h)). Each add is fused with
 the norm that reads its result (`ops.add_rms_norm`, one kernel per junction on CUDA): the layer takes its input
-already normed and returns its FFN output un-added, and the model adds it fused with the next layer's input norm
-(or the final norm).
+already normed and the norm after it (the next layer's input norm, or the final norm), and returns its output
+stream with that norm applied. A MoE layer on one rank does its second junction inside the experts' combine
+kernel (`SparseMoE.forward_add_norm`): one launch fewer, the same bits.
 """
 
 from __future__ import annotations
@@ -74,13 +75,18 @@ class DecoderLayer(nn.Module):
         query = depth_query(self.mlp_res_norm, self.mlp_res_proj)
         stream.add(self.ffn(mix_and_norm(stream, query, self.eps, self.post_attention_layernorm)))
 
-    def forward_plain(self, hidden: Tensor, normed: Tensor, batch: ForwardBatch, cache: CacheBuffers
-                      ) -> tuple[Tensor, Tensor]:
-        """Pre-norm residual with the adds left to fused junctions. hidden: the stream h entering the layer [T, hidden];
-        normed: input_layernorm(h) (the caller fuses it with the add that made h). Returns (h', f): h' = h +
-        Attn(normed) and f = FFN(post_attention_layernorm(h')), the FFN output not yet added: the layer's output
-        stream is h' + f (the caller adds it with `ops.add_rms_norm` and the next norm). Nothing is mutated but the
-        cache."""
+    def forward_plain(self, hidden: Tensor, normed: Tensor, batch: ForwardBatch, cache: CacheBuffers,
+                      next_norm: RMSNorm) -> tuple[Tensor, Tensor]:
+        """Pre-norm residual with each add fused into the norm after it. hidden: the stream h entering the layer
+        [T, hidden]; normed: input_layernorm(h) (the caller fused it with the add that made h); next_norm: the norm
+        that reads this layer's output (the next layer's input norm, or the final norm). Returns (h'', x):
+        h' = h + Attn(normed), h'' = h' + FFN(post_attention_layernorm(h')) the layer's output stream and
+        x = next_norm(h''), each add and the norm after it one `ops.add_rms_norm` (a MoE on one rank: the second
+        one inside the experts' combine). Nothing is mutated but the cache."""
         post = self.post_attention_layernorm
         x, hidden = ops.add_rms_norm(self.self_attn(normed, batch, cache), hidden, post.weight, post.eps)
-        return hidden, self.ffn(x)
+        if hasattr(self, "block_sparse_moe"):
+            x, hidden = self.block_sparse_moe.forward_add_norm(x, hidden, next_norm)
+        else:
+            x, hidden = ops.add_rms_norm(self.mlp(x), hidden, next_norm.weight, next_norm.eps)
+        return hidden, x

@@ -33,9 +33,11 @@ ABSORBED_MAX_QUERY_LEN = 8
 # below 8.4M / (69.6K - 20.5K) ~ 171 new tokens (~340 for a fresh prompt, where causality halves the attention
 # terms but not the expansion). The expanded form also writes and reads per-head K/V (20 KB per context row
 # against the 1.2 KB latent row: 335 MB at 16K, GBs at 200K) and gathers on the host, while the absorbed kernel
-# runs its dots in 32-row tiles below cuBLAS's / SDPA's tensor-core efficiency; 128 (the power of two below the
-# FLOP crossover) until benchmarks/mla_decode_h200.py --ragged measures where the crossover is.
-ABSORBED_MAX_TAIL = 128
+# runs its dots in 32-row tiles below cuBLAS's / SDPA's tensor-core efficiency. Measured on an H200 (one layer's
+# attention, a tail on a 16K history, benchmarks/results/mla_ragged_h200_1b048d5.json): ragged vs today's path
+# 0.59 vs 1.51 ms at 16 new tokens, 1.25 vs 1.43 at 64, 1.84 vs 1.28 at 128 (beside 15 decodes: 0.59 vs 2.54,
+# 1.57 vs 2.33, 2.41 vs 2.45), so the crossover is near 100 tokens: 64.
+ABSORBED_MAX_TAIL = 64
 
 
 class MLAAttention(nn.Module):

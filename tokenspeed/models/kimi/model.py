@@ -66,9 +66,8 @@ class KimiModel(nn.Module):
             first_norm = self.layers[0].input_layernorm if len(self.layers) else self.norm
             hidden, x = embeddings, first_norm(embeddings)
             for i, layer in enumerate(self.layers):
-                hidden, f = layer.forward_plain(hidden, x, batch, cache)
                 norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-                x, hidden = ops.add_rms_norm(f, hidden, norm.weight, norm.eps)  # h += FFN output; next input norm
+                hidden, x = layer.forward_plain(hidden, x, batch, cache, norm)  # h += Attn, FFN; next input norm
                 for slot in wanted.get(i, ()):
                     captured[slot] = hidden
             out = x

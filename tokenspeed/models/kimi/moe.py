@@ -13,6 +13,8 @@ Two shapes, one class, switched by config:
   rounding: the routed sum is no longer rounded to the model dtype before the shared output is added (about one
   ulp in bf16). Any other shared-expert shape keeps a separate `GatedMLP` added in the experts' combine.
 Experts are split over tensor-parallel ranks along their intermediate dim; partial sums are all-reduced.
+`forward_add_norm` also does the residual junction after the FFN (h + y and the next norm): on one rank, for the
+hidden-space MoE, inside the experts' combine kernel (`ops.moe_experts(..., residual=, norm_weight=)`).
 """
 
 from __future__ import annotations
@@ -91,22 +93,26 @@ class SparseMoE(nn.Module):
             self.shared_experts = GatedMLP(config, config.num_shared_experts * config.moe_intermediate_size,
                                            parallel, dtype, device, reduce_output=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x: [T, hidden] (post-attention normed) -> [T, hidden]."""
+    def _route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(weights fp32, ids int64) [T, k] (k + 1 with the folded shared expert's column)."""
         c = self.config
-        weights, ids = ops.moe_route(
+        return ops.moe_route(
             self.gate(x), getattr(self.gate, "e_score_correction_bias", None), c.num_experts_per_token,
             scoring=c.moe_router_activation_func, renormalize=c.moe_renormalize,
             routed_scaling_factor=c.routed_scaling_factor,
             shared_expert_id=c.num_experts if self.fold_shared else None,
         )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [T, hidden] (post-attention normed) -> [T, hidden]."""
+        weights, ids = self._route(x)
         if self.latent is None:
             # folded: the shared expert is the last (weight 1.0) column of the routing; else routed + shared in
             # the experts' combine (one rounding of the routed sum, then the add, as `y + s`); either way
             # all-reduced once
             shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
-            return self.parallel.all_reduce(
-                ops.moe_experts(x, self.w1, self.w3, self.w2, weights, ids, self.act, add=shared))
+            return self.parallel.all_reduce(ops.moe_experts(x, self.w1, self.w3, self.w2, weights, ids, self.act,
+                                                            add=shared, prefetch_expert=self._shared_id()))
         z = ops.moe_experts(self.routed_expert_down_proj(x), self.w1, self.w3, self.w2, weights, ids, self.act)
         z = self.parallel.all_reduce(z)
         if hasattr(self, "routed_expert_norm"):
@@ -115,3 +121,21 @@ class SparseMoE(nn.Module):
         if hasattr(self, "shared_experts"):
             return y + self.parallel.all_reduce(self.shared_experts(x))
         return y
+
+    def forward_add_norm(self, x: Tensor, residual: Tensor, norm: RMSNorm) -> tuple[Tensor, Tensor]:
+        """The FFN and the pre-norm junction after it: (norm(residual + y), residual + y), y = forward(x) (new
+        tensors, nothing mutated), exactly `ops.add_rms_norm(self(x), residual, norm.weight, norm.eps)`. Hidden-space
+        MoE on one rank: the add and the norm run in the experts' combine (`ops.moe_experts(..., residual=)`, one
+        launch fewer). Tensor-parallel ranks hold partial sums that are all-reduced before the add, and the latent
+        MoE ends in a projection: both keep the separate junction."""
+        if self.latent is not None or self.parallel.tp_size > 1:
+            return ops.add_rms_norm(self(x), residual, norm.weight, norm.eps)
+        weights, ids = self._route(x)
+        shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
+        return ops.moe_experts(x, self.w1, self.w3, self.w2, weights, ids, self.act, add=shared, residual=residual,
+                               norm_weight=norm.weight, norm_eps=norm.eps, prefetch_expert=self._shared_id())
+
+    def _shared_id(self) -> int | None:
+        """The folded shared expert's id (in every row of the routing), or None: a prefetch hint for the experts'
+        gate/up launch (its weights are fetched while the router still runs)."""
+        return self.config.num_experts if self.fold_shared else None

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from tokenspeed.ops.reference.activation import Activation, gated_activation
+from tokenspeed.ops.reference.norm import add_rms_norm
 
 
 def moe_route(
@@ -76,7 +77,11 @@ def moe_experts(
     act: Activation,
     *,
     add: Tensor | None = None,
-) -> Tensor:
+    residual: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 1e-6,
+    prefetch_expert: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Routed experts: out_t = sum_j w_tj * cast(W2_e act(W1_e x_t, W3_e x_t)), e = topk_ids[t, j].
 
     x: [T, D]; w1, w3: [E, I, D] (gate, up); w2: [E, D, I]; topk_weights: [T, k] fp32; topk_ids: [T, k].
@@ -85,8 +90,17 @@ def moe_experts(
     add: [T, D] in x.dtype (e.g. the shared experts' output), or None: returns cast(out) + add, i.e. the routed
     sum rounded to x.dtype first, then the add rounded again (torch's `+` of the two x.dtype tensors). Inputs are
     not mutated.
+    residual ([T, D] in x.dtype) with norm_weight ([D]): the pre-norm residual junction after the FFN, fused on
+    CUDA: returns (normed, summed) = `add_rms_norm(out, residual, norm_weight, norm_eps)` of the output above
+    (rounded to x.dtype, `add` included), i.e. summed = residual + out, normed = rms_norm(summed); both or neither.
+    prefetch_expert: an expert id the routing is known to use (e.g. a folded shared expert): a hint the CUDA path
+    may use to fetch its weights early; no effect on the result.
     """
     check_add(add, x, w2.shape[1])
+    check_norm(residual, norm_weight, x, w2.shape[1])
+    if residual is not None:
+        return add_rms_norm(moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act, add=add), residual, norm_weight,
+                            norm_eps)
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         if not 0 <= e < w1.shape[0]:
@@ -104,3 +118,18 @@ def check_add(add: Tensor | None, x: Tensor, d: int) -> None:
     if add is not None and (add.shape != (x.shape[0], d) or add.dtype != x.dtype or add.device != x.device):
         raise ValueError(f"add must be [{x.shape[0]}, {d}] {x.dtype} on {x.device}; got {tuple(add.shape)} "
                          f"{add.dtype} on {add.device}")
+
+
+def check_norm(residual: Tensor | None, norm_weight: Tensor | None, x: Tensor, d: int) -> None:
+    """`moe_experts`' fused junction: residual and norm_weight both None, or residual [T, d] in x.dtype and
+    norm_weight [d] (floating), both on x's device (ValueError otherwise)."""
+    if residual is None and norm_weight is None:
+        return
+    if residual is None or norm_weight is None:
+        raise ValueError("residual and norm_weight go together")
+    if residual.shape != (x.shape[0], d) or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(f"residual must be [{x.shape[0]}, {d}] {x.dtype} on {x.device}; got "
+                         f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    if norm_weight.shape != (d,) or not norm_weight.is_floating_point() or norm_weight.device != x.device:
+        raise ValueError(f"norm_weight must be a floating [{d}] tensor on {x.device}; got {tuple(norm_weight.shape)} "
+                         f"{norm_weight.dtype} on {norm_weight.device}")

@@ -108,7 +108,7 @@ def _launch(g2: Tensor, u2: Tensor, up_offset: int, y2: Tensor, act: Activation)
         g2, u2, y2, r, i, g2.stride(0), u2.stride(0), y2.stride(0), up_offset,
         float(act.beta), float(act.linear_beta),
         BLOCK_R=block_r, BLOCK_I=block_i, SITU=act.kind == "situ", num_warps=4,
-        **pdl.kernel_kwargs(y2.device),
+        **pdl.kernel_kwargs(y2.device, "act"),
     )
 
 

@@ -280,7 +280,7 @@ def _launch(blocks: Tensor, partial: Tensor, query: Tensor, eps: float, norm_wei
         schedule = choose_schedule(T, D, n, partial.device)
     common = (bk, partial, query, nw, out, n, D, sbn, sbt, partial.stride(0), out.stride(0), float(eps),
               float(norm_eps))
-    launch = pdl.kernel_kwargs(partial.device)
+    launch = pdl.kernel_kwargs(partial.device, "attn_res")
     if schedule == "split":
         if T * split > _num_sms(partial.device):
             raise ValueError(f"split schedule needs T * {split} <= {_num_sms(partial.device)} programs")

@@ -303,13 +303,13 @@ def causal_conv1d(
         T, C, N, max(N - 1, 0).bit_length(),
         x.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride(), y.stride(0), group, stride_yg,
         W=W, SILU=activation == "silu", BLOCK_T=block_t, BLOCK_C=block_c, UNROLL=unroll, num_warps=num_warps,
-        **pdl.kernel_kwargs(x.device),
+        **pdl.kernel_kwargs(x.device, "conv"),
     )
     if W > 1:
         state_block_c = min(1024, next_pow2(C))
         _state_kernel[(N, triton.cdiv(C, state_block_c))](
             x, conv_state, state_indices, cu_seqlens, C,
             x.stride(0), *conv_state.stride(),
-            W=W, BLOCK_C=state_block_c, num_warps=4, **pdl.kernel_kwargs(x.device),
+            W=W, BLOCK_C=state_block_c, num_warps=4, **pdl.kernel_kwargs(x.device, "conv"),
         )
     return y

@@ -35,7 +35,7 @@ ones; the fused reduction removes the second launch (and its PDL wait) altogethe
 
 Weight prefetch before the wait (`GemvConfig.prefetch`): a program launched as a dependent is resident while the
 previous kernel still runs, so it can put its weight stream in flight early (no kernel writes a weight).
-- "l2" (the default): one `cp.async.bulk.prefetch.L2.global` per weight row of the program, covering the row's
+- "l2": one `cp.async.bulk.prefetch.L2.global` per weight row of the program, covering the row's
   K range of the program (capped so the resident programs prefetch at most PREFETCH_L2_BYTES together). After
   the wait the loop's loads hit L2 or merge with the prefetches in flight, so the whole K range, not only its
   first tile, starts streaming during the previous kernel. The loop, its software pipelining and its registers
@@ -43,7 +43,9 @@ previous kernel still runs, so it can put its weight stream in flight early (no 
   start 16-byte aligned (the instruction's rule; else "none"). ptxas issues it from a short uniform-register
   loop over a warp's distinct rows (about 32 iterations), before the wait. It moves no data into the SM, and
   L2 is where every SM's writes land, so it cannot return stale data even if the "weight" were being written.
-- "regs": the first W tile is loaded into registers before the wait and the loop's first step is peeled (the
+- "regs" (the default: in the H200 chain benchmark, benchmarks/gemv_pdl_chain_h200.py, a producer -> o_proj ->
+  router -> in_proj chain took 36.5 us with "regs", 37.9 with "none", 38.9 with "l2", 40.7 without PDL): the
+  first W tile is loaded into registers before the wait and the loop's first step is peeled (the
   rest of the loop is pipelined as before). It hides one DRAM round trip at most (the next tile's load is
   issued after the wait) and holds the tile in registers and shared memory (+20 KB for 64 x 128 bf16 tiles).
   It stays compiled without PDL (then it is only the peel), so the interpreter tests its loop. Under PDL it
@@ -65,6 +67,7 @@ almost everywhere; the CUDA-core one only on a few tiny layers at M <= 2 (it is 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -104,7 +107,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     reduce: str = "fused"
-    prefetch: str = "l2"
+    prefetch: str = "regs"
 
     def validate(self) -> GemvConfig:
         """Raise ValueError on an impossible configuration; return self."""
@@ -141,7 +144,7 @@ def _num_sms(device: torch.device) -> int:
 
 def _num_sms_pdl(device: torch.device) -> tuple[int, bool]:
     """(SM count, launch as programmatic dependents: `pdl.enabled`, so TOKENSPEED_PDL=0 turns it off)."""
-    return _num_sms(device), pdl.enabled(device)
+    return _num_sms(device), pdl.enabled(device, "gemv")
 
 
 def default_config(M: int, N: int, K: int, elt_size: int = 2, num_sms: int = _NUM_SMS_DEFAULT) -> GemvConfig:
@@ -376,9 +379,13 @@ def _check(x: Tensor, weight: Tensor, out_dtype: torch.dtype, out: Tensor | None
 
 def resolve_config(M: int, N: int, K: int, elt_size: int, device: torch.device, **overrides: int | str | None
                    ) -> GemvConfig:
-    """`default_config` with the given non-None fields replaced (the table stores complete configs)."""
+    """`default_config` with the given non-None fields replaced (the table stores complete configs); the prefetch
+    mode, when not given, from TOKENSPEED_GEMV_PREFETCH if set (none | l2 | regs; for A/B timing)."""
     base = default_config(M, N, K, elt_size, _num_sms(device))
     given = {k: v for k, v in overrides.items() if v is not None}
+    env_prefetch = os.environ.get("TOKENSPEED_GEMV_PREFETCH", "").strip()
+    if env_prefetch and "prefetch" not in given:
+        given["prefetch"] = env_prefetch
     return replace(base, **given).validate() if given else base
 
 
@@ -448,7 +455,7 @@ def gemv(
 
     out_dtype: x.dtype (None, the default) or torch.float32: then 16-bit inputs give the fp32 accumulation
     itself, never rounded to 16 bits (the MoE router's logits). Launch-config arguments left None come from
-    `default_config` (reduce: "fused", prefetch: "l2" unless given; see `GemvConfig`). split_k is capped so every
+    `default_config` (reduce: "fused", prefetch: "regs" unless given or set by TOKENSPEED_GEMV_PREFETCH; see `GemvConfig`). split_k is capped so every
     split owns at least one BLOCK_K step. `out`, if given, is a contiguous [M, N] tensor of out_dtype that
     receives y (and is returned).
     prefetch="regs" under PDL reads the first weight tile before waiting for the previous kernel: the weight must

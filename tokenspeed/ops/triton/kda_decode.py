@@ -786,9 +786,9 @@ def kda_decode(
         float(lower_bound) if lower_bound is not None else 0.0, float(scale), float(norm_eps),
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=bool(update_state), STORE_STEPS=step_states is not None,
         HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, NORM=norm,
-        NORM_ROWS=min(next_pow2(triton.cdiv(T, N)), 16) if norm else 1, PDL=pdl.enabled(qkv.device),
+        NORM_ROWS=min(next_pow2(triton.cdiv(T, N)), 16) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"),
         PF_STATE=D % 4 == 0 and state.data_ptr() % 16 == 0 and state.stride(0) % 4 == 0,
-        **opts, **pdl.launch_kwargs(qkv.device),
+        **opts, **pdl.launch_kwargs(qkv.device, "kda"),
     )
     return out
 
@@ -851,6 +851,6 @@ def kda_replay_layers(
         qkv, 0, 0, A_log,  # the norm epilogue's gate / weight: unused (no outputs)
         float(lower_bound) if lower_bound is not None else 0.0, 1.0, 0.0,
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=True, STORE_STEPS=False, HAS_LENS=seq_lens is not None,
-        MULTI_LAYER=True, STORE_OUT=False, NORM=False, PDL=pdl.enabled(qkv.device), **opts,
-        **pdl.launch_kwargs(qkv.device),
+        MULTI_LAYER=True, STORE_OUT=False, NORM=False, PDL=pdl.enabled(qkv.device, "kda"), **opts,
+        **pdl.launch_kwargs(qkv.device, "kda"),
     )

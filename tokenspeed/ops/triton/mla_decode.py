@@ -109,7 +109,11 @@ LOG2E = 1.4426950408889634
 # Q*H = 32 a split under ~114 bf16 rows moves more partial bytes than cache bytes; 64 is kept until the H200 sweep
 # (benchmarks/mla_decode_h200.py --policies) picks a value.
 MIN_CHUNK = 64
-DEFAULT_WAVES = 2.0  # default_max_splits: split slots for about this many waves of 132 programs
+# default_max_splits: split slots for about this many waves of 132 programs. One wave, from the H200 policy sweep
+# (benchmarks/results/mla_decode_policies_h200_1b048d5.json, split + combine, us, batch x context): 20.2 / 73.8 at
+# b1 4K / 32K (two waves: 20.4 / 114.9), 37.2 / 143.0 at b4 (51.9 / 156.9), 82.5 / 484.6 at b16, 269 / 1838 at
+# b64 (two waves within 2%).
+DEFAULT_WAVES = 1.0
 
 
 @triton.jit
@@ -591,8 +595,8 @@ def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: T
     else:
         part = lse = out  # never touched: one split per sequence
     block_seq = next_pow2(N) if balanced else 1  # the uniform plan reads only its own kv_len
-    use_pdl = pdl.enabled(q.device)
-    launch = pdl.launch_kwargs(q.device)
+    use_pdl = pdl.enabled(q.device, "mla")
+    launch = pdl.launch_kwargs(q.device, "mla")
     _mla_split_kernel[(triton.cdiv(qh, bh), ms, N)](
         q, q.stride(0), q.stride(1), q.stride(2),
         qr, qr.stride(0), qr.stride(1), qr.stride(2),
@@ -702,8 +706,8 @@ def _launch_ragged(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_
         part = lse = out  # never touched: one split per sequence
     mc = min_chunk if ms > 1 else 2**31 - 1  # max_splits == 1: a chunk longer than any history, so no splits
     mq, block_seq = ragged_max_q_bucket(max_q), next_pow2(N)
-    use_pdl = pdl.enabled(q.device)
-    launch = pdl.launch_kwargs(q.device)
+    use_pdl = pdl.enabled(q.device, "mla")
+    launch = pdl.launch_kwargs(q.device, "mla")
     _mla_split_kernel[(programs, 1, 1)](
         q, 0, q.stride(0), q.stride(1),
         qr, 0, qr.stride(0), qr.stride(1),

@@ -104,6 +104,6 @@ def mla_norm_store_latent(kv_c: Tensor, k_pe: Tensor, weight: Tensor, eps: float
         kv_c, kv_c.stride(0), k_pe, k_pe.stride(0), weight, cache, cache.stride(0), cache.stride(1), slots,
         r, float(eps), float(kv_scale),
         DR=k_pe.shape[1], PAGE=cache.shape[1], BLOCK_D=block_d, BLOCK_R=next_pow2(k_pe.shape[1]),
-        SCALED=float(kv_scale) != 1.0, PDL=pdl.enabled(kv_c.device),
-        num_warps=4 if block_d >= 512 else (2 if block_d >= 128 else 1), **pdl.launch_kwargs(kv_c.device),
+        SCALED=float(kv_scale) != 1.0, PDL=pdl.enabled(kv_c.device, "mla"),
+        num_warps=4 if block_d >= 512 else (2 if block_d >= 128 else 1), **pdl.launch_kwargs(kv_c.device, "mla"),
     )

@@ -9,6 +9,9 @@ sum_b (floor(c_b / BLOCK_M) + 1) over the non-empty buckets (a bound at least as
 Decode-sized calls (P <= 4096 pairs, E <= 2046) build the same layout in one single-program launch
 (`align_pairs_fused`: per-chunk stable ranks from a pair-by-pair comparison plus running bucket counts), instead of
 the dozen small torch kernels of the sort path, which cost more than the weight streaming at batch 1.
+
+PDL (`tokenspeed.ops.triton.pdl`): on Hopper the fused alignment launches as a programmatic dependent and waits
+first thing: its ids come from the launch right before it (the router), and its first act is a write.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from tokenspeed.ops.triton import pdl
 
 
 def align_pairs(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
@@ -63,10 +69,14 @@ def _align_kernel(
     CHUNK: tl.constexpr,
     EB: tl.constexpr,
     MB_CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """`align_pairs` in one program: stable in-bucket ranks chunk by chunk (a [CHUNK, CHUNK] comparison plus the
     running per-bucket counts), then each pair's destination. Work [EB] and Rank [P] int32 are scratch; bin EB - 1
-    (> E) collects the masked lanes and is ignored."""
+    (> E) collects the masked lanes and is ignored. PDL: wait for the ids' producer before anything."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     for start in range(0, n_rows, CHUNK):
         o = start + tl.arange(0, CHUNK)
         tl.store(SortedPair + o, tl.zeros([CHUNK], dtype=tl.int32) + P, mask=o < n_rows)
@@ -125,7 +135,7 @@ def align_pairs_fused(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple
     work = torch.empty(eb, dtype=torch.int32, device=dev)
     _align_kernel[(1,)](
         ids, sorted_pair_ids, block_expert, rank, work, P, E, max_blocks * block_m, max_blocks,
-        BLOCK_M=block_m, CHUNK=128, EB=eb, MB_CHUNK=max(1, 16384 // eb), num_warps=4,
+        BLOCK_M=block_m, CHUNK=128, EB=eb, MB_CHUNK=max(1, 16384 // eb), num_warps=4, **pdl.kernel_kwargs(dev, "moe"),
     )
     return sorted_pair_ids, block_expert
 

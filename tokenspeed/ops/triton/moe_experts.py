@@ -32,10 +32,19 @@ accumulates the x @ W1[e]^T and x @ W3[e]^T tiles in fp32 with tl.dot over D, ap
 the intermediate h [max_blocks * BLOCK_M, I] (x.dtype). Blocks of the invalid bucket and unused blocks exit.
 Kernel 2 (grid max_blocks x cdiv(D, BLOCK_N)): h rows @ W2[e]^T in fp32, rounded to x.dtype and stored at the
 pair's row of a per-pair buffer [P, D] (x.dtype); blocks of the invalid bucket store zeros, so every row of the
-buffer is written (it is allocated with torch.empty). Kernel 3, the combine (grid T x cdiv(D, 1024)): each token's
-k rows times their fp32 routing weights, summed in fp32 and rounded to x.dtype (then, with `add`, plus that row,
-rounded again). Program id 0 (the M-block) varies fastest, so the blocks of one expert run
-side by side and share each weight tile through L2.
+buffer is written (it is allocated with torch.empty). Kernel 3, the combine (`tokenspeed.ops.triton.moe_combine`,
+grid T x cdiv(D, 1024)): each token's k rows times their fp32 routing weights, summed in fp32 and rounded to x.dtype
+(then, with `add`, plus that row, rounded again); with `residual=` / `norm_weight=` the FFN junction after it is
+fused in (one program per row: summed = cast(residual + out), normed = rms_norm(summed), bit for bit `add_rms_norm`
+after the unfused op). Program id 0 (the M-block) varies fastest, so the blocks of one expert run side by side and
+share each weight tile through L2.
+
+PDL (`tokenspeed.ops.triton.pdl`; `tokenspeed.ops.triton.moe_pdl` has the reasoning): every launch here is a
+programmatic dependent on Hopper. gate_up (and gather_x, the fused alignment) waits first thing (with
+`prefetch_expert`, an expert every call uses, block 0's programs first L2-prefetch its W1 / W3 rows); down reads its
+expert id (the router's or the alignment's output, always at least two launches back) and L2-prefetches its W2 rows
+before its wait, h after it; the combine reads `add`, the residual and the norm weight before its wait, the per-pair
+buffer after it. Every program waits before it exits, whatever its path.
 
 Bytes per call (elt = x.element_size(), c_e = pairs routed to expert e, touched = experts with c_e > 0):
   weights  sum_e ceil(c_e / BLOCK_M) * 3 * I * D * elt from L2, at least touched * 3 * I * D * elt from HBM
@@ -86,8 +95,17 @@ import triton.language as tl
 from torch import Tensor
 
 from tokenspeed.ops.reference.activation import Activation
-from tokenspeed.ops.reference.moe import check_add
+from tokenspeed.ops.reference.moe import check_add, check_norm
+from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton.moe_align import align
+from tokenspeed.ops.triton.moe_combine import _unit_cols, combine, combine_add_rms_norm
+from tokenspeed.ops.triton.moe_pdl import (
+    _load_pre_wait,
+    _pdl_sync,
+    _prefetch_rows_l2,
+    rows_prefetch_bytes,
+    w2_prefetch_bytes,
+)
 
 try:  # host-side TMA descriptors (Triton >= 3.4); without them the TMA variants fall back to pointer loads
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -122,6 +140,9 @@ class ExpertsConfig:
     tail_m2: bool = False  # the same for the down GEMM (on its block_m2 blocks)
     # Decode: calls of T <= direct_max_tokens tokens skip the alignment (block p = pair p; see the module docstring).
     direct_max_tokens: int = 0
+    # PDL launches (pointer loads): the down kernel L2-prefetches its W2 rows before its wait (`moe_pdl`).
+    prefetch_w2: bool = True
+
 
 
 # Calls of up to this many tokens take the align-free direct mode under `default_config` (decode-sized calls only).
@@ -316,7 +337,7 @@ def _gate_up_kernel(
     stride_xt,
     stride_w1e, stride_w1i, stride_w1d,
     stride_w3e, stride_w3i, stride_w3d,
-    beta, linear_beta, num_m, XH,
+    beta, linear_beta, num_m, XH, pf_expert, pf_bytes,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -329,8 +350,12 @@ def _gate_up_kernel(
     TMA: tl.constexpr = False,
     TAIL: tl.constexpr = False,
     DIRECT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
-    """A_SORTED: X is the expert-sorted copy [num_m * BLOCK_M, D] (row r = sorted row r, padding rows zero) and
+    """PDL: waits first thing (its ids come from the launch right before it); with PREFETCH the programs of M-block 0
+    first L2-prefetch pf_bytes of each W1 / W3 row of expert pf_expert in their N tile (a hint: see `moe_pdl`).
+    A_SORTED: X is the expert-sorted copy [num_m * BLOCK_M, D] (row r = sorted row r, padding rows zero) and
     stride_xt its row stride. TMA: W1 and W3 are descriptors over [E * DI, D] with block [BLOCK_N, BLOCK_K] (rows
     past an expert in a ragged last N tile are the next expert's or zero-filled, and masked at the store), and X
     too when A_SORTED (block [BLOCK_M, BLOCK_K]); the K tail is zero-filled by the descriptor. TAIL: a block whose
@@ -340,6 +365,12 @@ def _gate_up_kernel(
     SortedPair[p] (SortedPair is topk_ids flattened, [P]; BlockExpert is unused), H is [P, DI] and row p the only
     row written; a pair whose id is outside [0, E) exits."""
     pid_m, pid_n = _tile_ids(num_m, DI, BLOCK_N, GROUP_M)
+    if PREFETCH:  # noqa: SIM102 - a compile-time branch around a runtime one
+        if pid_m == 0:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _prefetch_rows_l2(W1, pf_expert, offs_n, DI, stride_w1e, stride_w1i, pf_bytes)
+            _prefetch_rows_l2(W3, pf_expert, offs_n, DI, stride_w3e, stride_w3i, pf_bytes)
+    _pdl_sync(PDL)
     if DIRECT:
         e = tl.load(SortedPair + pid_m)
     else:
@@ -369,7 +400,7 @@ def _gate_up_kernel(
 def _down_rows(
     H, W2, Buf, SortedPair, row0, e, pid_n,
     P, D, DI, E,
-    stride_w2e, stride_w2d, stride_w2i,
+    stride_w2e, stride_w2d, stride_w2i, pf_bytes,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -377,23 +408,31 @@ def _down_rows(
     IEEE: tl.constexpr,
     TMA: tl.constexpr,
     DIRECT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """Buffer rows of the pairs at sorted rows row0 .. row0 + BLOCK_M, N tile pid_n (zeros for the invalid bucket).
     DIRECT (pointer loads): row0 is the pair and tile row 0 its only valid row; h row row0 is read (the other tile
-    rows load zeros, as an aligned block's padding rows of h hold) and buffer row row0 written."""
+    rows load zeros, as an aligned block's padding rows of h hold) and buffer row row0 written.
+    PDL: e and SortedPair (the router's / the alignment's, >= 2 launches back) are read before the wait, and with
+    PREFETCH (pointer loads) pf_bytes of each W2 row of the tile are L2-prefetched; h and every store come after."""
     offs_m = row0 + tl.arange(0, BLOCK_M)
     if DIRECT:
         pair = offs_m
         mvalid = tl.arange(0, BLOCK_M) == 0
     else:
-        pair = tl.load(SortedPair + offs_m)
+        pair = _load_pre_wait(SortedPair + offs_m, PDL)
         mvalid = pair < P
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ptrs = Buf + pair.to(tl.int64)[:, None] * D + offs_n[None, :]
     out_mask = mvalid[:, None] & (offs_n < D)[None, :]
     if e >= E:  # pairs with invalid ids contribute zeros
+        _pdl_sync(PDL)
         tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=Buf.dtype.element_ty), mask=out_mask)
     else:
+        if PREFETCH:
+            _prefetch_rows_l2(W2, e, offs_n, D, stride_w2e, stride_w2d, pf_bytes)
+        _pdl_sync(PDL)
         if TMA:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             w_row = e * D + pid_n * BLOCK_N
@@ -432,7 +471,7 @@ def _down_rows(
 def _down_kernel(
     H, W2, Buf, SortedPair, BlockExpert,
     P, D, DI, E,
-    stride_w2e, stride_w2d, stride_w2i, num_m, HH,
+    stride_w2e, stride_w2d, stride_w2i, num_m, HH, pf_bytes,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -443,6 +482,8 @@ def _down_kernel(
     TMA: tl.constexpr = False,
     TAIL: tl.constexpr = False,
     DIRECT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """BLOCK_M here is the down M-block: SUB = alignment block / BLOCK_M programs per alignment block, and a
     sub-block whose first row is padding (so all its rows are) exits. TMA: H is a descriptor over [num_m * BLOCK_M,
@@ -450,41 +491,48 @@ def _down_kernel(
     TAIL: a block whose second half is padding runs BLOCK_M / 2 rows (HH: H, or its descriptor with block
     [BLOCK_M / 2, BLOCK_K]). DIRECT (the align-free mode; GROUP_M, SUB, TMA and TAIL off): program (p, n) is pair
     p's block, H is the direct [P, DI], the expert SortedPair[p] (SortedPair is topk_ids flattened, [P];
-    BlockExpert is unused); a pair whose id is outside [0, E) stores zeros."""
+    BlockExpert is unused); a pair whose id is outside [0, E) stores zeros. PDL: the routing reads (BlockExpert,
+    SortedPair) come before the wait and the W2 prefetch (PREFETCH, pf_bytes per row) with them (`_down_rows`);
+    a program that exits early waits first."""
     pid_m, pid_n = _tile_ids(num_m, D, BLOCK_N, GROUP_M)
     if DIRECT:
-        e = tl.load(SortedPair + pid_m)
+        e = _load_pre_wait(SortedPair + pid_m, PDL)
         e = tl.where((e >= 0) & (e < E), e, E)  # invalid ids: the zero-storing branch of _down_rows
         _down_rows(H, W2, Buf, SortedPair, pid_m, e, pid_n, P, D, DI, E, stride_w2e, stride_w2d, stride_w2i,
-                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, False, True)
+                   pf_bytes, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, False, True, PDL, PREFETCH)
     else:
         if SUB == 1:
-            e = tl.load(BlockExpert + pid_m)
+            e = _load_pre_wait(BlockExpert + pid_m, PDL)
         else:
-            e = tl.load(BlockExpert + pid_m // SUB)
+            e = _load_pre_wait(BlockExpert + pid_m // SUB, PDL)
         if e < 0:  # unused block
+            _pdl_sync(PDL)
             return
         if SUB > 1:  # noqa: SIM102 - a compile-time branch around a runtime one
-            if tl.load(SortedPair + pid_m * BLOCK_M) >= P:  # padding runs to the end of its block
+            if _load_pre_wait(SortedPair + pid_m * BLOCK_M, PDL) >= P:  # padding runs to the end of its block
+                _pdl_sync(PDL)
                 return
         if TAIL:
-            if tl.load(SortedPair + pid_m * BLOCK_M + BLOCK_M // 2) >= P:
+            if _load_pre_wait(SortedPair + pid_m * BLOCK_M + BLOCK_M // 2, PDL) >= P:
                 _down_rows(HH, W2, Buf, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, E, stride_w2e,
-                           stride_w2d, stride_w2i, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+                           stride_w2d, stride_w2i, pf_bytes, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA,
+                           False, PDL, PREFETCH)
             else:
                 _down_rows(H, W2, Buf, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, E, stride_w2e,
-                           stride_w2d, stride_w2i, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+                           stride_w2d, stride_w2i, pf_bytes, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA,
+                           False, PDL, PREFETCH)
         else:
             _down_rows(H, W2, Buf, SortedPair, pid_m * BLOCK_M, e, pid_n, P, D, DI, E, stride_w2e, stride_w2d,
-                       stride_w2i, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA)
+                       stride_w2i, pf_bytes, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA, False, PDL, PREFETCH)
 
 
 @triton.jit
 def _gather_x_kernel(X, Xs, SortedPair, BlockExpert, P, D, E, stride_xt,
-                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """Xs[r] = x[pair(r) // k] for the rows of valid expert blocks, zeros for their padding rows (grid max_blocks
     x cdiv(D, BLOCK_D)). Rows of unused blocks and of the invalid bucket are not written: the gate/up kernel skips
-    them."""
+    them. PDL: waits first thing (the alignment is the launch right before it)."""
+    _pdl_sync(PDL)
     blk = tl.program_id(0)
     e = tl.load(BlockExpert + blk)
     if (e < 0) | (e >= E):
@@ -496,25 +544,6 @@ def _gather_x_kernel(X, Xs, SortedPair, BlockExpert, P, D, E, stride_xt,
     dm = offs_d < D
     v = tl.load(X + tok[:, None] * stride_xt + offs_d[None, :], mask=(pair < P)[:, None] & dm[None, :], other=0.0)
     tl.store(Xs + offs_m.to(tl.int64)[:, None] * D + offs_d[None, :], v, mask=dm[None, :])
-
-
-@triton.jit
-def _combine_kernel(Buf, TopkW, Out, Add, D, stride_add, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                    HAS_ADD: tl.constexpr):
-    """out[t] = sum_j w[t, j] * buf[t * k + j] in fp32, cast to out.dtype (grid T x cdiv(D, BLOCK_D)); with HAS_ADD
-    then cast(out[t] + add[t]) in fp32 (the reference's two roundings: the routed sum, then the add)."""
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    m = offs < D
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        w = tl.load(TopkW + t * TOP_K + j)
-        acc += w * tl.load(Buf + (t * TOP_K + j) * D + offs, mask=m, other=0.0).to(tl.float32)
-    y = acc.to(Out.dtype.element_ty)
-    if HAS_ADD:
-        y = (y.to(tl.float32) + tl.load(Add + t * stride_add + offs, mask=m, other=0.0).to(tl.float32)).to(
-            Out.dtype.element_ty)
-    tl.store(Out + t * D + offs, y, mask=m)
 
 
 def _check_config(cfg: ExpertsConfig) -> None:
@@ -555,19 +584,30 @@ def gather_sorted_x(x: Tensor, sorted_pair_ids: Tensor, block_expert: Tensor, to
     block_d = max(16, min(triton.next_power_of_2(D), 16384 // block_m))
     _gather_x_kernel[(max_blocks, triton.cdiv(D, block_d))](
         x, xs, sorted_pair_ids, block_expert, T * top_k, D, num_experts, x.stride(0),
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4, **pdl.kernel_kwargs(x.device, "moe"),
     )
     return xs
 
 
+def _gate_up_prefetch(w1: Tensor, w3: Tensor, expert: int | None, pointer_loads: bool) -> tuple[dict, int, int]:
+    """(launch keywords, prefetch expert, bytes per W1 / W3 row) of a gate/up launch: PDL's keywords, and the L2
+    prefetch of `expert` before the wait (PDL launches with pointer loads, an id in [0, E), 16-byte aligned rows)."""
+    kw = pdl.kernel_kwargs(w1.device, "moe")
+    want = kw["PDL"] and pointer_loads and expert is not None and 0 <= expert < w1.shape[0]
+    nbytes = min(rows_prefetch_bytes(w1, want), rows_prefetch_bytes(w3, want))
+    return {**kw, "PREFETCH": nbytes > 0}, int(expert) if nbytes else 0, nbytes
+
+
 def gate_up(x: Tensor, w1: Tensor, w3: Tensor, sorted_pair_ids: Tensor, block_expert: Tensor, top_k: int,
-            act: Activation, cfg: ExpertsConfig, xs: Tensor | None = None) -> Tensor:
+            act: Activation, cfg: ExpertsConfig, xs: Tensor | None = None,
+            prefetch_expert: int | None = None) -> Tensor:
     """Kernel 1: h [max_blocks * block_m, I] (x.dtype) for the alignment (sorted_pair_ids, block_expert) built with
     cfg.block_m; rows of unused and invalid-bucket blocks (and, with tail_m1, the padding half of a block) are not
     written. With cfg.gather_x the sorted copy of x is built first (or `xs` from `gather_sorted_x` is used).
     Bytes (B = expert blocks, elt = x.element_size()): A rows B * block_m * D * elt per N tile (L2 hits when the
     N tiles of a block run together: group_m1), W1 and W3 2 * I * D * elt per block through L2 (about once per
-    touched expert from HBM), h written B * block_m * I * elt."""
+    touched expert from HBM), h written B * block_m * I * elt. prefetch_expert: an expert id the routing is known
+    to use (a hint, see `moe_pdl`), L2-prefetched before the PDL wait (pointer loads only)."""
     T, D = x.shape
     E, DI, _ = w1.shape
     bm, bn, bk = cfg.block_m, cfg.block_n1, cfg.block_k1
@@ -588,17 +628,18 @@ def gate_up(x: Tensor, w1: Tensor, w3: Tensor, sorted_pair_ids: Tensor, block_ex
         a_half = TensorDescriptor.from_tensor(a, [bm // 2, bk]) if tma and cfg.gather_x else a_arg
     n_tiles = triton.cdiv(DI, bn)
     grid = (max_blocks * n_tiles,) if cfg.group_m1 else (max_blocks, n_tiles)
+    kw, pf_expert, pf_bytes = _gate_up_prefetch(w1, w3, prefetch_expert, not tma)
     _gate_up_kernel[grid](
         a_arg, w1_arg, w3_arg, h, sorted_pair_ids, block_expert,
         T * top_k, D, DI, E,
         a.stride(0),
         w1.stride(0), w1.stride(1), w1.stride(2),
         w3.stride(0), w3.stride(1), w3.stride(2),
-        float(act.beta), float(act.linear_beta), max_blocks, a_half,
+        float(act.beta), float(act.linear_beta), max_blocks, a_half, pf_expert, pf_bytes,
         TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SITU=act.kind == "situ",
         EVEN_K=D % bk == 0, IEEE=x.dtype == torch.float32, GROUP_M=cfg.group_m1, A_SORTED=cfg.gather_x, TMA=tma,
         TAIL=cfg.tail_m1,
-        num_warps=cfg.num_warps1, num_stages=cfg.num_stages1,
+        num_warps=cfg.num_warps1, num_stages=cfg.num_stages1, **kw,
     )
     return h
 
@@ -626,42 +667,46 @@ def down(h: Tensor, w2: Tensor, sorted_pair_ids: Tensor, block_expert: Tensor, n
         h_half = TensorDescriptor.from_tensor(h, [bm2 // 2, bk]) if tma else h
     n_tiles = triton.cdiv(D, bn)
     grid = (num_m * n_tiles,) if cfg.group_m2 else (num_m, n_tiles)
+    kw = pdl.kernel_kwargs(h.device, "moe")
+    pf_bytes = w2_prefetch_bytes(w2, bn, num_m * n_tiles, kw["PDL"] and not tma and cfg.prefetch_w2)
     _down_kernel[grid](
         h_arg, w2_arg, buf, sorted_pair_ids, block_expert,
         num_pairs, D, DI, E,
-        w2.stride(0), w2.stride(1), w2.stride(2), num_m, h_half,
+        w2.stride(0), w2.stride(1), w2.stride(2), num_m, h_half, pf_bytes,
         BLOCK_M=bm2, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_K=DI % bk == 0, IEEE=h.dtype == torch.float32, GROUP_M=cfg.group_m2, SUB=sub, TMA=tma,
-        TAIL=cfg.tail_m2,
-        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
+        TAIL=cfg.tail_m2, PREFETCH=pf_bytes > 0,
+        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **kw,
     )
     return buf
 
 
 def gate_up_direct(x: Tensor, w1: Tensor, w3: Tensor, pair_ids: Tensor, top_k: int, act: Activation,
-                   cfg: ExpertsConfig) -> Tensor:
+                   cfg: ExpertsConfig, prefetch_expert: int | None = None) -> Tensor:
     """Kernel 1 in the direct mode: h [P, I] (x.dtype), row p = the activation of pair p (token p // top_k, expert
     pair_ids[p]); rows of pairs whose id is outside [0, E) are left unwritten (the down kernel never reads them).
     pair_ids: topk_ids flattened, [P] contiguous (any integer dtype). Grid P x cdiv(I, block_n1), cfg.block_m-row
     tiles (cfg.block_m / 2 with tail_m1: every direct block has one row, as an aligned block of one pair runs);
     group_m1, gather_x and tma1 do not apply. Bytes: W1 and W3 2 * I * D * elt per valid pair (pairs sharing an
-    expert read it once each, through L2 when they run together), x rows P * D * elt, h P * I * elt written."""
+    expert read it once each, through L2 when they run together), x rows P * D * elt, h P * I * elt written.
+    prefetch_expert: as in `gate_up`."""
     D = x.shape[1]
     E, DI, _ = w1.shape
     P = pair_ids.numel()
     bm = cfg.block_m // 2 if cfg.tail_m1 else cfg.block_m
     bn, bk = cfg.block_n1, cfg.block_k1
     h = torch.empty(P, DI, dtype=x.dtype, device=x.device)
+    kw, pf_expert, pf_bytes = _gate_up_prefetch(w1, w3, prefetch_expert, True)
     _gate_up_kernel[(P, triton.cdiv(DI, bn))](
         x, w1, w3, h, pair_ids, pair_ids,
         P, D, DI, E,
         x.stride(0),
         w1.stride(0), w1.stride(1), w1.stride(2),
         w3.stride(0), w3.stride(1), w3.stride(2),
-        float(act.beta), float(act.linear_beta), P, None,
+        float(act.beta), float(act.linear_beta), P, None, pf_expert, pf_bytes,
         TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SITU=act.kind == "situ",
         EVEN_K=D % bk == 0, IEEE=x.dtype == torch.float32, DIRECT=True,
-        num_warps=cfg.num_warps1, num_stages=cfg.num_stages1,
+        num_warps=cfg.num_warps1, num_stages=cfg.num_stages1, **kw,
     )
     return h
 
@@ -677,31 +722,18 @@ def down_direct(h: Tensor, w2: Tensor, pair_ids: Tensor, cfg: ExpertsConfig) -> 
     bm = bm // 2 if cfg.tail_m2 else bm
     bn, bk = cfg.block_n2, cfg.block_k2
     buf = torch.empty(P, D, dtype=h.dtype, device=h.device)
-    _down_kernel[(P, triton.cdiv(D, bn))](
+    n_tiles = triton.cdiv(D, bn)
+    kw = pdl.kernel_kwargs(h.device, "moe")
+    pf_bytes = w2_prefetch_bytes(w2, bn, P * n_tiles, kw["PDL"] and cfg.prefetch_w2)
+    _down_kernel[(P, n_tiles)](
         h, w2, buf, pair_ids, pair_ids,
         P, D, DI, E,
-        w2.stride(0), w2.stride(1), w2.stride(2), P, None,
+        w2.stride(0), w2.stride(1), w2.stride(2), P, None, pf_bytes,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=DI % bk == 0, IEEE=h.dtype == torch.float32, DIRECT=True,
-        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2,
+        EVEN_K=DI % bk == 0, IEEE=h.dtype == torch.float32, DIRECT=True, PREFETCH=pf_bytes > 0,
+        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **kw,
     )
     return buf
-
-
-def combine(buf: Tensor, topk_weights: Tensor, top_k: int, dtype: torch.dtype, add: Tensor | None = None) -> Tensor:
-    """Kernel 3: out [T, D] (dtype), out[t] = cast(sum_j w[t, j] * buf[t * k + j]) in fp32, then with `add` ([T, D],
-    dtype) cast(out[t] + add[t]). buf: the per-pair buffer [P, D] of `down` / `down_direct`; topk_weights: fp32
-    [P] contiguous. Reads P * D * elt (+ T * D * elt with add), writes T * D * elt."""
-    P, D = buf.shape
-    T = P // top_k
-    out = torch.empty(T, D, dtype=dtype, device=buf.device)
-    block_d = min(1024, triton.next_power_of_2(D))
-    if add is not None and add.stride(1) != 1:
-        add = add.contiguous()
-    _combine_kernel[(T, triton.cdiv(D, block_d))](
-        buf, topk_weights, out, out if add is None else add, D, 0 if add is None else add.stride(0),
-        TOP_K=top_k, BLOCK_D=block_d, HAS_ADD=add is not None, num_warps=4)
-    return out
 
 
 def _check_args(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
@@ -723,6 +755,18 @@ def _check_args(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Ten
     check_add(add, x, D)
 
 
+def _empty_call(x: Tensor, D: int, add: Tensor | None, residual: Tensor | None, norm_weight: Tensor | None,
+                norm_eps: float) -> Tensor | tuple[Tensor, Tensor]:
+    """A call with nothing to compute (no pair, or D or I zero): zeros (+ add), then the junction if asked."""
+    out = torch.zeros(x.shape[0], D, dtype=x.dtype, device=x.device)
+    out = out if add is None else out + add
+    if residual is None:
+        return out
+    from tokenspeed.ops.triton.norm import add_rms_norm
+
+    return add_rms_norm(out, residual, norm_weight, norm_eps)
+
+
 def moe_experts(
     x: Tensor,
     w1: Tensor,
@@ -733,23 +777,34 @@ def moe_experts(
     act: Activation,
     *,
     add: Tensor | None = None,
+    residual: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 1e-6,
+    prefetch_expert: int | None = None,
     config: ExpertsConfig | None = None,
-) -> Tensor:
+) -> Tensor | tuple[Tensor, Tensor]:
     """Triton `ops.moe_experts` (same contract, `add` too: added in the combine kernel, no extra launch): returns
     [T, D] in x.dtype. `config` overrides the tiles; T <= config.direct_max_tokens takes the direct mode (no
-    alignment launch), which gives the aligned path's result bit for bit."""
+    alignment launch), which gives the aligned path's result bit for bit. With `residual` ([T, D], x.dtype) and
+    `norm_weight` ([D]): returns (normed, summed) of the FFN junction fused into the combine (one program per row,
+    `combine_add_rms_norm`), bit for bit this op's output followed by `tokenspeed.ops.triton.norm.add_rms_norm(out,
+    residual, norm_weight, norm_eps)` (on the GPU: where that kernel takes one row per program, up to 264 rows;
+    `ops.moe_experts` fuses up to ADD_NORM_FUSED_MAX_ROWS). prefetch_expert: an expert id the routing is known to
+    use (a folded shared expert), L2-prefetched by gate_up before its PDL wait; a hint, no effect on the result.
+    Nothing given is mutated."""
     _check_args(x, w1, w3, w2, topk_weights, topk_ids, act, add)
+    check_norm(residual, norm_weight, x, w2.shape[1])
     T, D = x.shape
     E, DI, _ = w1.shape
     k = topk_ids.shape[1]
     P = T * k
-    if P == 0 or D == 0:
-        out = torch.zeros(T, D, dtype=x.dtype, device=x.device)
-        return out if add is None else out + add
+    if P == 0 or D == 0 or DI == 0:  # no launch at all (an empty gate_up grid would break down's PDL reasoning)
+        return _empty_call(x, D, add, residual, norm_weight, norm_eps)
     cfg = config or default_config(T, k, E, D, DI, x.element_size())
     _check_config(cfg)
     if x.stride(1) != 1:
         x = x.contiguous()
+    add, residual = _unit_cols(add), _unit_cols(residual)  # before the first launch: the combine reads them pre-wait
     tw = topk_weights.reshape(-1)
     if tw.dtype != torch.float32:
         tw = tw.float()
@@ -757,9 +812,12 @@ def moe_experts(
         tw = tw.contiguous()
     if T <= cfg.direct_max_tokens:
         pair_ids = topk_ids.reshape(-1).contiguous()
-        buf = down_direct(gate_up_direct(x, w1, w3, pair_ids, k, act, cfg), w2, pair_ids, cfg)
+        h = gate_up_direct(x, w1, w3, pair_ids, k, act, cfg, prefetch_expert)
+        buf = down_direct(h, w2, pair_ids, cfg)
     else:
         sorted_pair_ids, block_expert = align(topk_ids, E, cfg.block_m)
-        h = gate_up(x, w1, w3, sorted_pair_ids, block_expert, k, act, cfg)
+        h = gate_up(x, w1, w3, sorted_pair_ids, block_expert, k, act, cfg, prefetch_expert=prefetch_expert)
         buf = down(h, w2, sorted_pair_ids, block_expert, P, cfg)
+    if residual is not None:
+        return combine_add_rms_norm(buf, tw, k, residual, norm_weight, norm_eps, add)
     return combine(buf, tw, k, x.dtype, add)

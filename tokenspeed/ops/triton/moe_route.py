@@ -11,6 +11,10 @@ shared expert folded into the routed ones as an always-selected (k+1)-th expert,
 routed ones: id E): each row gets one more column, (shared_expert_id, 1.0), written by the same program after the
 routed k, whose values (selection, renormalisation, scaling) are the same as without it; the reference of that is
 `tokenspeed.ops.reference.moe.with_shared_expert` applied to the routed output.
+
+PDL (`tokenspeed.ops.triton.pdl`): on Hopper the kernel launches as a programmatic dependent and waits first
+thing: its logits come from the launch right before it (the router GEMV), and the correction bias, though a
+weight, is a caller's argument whose producer is not known here, so nothing is read before the wait.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenspeed.ops.reference.moe import check_shared_expert_id
+from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
 
 MAX_EXPERTS = 8192
@@ -39,9 +45,13 @@ def _moe_route_kernel(
     RENORM: tl.constexpr,
     OUT_K: tl.constexpr,
     SHARED_ID: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One token per program: Wout / Iout rows of OUT_K columns, the routed TOP_K first; SHARED_ID >= 0 (then
-    OUT_K = TOP_K + 1): column TOP_K is (SHARED_ID, 1.0)."""
+    OUT_K = TOP_K + 1): column TOP_K is (SHARED_ID, 1.0). PDL: wait for the logits' producer first."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     t64 = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     emask = cols < E
@@ -122,6 +132,6 @@ def moe_route(
         BLOCK_E=block_e, TOP_K=top_k, BLOCK_K=next_pow2(top_k), SOFTMAX=scoring == "softmax",
         HAS_BIAS=correction_bias is not None, RENORM=bool(renormalize), OUT_K=n,
         SHARED_ID=-1 if shared_expert_id is None else int(shared_expert_id),
-        num_warps=1 if block_e <= 1024 else (2 if block_e <= 4096 else 4),
+        num_warps=1 if block_e <= 1024 else (2 if block_e <= 4096 else 4), **pdl.kernel_kwargs(logits.device, "moe"),
     )
     return weights, ids

@@ -97,7 +97,7 @@ def _launch(x: Tensor, gate: Tensor | None, weight: Tensor, eps: float, out: Ten
     _rms_norm_kernel[grid](
         x2, g2, weight, y2, res2, s2, r, d, x2.stride(0), g2.stride(0), y2.stride(0), res2.stride(0), s2.stride(0),
         float(eps), BLOCK_R=block_r, BLOCK_D=block_d, GATED=gate is not None, RESIDUAL=residual is not None,
-        num_warps=num_warps, **pdl.kernel_kwargs(x.device),
+        num_warps=num_warps, **pdl.kernel_kwargs(x.device, "norm"),
     )
     return out
 

@@ -10,10 +10,11 @@ each first DRAM round trip.
 The protocol every PDL kernel here follows (a kernel body takes `PDL: tl.constexpr`; the wrapper passes
 `PDL=enabled(device)` and `**launch_kwargs(device)`):
 
-1. Before `gdc_wait()` a program may only *read*, and only memory that no kernel of the last two launches wrote:
-   weights, and state pools written only by this same op in an earlier step (KDA recurrent / conv state). Never
-   anything the previous kernel produces (activations, routing ids, lengths copied in by a host-to-device copy
-   just before) and never a write.
+1. Before `gdc_wait()` a program may only *read*, and only memory that the launch right before it did not write
+   (rule 2 makes everything older complete): weights, state pools written only by this same op in an earlier
+   step (KDA recurrent / conv state), routing ids two launches back (the MoE down projection). Never anything the
+   previous kernel produces and never a write. Data that some kernel wrote is read through L2 (`.cg`): an SM's L1
+   may still hold a line from before that write.
 2. `gdc_launch_dependents()` comes after `gdc_wait()`, never before. Then, when any program of kernel N runs,
    kernel N-1 has passed its wait, so kernel N-2 has completed: that is what makes rule 1's "last two" safe, and
    it keeps completion ordered along the stream (the GEMV's shared split-K semaphores rely on that).
@@ -22,7 +23,11 @@ The protocol every PDL kernel here follows (a kernel body takes `PDL: tl.constex
 
 Kernels launched without the attribute (torch, cuBLAS) start only after everything before them completed, so
 they need nothing. In the Triton interpreter (CPU tests) and before Hopper, `enabled` is False: `PDL=False`
-compiles the wait and the trigger away. `TOKENSPEED_PDL=0` turns PDL off everywhere (for A/B timing).
+compiles the wait and the trigger away.
+
+`TOKENSPEED_PDL` (read on every call, so a benchmark can flip it between captures): unset or "1", every family;
+"0", none; otherwise a comma list of op families (`FAMILIES`): "gemv,moe" enables only those, "-mla,-kda" all but
+those. Each wrapper names its family, so PDL can be measured and kept per family.
 
 `kernel_kwargs(device)` gives both keywords from one decision ({"PDL": True, "launch_pdl": True} or
 {"PDL": False}), so a launch can never get the attribute without the wait compiled in (a kernel launched as a
@@ -36,12 +41,33 @@ import os
 import torch
 
 _capable: dict[int, bool] = {}
+FAMILIES = ("gemv", "norm", "act", "conv", "attn_res", "moe", "mla", "kda")
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch as programmatic dependents: CUDA, compute capability >= 9, and
-    TOKENSPEED_PDL not "0" (read on every call, so a benchmark can flip it between runs)."""
-    if device.type != "cuda" or os.environ.get("TOKENSPEED_PDL", "1") == "0":
+def family_on(family: str, setting: str) -> bool:
+    """Whether `family` is enabled by a TOKENSPEED_PDL value (see the module docstring). Raises ValueError on an
+    unknown family name, so a typo in an A/B run cannot silently measure the wrong thing."""
+    setting = setting.strip()
+    if setting in ("", "1"):
+        return True
+    if setting == "0":
+        return False
+    items = [x.strip() for x in setting.split(",") if x.strip()]
+    for item in items:
+        if item.lstrip("-") not in FAMILIES:
+            raise ValueError(f"TOKENSPEED_PDL: unknown family {item!r}; families: {', '.join(FAMILIES)}")
+    excluded = {x[1:] for x in items if x.startswith("-")}
+    included = {x for x in items if not x.startswith("-")}
+    return family not in excluded and (not included or family in included)
+
+
+def enabled(device: torch.device, family: str = "") -> bool:
+    """Whether kernels of `family` on `device` launch as programmatic dependents: CUDA, compute capability >= 9,
+    and TOKENSPEED_PDL enables the family ("" = any family: on unless TOKENSPEED_PDL is "0")."""
+    if device.type != "cuda":
+        return False
+    setting = os.environ.get("TOKENSPEED_PDL", "1")
+    if setting.strip() == "0" or (family and not family_on(family, setting)):
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ok = _capable.get(idx)
@@ -50,13 +76,19 @@ def enabled(device: torch.device) -> bool:
     return ok
 
 
-def launch_kwargs(device: torch.device) -> dict[str, bool]:
+def l2_prefetch_on() -> bool:
+    """Whether kernels may issue L2 prefetches of weights before their wait (TOKENSPEED_L2_PREFETCH not "0"):
+    the MoE experts' W1 / W3 / W2 rows; the GEMV's mode has its own setting (TOKENSPEED_GEMV_PREFETCH)."""
+    return os.environ.get("TOKENSPEED_L2_PREFETCH", "1").strip() != "0"
+
+
+def launch_kwargs(device: torch.device, family: str = "") -> dict[str, bool]:
     """The extra launch keyword for a Triton kernel on `device`: {"launch_pdl": True} when `enabled`, else {}."""
-    return {"launch_pdl": True} if enabled(device) else {}
+    return {"launch_pdl": True} if enabled(device, family) else {}
 
 
-def kernel_kwargs(device: torch.device) -> dict[str, bool]:
+def kernel_kwargs(device: torch.device, family: str = "") -> dict[str, bool]:
     """The `PDL` constexpr and the launch keyword of a Triton kernel on `device`, from one `enabled` decision:
     {"PDL": True, "launch_pdl": True} or {"PDL": False} (a kernel is never launched as a dependent without its
     wait compiled in)."""
-    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if enabled(device, family) else {"PDL": False}
