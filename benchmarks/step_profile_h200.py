@@ -146,7 +146,7 @@ def _config_env(config: str) -> dict[str, str]:
     """"pdl:gemv_prefetch:l2" (e.g. "1:regs:1", "-mla,-kda:regs:0") -> the environment of that setting."""
     pdl_set, prefetch, l2 = (config.split(":") + ["", ""])[:3]
     return {"TOKENSPEED_PDL": pdl_set or "1", "TOKENSPEED_GEMV_PREFETCH": prefetch or "regs",
-            "TOKENSPEED_L2_PREFETCH": l2 or "1"}
+            "TOKENSPEED_L2_PREFETCH": l2 or "0"}
 
 
 def pdl_ab(model, batch: int, ctx: int, configs: list[str], steps: int = 8, rounds: int = 5) -> dict:

@@ -203,6 +203,7 @@ def _caught_launches(monkeypatch, call, pdl_on: bool) -> list[tuple[str, dict]]:
 @cpu_interp
 @pytest.mark.parametrize("pdl_on", [False, True], ids=["interpreter", "pdl_forced"])
 def test_moe_launches_pdl_plumbing_interp(monkeypatch, pdl_on: bool):
+    monkeypatch.setenv("TOKENSPEED_L2_PREFETCH", "1")  # the prefetch plumbing (off by default)
     from tokenspeed.ops.triton import moe_experts as tk
     from tokenspeed.ops.triton.moe_route import moe_route
 
@@ -240,6 +241,9 @@ def test_w2_prefetch_bytes_interp(monkeypatch):
 
     monkeypatch.setattr(moe_pdl, "_sm_count", lambda device: 132)
     w2 = torch.zeros(9, 2304, 1024, dtype=torch.bfloat16)
+    monkeypatch.delenv("TOKENSPEED_L2_PREFETCH", raising=False)
+    assert moe_pdl.w2_prefetch_bytes(w2, 64, 8, True) == 0  # off unless TOKENSPEED_L2_PREFETCH=1 (H200 A/B)
+    monkeypatch.setenv("TOKENSPEED_L2_PREFETCH", "1")
     assert moe_pdl.w2_prefetch_bytes(w2, 64, 648, False) == 0  # not a PDL launch (or TMA loads, or turned off)
     assert moe_pdl.w2_prefetch_bytes(w2, 64, 8, True) == 2048  # few programs: whole rows
     cap = moe_pdl.PREFETCH_L2_BYTES // (moe_pdl.PREFETCH_CTAS_PER_SM * 132 * 64) // 16 * 16

@@ -77,9 +77,12 @@ def enabled(device: torch.device, family: str = "") -> bool:
 
 
 def l2_prefetch_on() -> bool:
-    """Whether kernels may issue L2 prefetches of weights before their wait (TOKENSPEED_L2_PREFETCH not "0"):
-    the MoE experts' W1 / W3 / W2 rows; the GEMV's mode has its own setting (TOKENSPEED_GEMV_PREFETCH)."""
-    return os.environ.get("TOKENSPEED_L2_PREFETCH", "1").strip() != "0"
+    """Whether the MoE experts' kernels issue L2 prefetches of their W1 / W3 / W2 rows before their wait
+    (TOKENSPEED_L2_PREFETCH=1; off by default: on an H200 decode step of kimi-linear-48b-a3b, PDL on, they made
+    the step slower, 3.092 vs 2.905 ms at batch 1 and 18.62 vs 17.29 ms at batch 64,
+    benchmarks/results/step_profile_h200_dfb6cb1.json). The GEMV's mode has its own setting
+    (TOKENSPEED_GEMV_PREFETCH)."""
+    return os.environ.get("TOKENSPEED_L2_PREFETCH", "0").strip() == "1"
 
 
 def launch_kwargs(device: torch.device, family: str = "") -> dict[str, bool]:
