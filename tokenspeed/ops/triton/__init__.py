@@ -9,6 +9,11 @@ module lazily), so CPU-only runs never import Triton. Each module mirrors one re
 - `attn_res`:   `attn_res_mix`, `attn_res_mix_rms_norm`
 - `moe_route`:  `moe_route` (sigmoid / softmax, bias-corrected top-k, renormalise) in one launch
 - `kda_decode`: `kda_decode`, the fused conv + SiLU + L2 norm + gate + beta + recurrence step for 1..k tokens
+  (optionally with the output gated RMSNorm in its epilogue)
+- `mla_decode`, `mla_prep`: absorbed paged MLA (uniform or ragged queries); the kv_a norm + latent cache write
+- `moe_align`, `moe_experts`, `moe_combine`: routed experts (alignment, GEMMs, combine / combine + add + norm)
+- `gemv`: the small-M projections behind `linear`
+- `pdl`: the programmatic-dependent-launch protocol every decode kernel follows (`moe_pdl`: the MoE kernels' part)
 
 Every wrapper takes CUDA tensors (or CPU tensors when `TRITON_INTERPRET=1` was set before Triton was imported,
 which is how the CPU tests run them), launches one kernel, never synchronises with the host and allocates only
