@@ -89,8 +89,6 @@ those branches away.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -101,6 +99,7 @@ from tokenspeed.ops.dispatch import kda_replay_layers_unsupported
 from tokenspeed.ops.kda_layers import KdaLayerTable
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
+from tokenspeed.ops.triton.kda_config import DECODE_TABLE, KdaConfig, default_config, legacy_config  # noqa: F401
 
 _COUNTERS: dict[torch.device, Tensor] = {}
 _RETIRED: list[Tensor] = []  # outgrown counter buffers, kept alive: graphs captured earlier still address them
@@ -588,79 +587,6 @@ def _kda_decode_kernel(
             if last:  # uniform over the program: the barrier inside is reached by every thread or none
                 tl.debug_barrier()  # NV == 1: this program's own o stores (other threads) before the reads
                 _norm_rows(O, G, stride_gt, stride_gh, NW, norm_eps, bos, seq_len, h, H, D, ok, lk, NORM_ROWS)
-
-
-class KdaConfig(NamedTuple):
-    """Launch configuration of `_kda_decode_kernel` (the variants a sweep compares; `default_config` picks one).
-
-    block_v: V columns of one state tile, a power of two <= BK = next_pow2(head_dim).
-    chunked False (the original kernel): the grid has ceil(D / block_v) programs per (sequence, head), each holding
-    one [BK, block_v] tile in registers through all its tokens; with several, every program recomputes the head's
-    q / k conv and the last to finish writes their conv state (a counter).
-    chunked True: one program per (sequence, head) walks its BK / block_v tiles. Decode (update_state): token by
-    token, q / k / gate once, the tiles in a loop that Triton software-pipelines (num_stages - 1 tiles in flight
-    through shared memory; num_stages 1: instead the next tile prefetched into registers by hand), each read from
-    and written to the pool; the conv state advanced per token. Verify
-    (update_state False): tile by tile through all tokens in registers, the next tile prefetched. (block_v = BK
-    leaves one tile: the same launch as split.)
-    num_warps: 1, 2, 4, 8 or 16. num_stages: Triton's num_stages (also the tile loop's); None: Triton's default, 3
-    (the original launches passed none). hints: evict-first state loads and streaming (.cs) state stores."""
-
-    block_v: int
-    chunked: bool = False
-    num_warps: int = 4
-    num_stages: int | None = None
-    hints: bool = False
-
-    @property
-    def label(self) -> str:
-        s = f"bv{self.block_v}-{'chunked' if self.chunked else 'split'}-w{self.num_warps}"
-        s += f"-s{self.num_stages}" if self.num_stages is not None else ""
-        return s + ("-hints" if self.hints else "")
-
-
-def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:
-    """The original default: split V, one tile per program; a whole (padded) head below head dim 64, else [K, 32]
-    tiles when there are too few (sequence, head) pairs to fill 132 SMs (< 96) and [K, 64] tiles otherwise
-    (H200, benchmarks/results/kernels_h200.json: 385 us = 49% of HBM on the state at 96 heads x batch 64)."""
-    if head_dim < 64:
-        return KdaConfig(next_pow2(head_dim))  # the whole (padded) head in one program
-    return KdaConfig(_fit_bv(32 if num_programs_nh < 96 else 64, head_dim))
-
-
-# Decode (one token per sequence) configurations by program count N * H (N * H * L for the multi-layer replay):
-# the last row whose bound is <= the count applies. Written for head dim 128; other head dims adapt block_v with
-# `_fit_bv`. To be set from benchmarks/kda_decode_sweep_h200.py (H200); until then a prediction.
-DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
-    (0, KdaConfig(32)),                                  # few heads: split V over 4 programs (latency-bound)
-    (128, KdaConfig(32, chunked=True, num_stages=3)),    # ~1+ head per SM: one program per head, pipelined tiles
-)
-# From the H200 sweep (benchmarks/kda_decode_sweep_h200.py, results/kda_decode_sweep_h200.json, graph replay):
-# 32 heads x 1: split BV 32 6.06 us vs chunked 6.98; 32 x 8: chunked 9.71 us vs split BV 64 15.87 (81% of HBM);
-# 32 x 16: 17.1 vs 31.4 (92%); 96 x 64: 245 us vs 390 (77%; fla's fused_recurrent_kda 253 us).
-
-
-def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:
-    """The launch configuration for `num_programs_nh` = N * H (sequence, head) pairs (times L layers for the
-    replay), head dim `head_dim` and `tokens_per_seq` = ceil(T / N). Decode (1 token) reads `DECODE_TABLE`;
-    several tokens per sequence (verify, replay) and head dims below 64 keep `legacy_config`."""
-    if tokens_per_seq > 1 or head_dim < 64:
-        return legacy_config(num_programs_nh, head_dim)
-    cfg = DECODE_TABLE[0][1]
-    for bound, row in DECODE_TABLE:
-        if num_programs_nh >= bound:
-            cfg = row
-    return cfg._replace(block_v=_fit_bv(min(cfg.block_v, next_pow2(head_dim)), head_dim))
-
-
-def _fit_bv(target: int, head_dim: int) -> int:
-    """A power-of-two V block near `target` (a power of two <= head_dim) for head_dim: `target` when it divides
-    head_dim (always, for a power-of-two head_dim >= target), else the largest power of two dividing head_dim
-    if that is at least 16 (no masked tail), else `target` (the last of ceil(head_dim / target) blocks masked)."""
-    if head_dim % target == 0:
-        return target
-    div = head_dim & -head_dim  # largest power of two dividing head_dim
-    return div if div >= 16 else target
 
 
 def _check_layer(qkv: Tensor, f: Tensor, b: Tensor, conv_weight: Tensor, conv_state: Tensor, dt_bias: Tensor,
