@@ -39,6 +39,7 @@ from serving_h200 import _sync_sites, decode_batch, decode_setup
 from tokenspeed.executor.cuda_graphs import DecodeGraphs
 from tokenspeed.models import CacheBuffers, ForwardBatch
 from tokenspeed.models.loader import load_model
+from tokenspeed.ops import dispatch
 
 
 def log(*a) -> None:
@@ -143,10 +144,27 @@ PDL_ENV = ("TOKENSPEED_PDL", "TOKENSPEED_GEMV_PREFETCH", "TOKENSPEED_L2_PREFETCH
 
 
 def _config_env(config: str) -> dict[str, str]:
-    """"pdl:gemv_prefetch:l2" (e.g. "1:regs:1", "-mla,-kda:regs:0") -> the environment of that setting."""
+    """"pdl:gemv_prefetch:l2[:lin]" (e.g. "1:regs:1", "-mla,-kda:regs:0") -> the environment of that setting."""
     pdl_set, prefetch, l2 = (config.split(":") + ["", ""])[:3]
     return {"TOKENSPEED_PDL": pdl_set or "1", "TOKENSPEED_GEMV_PREFETCH": prefetch or "regs",
             "TOKENSPEED_L2_PREFETCH": l2 or "0"}
+
+
+class _EveryShapeGemv(dict):
+    """A routing-table `routes` mapping under which every (N, K) takes the Triton GEMV's default config for
+    M <= 16: the "gemv" linear setting of the A/B (is cuBLAS's projection, which launches without PDL and so
+    breaks the chain of dependents, still faster than the GEMV inside a step?)."""
+
+    def get(self, key, default=None):
+        return ((16, {}),)
+
+
+def _linear_setting(config: str) -> str:
+    """The 4th field of a --pdl-configs entry: "table" (the committed routing table; default) or "gemv"."""
+    lin = (config.split(":") + ["", "", ""])[3] or "table"
+    if lin not in ("table", "gemv"):
+        raise ValueError(f"linear setting must be table or gemv; got {lin!r} in {config!r}")
+    return lin
 
 
 def pdl_ab(model, batch: int, ctx: int, configs: list[str], steps: int = 8, rounds: int = 5) -> dict:
@@ -163,12 +181,16 @@ def pdl_ab(model, batch: int, ctx: int, configs: list[str], steps: int = 8, roun
     try:
         for cfg in configs:
             os.environ.update(_config_env(cfg))
+            if _linear_setting(cfg) == "gemv":
+                dispatch.set_linear_table(dispatch.LinearTable(dispatch.linear_table().dtypes, _EveryShapeGemv()))
             g = graphs[cfg] = DecodeGraphs(model, buf, batch, pps, scratch_page=batch * pps)
             g.capture()
+            dispatch.set_linear_table(None)
             for dst, src in zip(buf.kda_recurrent + buf.kda_conv, saved, strict=True):
                 dst.copy_(src)
             logits[cfg] = [g.run(fb).float().clone() for _ in range(steps)]
     finally:
+        dispatch.set_linear_table(None)
         for k, v in prev.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -302,7 +324,7 @@ def main() -> None:
     ap.add_argument("--host", action="store_true", help="cProfile one eager batch-1 decode forward")
     ap.add_argument("--pdl-ab", default="", help="comma list of batches for the PDL / prefetch A/B at 4K (none: skip)")
     ap.add_argument("--pdl-configs", default="0:regs:1;1:regs:1;1:regs:0;1:none:1;1:l2:1;-mla:regs:1;-mla,-kda:regs:1",
-                    help="';' list of pdl:gemv_prefetch:l2 settings for --pdl-ab (the first is the reference)")
+                    help="';' list of pdl:gemv_prefetch:l2[:table|gemv] settings for --pdl-ab (the first is the reference)")
     args = ap.parse_args()
     res = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "python": platform.python_version(), "commit": os.environ.get("BENCH_COMMIT", "unknown"),
