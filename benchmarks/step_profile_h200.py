@@ -140,14 +140,20 @@ def host_profile(model, batch: int, ctx: int) -> dict:
     return out
 
 
-PDL_ENV = ("TOKENSPEED_PDL", "TOKENSPEED_GEMV_PREFETCH", "TOKENSPEED_L2_PREFETCH")
-
-
 def _config_env(config: str) -> dict[str, str]:
-    """"pdl:gemv_prefetch:l2[:lin]" (e.g. "1:regs:1", "-mla,-kda:regs:0") -> the environment of that setting."""
-    pdl_set, prefetch, l2 = (config.split(":") + ["", ""])[:3]
-    return {"TOKENSPEED_PDL": pdl_set or "1", "TOKENSPEED_GEMV_PREFETCH": prefetch or "regs",
-            "TOKENSPEED_L2_PREFETCH": l2 or "0"}
+    """"pdl:gemv_prefetch:l2[:lin[:NAME=VALUE,...]]" (e.g. "1:regs:1", "-mla,-kda:regs:0",
+    "1:regs:0:table:TOKENSPEED_MOE_FUSED=0") -> the environment of that setting: the three PDL / prefetch
+    variables, plus any extra variables named in the 5th field (an op's own A/B switch)."""
+    fields = config.split(":", 4) + [""] * 5
+    pdl_set, prefetch, l2, extra = fields[0], fields[1], fields[2], fields[4]
+    env = {"TOKENSPEED_PDL": pdl_set or "1", "TOKENSPEED_GEMV_PREFETCH": prefetch or "regs",
+           "TOKENSPEED_L2_PREFETCH": l2 or "0"}
+    for item in filter(None, extra.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("TOKENSPEED_"):
+            raise ValueError(f"extra settings are TOKENSPEED_NAME=VALUE; got {item!r} in {config!r}")
+        env[name] = value
+    return env
 
 
 class _EveryShapeGemv(dict):
@@ -176,10 +182,15 @@ def pdl_ab(model, batch: int, ctx: int, configs: list[str], steps: int = 8, roun
     buf, pps = decode_setup(model, batch, ctx, page_size)
     saved = [t.clone() for t in buf.kda_recurrent + buf.kda_conv]
     fb = decode_batch(batch, ctx, pps, page_size)
-    prev = {k: os.environ.get(k) for k in PDL_ENV}
+    prev = {k: os.environ.get(k) for cfg in configs for k in _config_env(cfg)}
     graphs, logits = {}, {}
     try:
         for cfg in configs:
+            for k, v in prev.items():  # settings not named by this entry: as the process started
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
             os.environ.update(_config_env(cfg))
             if _linear_setting(cfg) == "gemv":
                 dispatch.set_linear_table(dispatch.LinearTable(dispatch.linear_table().dtypes, _EveryShapeGemv()))
@@ -203,11 +214,17 @@ def pdl_ab(model, batch: int, ctx: int, configs: list[str], steps: int = 8, roun
     base = configs[0]
     out = {"batch": batch, "ctx": ctx, "rounds": rounds, "configs": {}}
     for cfg in configs:
-        same = all(torch.equal(a, b) for a, b in zip(logits[cfg], logits[base], strict=True))
+        pairs = list(zip(logits[cfg], logits[base], strict=True))
+        same = all(torch.equal(a, b) for a, b in pairs)
+        # settings that change arithmetic (a fusion's switch) are compared by argmax and the largest difference
+        argmax = all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in pairs)
+        diff = max((a - b).abs().max().item() for a, b in pairs)
         ms = statistics.median(times[cfg])
-        out["configs"][cfg] = {"step_ms": ms, "all_ms": times[cfg], "bit_equal_to_first": same}
+        out["configs"][cfg] = {"step_ms": ms, "all_ms": times[cfg], "bit_equal_to_first": same,
+                               "argmax_equal_to_first": argmax, "max_abs_logit_diff": diff}
         log(f"PDL A/B b{batch} ctx {ctx} [{cfg:>18}]: {ms:.3f} ms (x{statistics.median(times[base]) / ms:.3f} "
-            f"vs {base}), logits bit-equal to {base} over {steps} steps: {same}")
+            f"vs {base}), over {steps} steps vs {base}: bit-equal {same}, argmax equal {argmax}, "
+            f"max |logit diff| {diff:.3g}")
     del graphs
     torch.cuda.empty_cache()
     return out
