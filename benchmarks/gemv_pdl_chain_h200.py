@@ -189,7 +189,8 @@ def run_chain(out: Path, dev: str, dry: bool, reps: int, chains: int = 12, produ
     names = ["producer"] + [s[0] for s in stages]
     report(rows, names)
     meta = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu (Triton interpreter)",
-            "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype), "M": 1,
+            "torch": torch.__version__, "triton": triton.__version__, "commit": os.environ.get("BENCH_COMMIT", "unknown"),
+            "date": time.strftime("%Y-%m-%d"), "dtype": str(dtype), "M": 1,
             "stages": [{"name": n, "N": N, "K": K, "out_dtype": str(o or dtype), "input": i, "config": cfgs[n]}
                        for n, N, K, o, i in stages],
             "weight_sets": copies, "chain_weight_bytes": chain_bytes, "chains_per_graph": chains, "reps": reps,

@@ -335,23 +335,30 @@ def main():
             "H32_N16_w8_s4": {"BLOCK_H": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 4},
         }
         bench_case(cases[0][0], cases[0][1], 1, args, rows, configs)
-    meta = {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)",
-        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-        "hbm_bytes_per_s": HBM, "H": H, "Dl": DL, "v_dim": V, "page_size": PAGE, "min_chunk": k_mla.MIN_CHUNK,
-        "wall_s": time.time() - t0, "smoke": args.smoke,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_result(args, t0, triton, rows, python=platform.python_version(), hbm_bytes_per_s=HBM, page_size=PAGE,
+                 min_chunk=k_mla.MIN_CHUNK)
     print(f"\n{'case':22s} {'config':18s} {'plan':9s} {'Q':>2s} {'us':>9s} {'graph_us':>9s} {'HBM%':>6s} "
           f"{'speedup':>8s} {'ref_us':>10s}")
     for r in rows:
         sp = r.get("speedup_vs_uniform")
         print(f"{r['case']:22s} {r['config']:18s} {r['plan']:9s} {r['Q']:2d} {r['us']:9.2f} {r['graph_us']:9.2f} "
               f"{r['hbm_frac'] * 100:6.1f} {(f'{sp:.2f}x' if sp else ''):>8s} {r['ref_us'] or float('nan'):10.1f}")
-    print(f"wrote {args.out} ({time.time() - t0:.1f} s)")
 
+
+
+def write_result(args, t0: float, triton, rows: list[dict], **extra) -> None:
+    """Write {"meta", "rows"} to args.out; meta: the device, versions, commit (BENCH_COMMIT), date, the layer
+    geometry, wall time, plus `extra` (what the mode measured and how)."""
+    meta = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)",
+        "torch": torch.__version__, "triton": triton.__version__,
+        "commit": os.environ.get("BENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
+        "H": H, "Dl": DL, "v_dim": V, **extra, "wall_s": time.time() - t0, "smoke": args.smoke,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"wrote {args.out} ({time.time() - t0:.1f} s)")
 
 def run_policies(args, t0: float, triton) -> None:
     global POLICY_BATCHES, POLICY_CONTEXTS, POLICY_MIN_CHUNKS
@@ -362,17 +369,10 @@ def run_policies(args, t0: float, triton) -> None:
         for batch in POLICY_BATCHES:
             policy_case(batch, ctx, args, rows)
     print_policy_table(rows)
-    meta = {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)",
-        "torch": torch.__version__, "triton": triton.__version__, "H": H, "Dl": DL, "v_dim": V, "page_size": PAGE,
-        "Q": 1, "default_min_chunk": k_mla.MIN_CHUNK, "default_waves": k_mla.DEFAULT_WAVES,
-        "timing": "CUDA graph of 20 calls, each after a 256 MiB memset; memset-only graph subtracted; median of 10",
-        "wall_s": time.time() - t0, "smoke": args.smoke,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out} ({time.time() - t0:.1f} s)")
+    write_result(args, t0, triton, rows, page_size=PAGE, Q=1, default_min_chunk=k_mla.MIN_CHUNK,
+                 default_waves=k_mla.DEFAULT_WAVES,
+                 timing="CUDA graph of 20 calls, each after a 256 MiB memset; memset-only graph subtracted; median "
+                        "of 10")
 
 
 RAGGED_TAILS = (16, 64, 128, 256, 1024)
@@ -493,16 +493,8 @@ def run_ragged(args, t0: float, triton) -> None:
         for tail in RAGGED_TAILS:
             ragged_case(attn, dtype, dev, tail, decodes, args, rows)
     print_ragged_table(rows)
-    meta = {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)",
-        "torch": torch.__version__, "triton": triton.__version__, "layer": "kimi-linear-48b-a3b MLA, bf16",
-        "timing": "median of 10 calls, CUDA events (host gaps included), after 2 warm-up calls",
-        "wall_s": time.time() - t0, "smoke": args.smoke,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out} ({time.time() - t0:.1f} s)")
+    write_result(args, t0, triton, rows, layer="kimi-linear-48b-a3b MLA, bf16",
+                 timing="median of 10 calls, CUDA events (host gaps included), after 2 warm-up calls")
 
 if __name__ == "__main__":
     main()
