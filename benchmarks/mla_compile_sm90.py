@@ -43,18 +43,23 @@ class _Catch:
 
 
 def caught(module, names: tuple[str, ...], run) -> list:
-    """The (kernel, args, kwargs) that `run()` launches from `module`'s kernels `names`, with PDL forced on."""
+    """The (kernel, args, kwargs) that `run()` launches of `module`'s kernels `names`, with PDL forced on. A kernel
+    is caught in every loaded tokenspeed.ops.triton module that binds it (a re-exported kernel, e.g. mla_decode's
+    `_mla_combine_uv_kernel`, launches from the module that defines it)."""
     calls: list = []
-    saved = {n: getattr(module, n) for n in names}
+    kernels = {n: getattr(module, n) for n in names}
+    homes = [m for key, m in list(sys.modules.items()) if key.startswith("tokenspeed.ops.triton") and m is not None]
+    saved = [(m, n, f) for m in homes for n, f in kernels.items() if vars(m).get(n) is f]
     saved_pdl = pdl.enabled, pdl.launch_kwargs
-    pdl.enabled, pdl.launch_kwargs = (lambda device: True), (lambda device: {"launch_pdl": True})
-    for n, f in saved.items():
-        setattr(module, n, _Catch(f, calls))
+    pdl.enabled = lambda device, family="": True
+    pdl.launch_kwargs = lambda device, family="": {"launch_pdl": True}
+    for m, n, f in saved:
+        setattr(m, n, _Catch(f, calls))
     try:
         run()
     finally:
-        for n, f in saved.items():
-            setattr(module, n, f)
+        for m, n, f in saved:
+            setattr(m, n, f)
         pdl.enabled, pdl.launch_kwargs = saved_pdl
     return calls
 
@@ -95,6 +100,42 @@ def decode_variants() -> dict:
     return out
 
 
+def uv_variants() -> dict:
+    """tag -> a thunk running `mla_decode` with the W_UV product fused into the combine (bf16 q over bf16 / fp8
+    caches; N1 Q1 the batch-1 decode, N4 Q4 verify, N64 Q1; the balanced and the uniform plan)."""
+    H, V, R, PAGE, VH = 32, 512, 64, 64, 128
+    out = {}
+    w = torch.zeros(H, 128 + VH, V, dtype=torch.bfloat16)[:, 128:]  # the W_UV view of kv_b_proj's weight
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for N, Q, balanced, ms in ((1, 1, True, 8), (1, 1, True, 1), (4, 4, True, 8), (64, 1, False, 2)):
+            cache = torch.zeros(4, PAGE, V + R, dtype=cache_dtype)
+            table, lens = torch.zeros(N, 2, dtype=torch.int32), torch.full((N,), 100)
+            q = torch.zeros(N, Q, H, V + R, dtype=torch.bfloat16)
+            tag = f"{str(cache_dtype).split('.')[-1]:13s} N{N:<2d} Q{Q} W_UV {'bal' if balanced else 'uni'} ms{ms}"
+            out[tag] = (lambda q=q, cache=cache, table=table, lens=lens, balanced=balanced, ms=ms:
+                        k_dec.mla_decode(q[..., :V], cache, table, lens, 0.07, V, 0.5, q_rope=q[..., V:], max_splits=ms,
+                                         balanced=balanced, w_uv=w))
+    return out
+
+
+def absorb_variants() -> dict:
+    """tag -> a thunk running `mla_norm_store_absorb` (the store + the W_UK absorption in one launch)."""
+    H, NOPE, V = 32, 128, 128
+    out = {}
+    w_uk = torch.zeros(H, NOPE + V, 512, dtype=torch.bfloat16)[:, :NOPE]
+    for cache_dtype, kv_scale in ((torch.bfloat16, 1.0), (torch.float8_e4m3fn, 0.25)):
+        for T in (1, 64):
+            kv_a = torch.zeros(T, 576, dtype=torch.bfloat16)
+            q = torch.zeros(T, H, NOPE + 64, dtype=torch.bfloat16)
+            cache = torch.zeros(4, 64, 576, dtype=cache_dtype)
+            w, slots = torch.zeros(512, dtype=torch.bfloat16), torch.zeros(T, dtype=torch.int64)
+            tag = f"{str(cache_dtype).split('.')[-1]:13s} T{T} absorb kv_scale {kv_scale}"
+            out[tag] = (lambda kv_a=kv_a, q=q, cache=cache, w=w, slots=slots, kv_scale=kv_scale:
+                        k_prep.mla_norm_store_absorb(kv_a[:, :512], kv_a[:, 512:], w, 1e-6, cache, slots, kv_scale,
+                                                     q[..., :NOPE], w_uk))
+    return out
+
+
 def store_variants() -> dict:
     out = {}
     for cache_dtype, kv_scale in ((torch.bfloat16, 1.0), (torch.float8_e4m3fn, 0.25), (torch.float8_e4m3fn, 1.0)):
@@ -111,19 +152,21 @@ def store_variants() -> dict:
 def main() -> int:
     print(f"triton {triton.__version__}, target {TARGET}", flush=True)
     failed = 0
-    groups = ((k_dec, ("_mla_split_kernel", "_mla_combine_kernel"), decode_variants()),
-              (k_prep, ("_norm_store_kernel",), store_variants()))
+    dec_names = ("_mla_split_kernel", "_mla_combine_kernel", "_mla_combine_uv_kernel")
+    groups = ((k_dec, dec_names, decode_variants()), (k_dec, dec_names, uv_variants()),
+              (k_prep, ("_norm_store_kernel",), store_variants()),
+              (k_prep, ("_norm_store_absorb_kernel",), absorb_variants()))
     for module, names, variants in groups:
         for tag, run in variants.items():
             for fn, args, kw in caught(module, names, run):
                 try:
                     r = compile_sm90(fn, args, kw)
-                    print(f"{tag:40s} {fn.__name__:20s} smem {r['shared']:6d} B  regs {r['regs']}  stack "
+                    print(f"{tag:40s} {fn.__name__:26s} smem {r['shared']:6d} B  regs {r['regs']}  stack "
                           f"{r['stack']}  griddepcontrol {r['griddep']}", flush=True)
                     failed += not r["griddep"]
                 except Exception as e:  # noqa: BLE001 - report every variant that does not compile, then go on
                     failed += 1
-                    print(f"{tag:40s} {fn.__name__:20s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    print(f"{tag:40s} {fn.__name__:26s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     print(f"{failed} failed", flush=True)
     return 1 if failed else 0
 

@@ -5,7 +5,7 @@ GPU, with PDL on, and report each one's shared memory, registers per thread and 
 
 Variants: Kimi-Linear's shapes (H 32, Dl 576 = 512 + 64, page 64), bf16 queries over bf16 / fp8 caches, the q /
 q_rope views of the model and the concatenated query, 15 decodes + a tail and a lone tail, the default 32-row tile
-and the 16-row one, max_splits 1 (no combine) and the default. Uses benchmarks/mla_compile_sm90.py's machinery
+and the 16-row one, max_splits 1 (no combine) and the default, and the W_UV-fused combine (`w_uv`). Uses benchmarks/mla_compile_sm90.py's machinery
 (launches caught from the wrapper with `pdl.enabled` forced on, handed to triton.compile for GPUTarget cuda 90).
 Exits non-zero when a variant fails to compile or lacks the PDL wait (a spill stack is reported, not failed).
 """
@@ -24,8 +24,11 @@ def ragged_variants() -> dict:
     H, V, R, PAGE = 32, 512, 64, 64
     out = {}
     for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        for q_lens, split_q, block_h, ms in (([1] * 15 + [64], True, None, None), ([1] * 15 + [64], False, None, None),
-                                             ([256], True, None, 1), ([1, 9], True, 16, None)):
+        for q_lens, split_q, block_h, ms, uv in (([1] * 15 + [64], True, None, None, False),
+                                                 ([1] * 15 + [64], False, None, None, False),
+                                                 ([256], True, None, 1, False), ([1, 9], True, 16, None, False),
+                                                 ([1] * 15 + [64], True, None, None, True),
+                                                 ([1, 9], True, None, 1, True)):
             N, T = len(q_lens), sum(q_lens)
             cache = torch.zeros(4, PAGE, V + R, dtype=cache_dtype)
             table, lens = torch.zeros(N, 2, dtype=torch.int32), torch.full((N,), 100)
@@ -35,8 +38,10 @@ def ragged_variants() -> dict:
             kw = {"BLOCK_H": block_h} if block_h else {}
             ms = ms or k_dec.default_max_splits(N, block_h or 32, 132, block_h=block_h or 32)  # the H200 default
             tag = (f"{str(cache_dtype).split('.')[-1]:13s} N{N:<2d} maxq {max(q_lens):<4d} "
-                   f"{'views' if split_q else 'full '} BH{block_h or 'def'} ms{ms}")
+                   f"{'views' if split_q else 'full '} BH{block_h or 'def'} ms{ms}{' W_UV' if uv else ''}")
             mq = max(q_lens)
+            if uv:  # the W_UV view of a kv_b_proj weight [H, 128 + 128, V]
+                kw["w_uv"] = torch.zeros(H, 256, V, dtype=torch.bfloat16)[:, 128:]
             out[tag] = (lambda qa=qa, qr=qr, cache=cache, table=table, lens=lens, cu=cu, kw=kw, ms=ms, mq=mq:
                         k_dec.mla_decode(qa, cache, table, lens, 0.07, V, 0.5, q_rope=qr, cu_seqlens_q=cu, max_q=mq,
                                          max_splits=ms, **kw))
@@ -47,15 +52,15 @@ def main() -> int:
     print(f"triton {triton.__version__}, target {TARGET}", flush=True)
     failed = 0
     for tag, run in ragged_variants().items():
-        for fn, args, kw in caught(k_dec, ("_mla_split_kernel", "_mla_combine_kernel"), run):
+        for fn, args, kw in caught(k_dec, ("_mla_split_kernel", "_mla_combine_kernel", "_mla_combine_uv_kernel"), run):
             try:
                 r = compile_sm90(fn, args, kw)
-                print(f"{tag:52s} {fn.__name__:20s} smem {r['shared']:6d} B  regs {r['regs']}  stack {r['stack']}  "
+                print(f"{tag:57s} {fn.__name__:22s} smem {r['shared']:6d} B  regs {r['regs']}  stack {r['stack']}  "
                       f"griddepcontrol {r['griddep']}", flush=True)
                 failed += not r["griddep"]
             except Exception as e:  # noqa: BLE001 - report every variant that does not compile, then go on
                 failed += 1
-                print(f"{tag:52s} {fn.__name__:20s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(f"{tag:57s} {fn.__name__:22s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     print(f"{failed} failed", flush=True)
     return 1 if failed else 0
 

@@ -144,6 +144,18 @@ def test_default_model_graphs_equal_cpu() -> None:
 
 
 @needs_cuda
+def test_kimi_linear_graphs_equal_eager_and_cpu(tmp_path) -> None:
+    """Kimi Linear's plain pre-norm decode path on the GPU, where the decode-size fusions apply (the MoE gate:
+    add + norm + router + routing; the experts' gate/up + down in one launch; the KDA gate up-projections in
+    kda_decode; MLA's store + W_UK absorption and combine + W_UV), in graphs and eager, gives the CPU
+    reference's greedy tokens."""
+    path = str(write_tiny_checkpoint(tmp_path / "tiny-kimi-linear", "tiny-kimi-linear", seed=3))
+    tokens = _greedy(path, "cuda")
+    assert tokens == _greedy(path, "cuda", enforce_eager=True)
+    assert tokens == _greedy(path, "cpu")
+
+
+@needs_cuda
 def test_second_engine_in_a_process_gets_the_memory_of_a_deleted_one() -> None:
     """An engine sized from the free device memory after another engine was deleted gets the same cache: the
     first one's blocks, cached by torch's allocator, count as free (they used to shrink the second cache)."""

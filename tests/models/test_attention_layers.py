@@ -83,9 +83,9 @@ def _mla_reference(c, a, x):
     if c.q_lora_rank is not None:
         q = _rms(x @ a.q_a_proj.weight.t(), a.q_a_layernorm.weight, 1e-6) @ a.q_b_proj.weight.t()
     else:
-        q = x @ a.q_proj.weight.t()
+        q = x @ a.projection_weight("q_proj").t()
     q = q.view(-1, h, nope + rope)
-    kv_a = x @ a.kv_a_proj_with_mqa.weight.t()
+    kv_a = x @ a.projection_weight("kv_a_proj_with_mqa").t()
     c_kv, k_pe = _rms(kv_a[:, :r], a.kv_a_layernorm.weight, 1e-6), kv_a[:, r:]
     kv = (c_kv @ a.kv_b_proj.weight.t()).view(-1, h, nope + v_dim)
     out = torch.zeros(x.shape[0], h, v_dim)

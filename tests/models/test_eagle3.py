@@ -33,6 +33,7 @@ from tokenspeed.models.eagle3 import (
     write_tiny_eagle3_checkpoint,
 )
 from tokenspeed.models.kimi.moe import SparseMoE
+from tokenspeed.models.weights import param_sources
 
 F32 = torch.float32
 PAGE = 4
@@ -213,7 +214,8 @@ def test_official_names(tmp_path: Path) -> None:
 
 def test_no_qlora_names(tmp_path: Path) -> None:
     cfg = parse_eagle3_config(_no_qlora())
-    names = {n for n, _ in Eagle3Draft(cfg, dtype=F32).named_parameters()}
+    # checkpoint names (q_proj is a part of the merged `q_kv_a_proj` parameter)
+    names = {n for src in param_sources(Eagle3Draft(cfg, dtype=F32), "") for n in src.hf_names}
     assert "midlayer.self_attn.q_proj.weight" in names and not any("q_a_proj" in n for n in names)
 
 
@@ -351,9 +353,9 @@ def _reference_draft(draft: Eagle3Draft, ids: torch.Tensor, g: torch.Tensor, pos
     if c.q_lora_rank is not None:
         q = _rms(x @ a.q_a_proj.weight.T, a.q_a_layernorm.weight, eps) @ a.q_b_proj.weight.T
     else:
-        q = x @ a.q_proj.weight.T
+        q = x @ a.projection_weight("q_proj").T
     q = q.view(-1, h_, nope + rope)
-    kv_a = x @ a.kv_a_proj_with_mqa.weight.T
+    kv_a = x @ a.projection_weight("kv_a_proj_with_mqa").T
     c_kv, k_pe = _rms(kv_a[:, :r], a.kv_a_layernorm.weight, eps), kv_a[:, r:]
     cos, sin = ops.rope_cos_sin(positions, rope, c.rope_theta, c.rope_scaling_dict)
 

@@ -9,6 +9,7 @@
   form nor the torch absorbed reference runs) and matches the reference path (1e-5; the split plan forced to
   split); with the tail over ABSORBED_MAX_TAIL, the tail is expanded and only the short sequences go through the
   ragged kernel (a subset); on the CPU without TOKENSPEED_OPS=triton the layer takes today's path bit for bit.
+* The fused decode (FUSED_DECODE; TOKENSPEED_MLA_FUSED overrides it at each call) against the unfused Triton ops.
 """
 
 from __future__ import annotations
@@ -54,30 +55,98 @@ def _steps(model, attn) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 
 @cpu_interp
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("rotary", [False, True])
-def test_mla_layer_triton_ops_match_reference(monkeypatch, rotary: bool) -> None:
+def test_mla_layer_triton_ops_match_reference(monkeypatch, rotary: bool, fused: bool) -> None:
+    from tokenspeed.models.kimi import mla
     from tokenspeed.ops.triton import mla_decode as dec
     from tokenspeed.ops.triton import mla_prep
 
     model, attn = _layer(rotary)
+    monkeypatch.delenv(mla.FUSED_ENV, raising=False)  # FUSED_DECODE decides
+    monkeypatch.setattr(mla, "FUSED_DECODE", fused)
     monkeypatch.setattr(dec, "DEFAULT_WAVES", 0.06)  # 4 split slots per sequence, not 132: a fast interpreter
-    calls = {"store": 0, "q_rope": 0}
-    store, decode = mla_prep.mla_norm_store_latent, dec.mla_decode
+    calls = {"store": 0, "absorb": 0, "q_rope": 0, "w_uv": 0}
+    store, absorb, decode = mla_prep.mla_norm_store_latent, mla_prep.mla_norm_store_absorb, dec.mla_decode
     monkeypatch.setattr(mla_prep, "mla_norm_store_latent",
                         lambda *a, **k: calls.__setitem__("store", calls["store"] + 1) or store(*a, **k))
-    monkeypatch.setattr(dec, "mla_decode", lambda *a, q_rope=None, **k: calls.__setitem__(
-        "q_rope", calls["q_rope"] + (q_rope is not None)) or decode(*a, q_rope=q_rope, **k))
+    monkeypatch.setattr(mla_prep, "mla_norm_store_absorb",
+                        lambda *a, **k: calls.__setitem__("absorb", calls["absorb"] + 1) or absorb(*a, **k))
+
+    def counted_decode(*a, q_rope=None, w_uv=None, **k):
+        calls["q_rope"] += q_rope is not None
+        calls["w_uv"] += w_uv is not None
+        return decode(*a, q_rope=q_rope, w_uv=w_uv, **k)
+
+    monkeypatch.setattr(dec, "mla_decode", counted_decode)
     results = {}
     for mode in ("reference", "triton"):
         monkeypatch.setenv("TOKENSPEED_OPS", mode)
         results[mode] = _steps(model, attn)
-    assert calls == {"store": 4, "q_rope": 4}  # every step's store and attention (the prefill ragged)
+    # every step's store and attention (the prefill ragged); fused: the store absorbs, the combine multiplies W_UV
+    n = 4
+    assert calls == ({"store": 0, "absorb": n, "q_rope": n, "w_uv": n} if fused else
+                     {"store": n, "absorb": 0, "q_rope": n, "w_uv": 0})
     (outs, cache), (ref_outs, ref_cache) = results["triton"], results["reference"]
     for got, ref in zip(outs, ref_outs, strict=True):
         assert rel_err(got, ref) < 1e-5
     written = ~torch.isnan(ref_cache) & (ref_cache != 0)
     assert torch.equal(written, ~torch.isnan(cache) & (cache != 0))
     assert rel_err(cache[written], ref_cache[written]) < 1e-5
+
+
+@cpu_interp
+@pytest.mark.parametrize("mixed", [False, True])
+def test_fused_decode_matches_unfused_path(monkeypatch, mixed: bool) -> None:
+    """The fused layer path (store + W_UK absorption in one launch, W_UV in the combine) against the unfused Triton
+    ops it replaces (FUSED_DECODE off), both through the kernels: uniform steps (prefill ragged, decode, verify)
+    and a mixed ragged batch with splits forced; outputs within fp32 summation-order noise, caches bit for bit."""
+    from tokenspeed.models.kimi import mla
+    from tokenspeed.ops.triton import mla_decode as dec
+
+    model, attn = _layer(False)
+    monkeypatch.delenv(mla.FUSED_ENV, raising=False)  # FUSED_DECODE decides
+    monkeypatch.setenv("TOKENSPEED_OPS", "triton")
+    monkeypatch.setattr(dec, "MIN_CHUNK", 4)  # several splits per sequence: the merge of the W_UV combine runs
+    # the mixed (ragged) plan: a budget of 8 slots a sequence; uniform steps: histories under BLOCK_N take one split
+    # whatever the slots (the merge still runs: with w_uv every split writes partials), so 4 slots, not 132
+    monkeypatch.setattr(dec, "DEFAULT_WAVES", 2.0 if mixed else 0.06)
+    results = {}
+    for fused in (False, True):
+        monkeypatch.setattr(mla, "FUSED_DECODE", fused)
+        results[fused] = _mixed_steps(model, attn) if mixed else _steps(model, attn)
+    if mixed:
+        pairs = zip(results[True], results[False], strict=True)
+    else:
+        pairs = zip(results[True][0], results[False][0], strict=True)
+        assert torch.equal(results[True][1].nan_to_num(-7.0), results[False][1].nan_to_num(-7.0))
+    for got, ref in pairs:
+        assert rel_err(got, ref) < 1e-5
+
+
+def test_fused_switch_reads_the_environment(monkeypatch) -> None:
+    """TOKENSPEED_MLA_FUSED overrides FUSED_DECODE at each call ("1" on, "0" off, unset / empty: the constant), and
+    the layer's path decision (`_fused_form`, on the host) follows it between two calls in one process."""
+    from tokenspeed.models.kimi import mla
+
+    model, attn = _layer(False)
+    cache = CacheBuffers.allocate(model.config, 12, PAGE, 4, torch.float32)
+    batch = ForwardBatch.build([[8], [9]], [5, 2], [[7, 2, 9, 0], [4, 11, 1, 6]], [1, 3], PAGE)
+    q = torch.zeros(2, attn.num_heads, attn.nope + attn.rope)
+    latent = cache.mla_latent[attn.cache_index]
+    monkeypatch.setenv("TOKENSPEED_OPS", "triton")
+    for const in (True, False):
+        monkeypatch.setattr(mla, "FUSED_DECODE", const)
+        for env, want in ((None, const), ("", const), ("1", True), ("0", False), (" 1 ", True)):
+            if env is None:
+                monkeypatch.delenv(mla.FUSED_ENV, raising=False)
+            else:
+                monkeypatch.setenv(mla.FUSED_ENV, env)
+            assert mla.fused_decode_enabled() is want
+            assert attn._fused_form(q, batch, latent) == ("uniform" if want else None)
+    monkeypatch.setenv(mla.FUSED_ENV, "yes")
+    with pytest.raises(ValueError, match=mla.FUSED_ENV):
+        mla.fused_decode_enabled()
 
 
 MIXED_PAGE = 4

@@ -69,8 +69,15 @@ def test_fused_junction_equals_unfused_and_tp_path_triton_interp(monkeypatch):
     moes = _moes(model)
     assert moes and all(m.fold_shared and m.parallel.tp_size == 1 for m in moes)
     calls = []
-    fused = moe_combine.combine_add_rms_norm
+    fused, partials = moe_combine.combine_add_rms_norm, moe_combine.combine_partials
     monkeypatch.setattr(moe_experts, "combine_add_rms_norm", lambda *a, **k: calls.append(1) or fused(*a, **k))
+
+    def spy_partials(*a, **k):  # the fused experts' combine: a junction when it gets the residual (6th argument)
+        if (a[6] if len(a) > 6 else k.get("residual")) is not None:
+            calls.append(1)
+        return partials(*a, **k)
+
+    monkeypatch.setattr(moe_experts, "combine_partials", spy_partials)
     got = _run(model)
     assert len(calls) == 2 * len(moes)  # two steps, every MoE junction in the combine
     with monkeypatch.context() as m:

@@ -183,6 +183,35 @@ def moe_experts(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Ten
     return add_rms_norm(out, residual, norm_weight, norm_eps)
 
 
+
+def moe_gate_kernel_usable(attn_out: Tensor, residual: Tensor, norm_weight: Tensor, router_weight: Tensor,
+                           correction_bias: Tensor | None, top_k: int, scoring: str = "sigmoid") -> bool:
+    """Whether `moe_gate` with these arguments runs its one-launch Triton kernel (the dispatch rule, and the kernel's
+    region `tokenspeed.ops.triton.moe_gate.supported`: T <= 16 rows, sigmoid scoring, ...). Host-only (no sync): a
+    layer asks before choosing between `moe_gate` and its unfused ops (which it runs otherwise)."""
+    return _dispatch.use_triton(attn_out, residual, norm_weight, router_weight, correction_bias) and \
+        _dispatch.kernels("moe_gate").supported(attn_out, residual, norm_weight, router_weight, top_k, scoring)
+
+
+def moe_gate(attn_out: Tensor, residual: Tensor, norm_weight: Tensor, norm_eps: float, router_weight: Tensor,
+             correction_bias: Tensor | None, top_k: int, *, scoring: str = "sigmoid", renormalize: bool = True,
+             routed_scaling_factor: float = 1.0, shared_expert_id: int | None = None
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A MoE layer's junction after attention and its routing: (x, summed, weights, ids) with x, summed =
+    add_rms_norm(attn_out, residual, norm_weight, norm_eps), the fp32 router logits of x, and `moe_route` of them.
+    Contract: `tokenspeed.ops.reference.moe_gate.moe_gate`. One Triton launch where `moe_gate_kernel_usable`
+    (decode-sized T; the routing equals `moe_route` on the kernel's logits, which equal the GEMV's up to the fp32
+    summation order); otherwise the reference composition."""
+    if moe_gate_kernel_usable(attn_out, residual, norm_weight, router_weight, correction_bias, top_k, scoring):
+        return _dispatch.kernels("moe_gate").moe_gate(
+            attn_out, residual, norm_weight, norm_eps, router_weight, correction_bias, top_k, scoring=scoring,
+            renormalize=renormalize, routed_scaling_factor=routed_scaling_factor, shared_expert_id=shared_expert_id)
+    from tokenspeed.ops.reference import moe_gate as _ref_gate
+
+    return _ref_gate.moe_gate(attn_out, residual, norm_weight, norm_eps, router_weight, correction_bias, top_k,
+                              scoring=scoring, renormalize=renormalize, routed_scaling_factor=routed_scaling_factor,
+                              shared_expert_id=shared_expert_id)
+
 def mla_attention_expanded(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: list[int], cu_seqlens_k: list[int],
                            scale: float) -> Tensor:
     if _dispatch.use_triton(q, k, v) and q.is_cuda:
@@ -192,13 +221,20 @@ def mla_attention_expanded(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: list[i
 
 def mla_decode(q: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, scale: float, v_dim: int,
                kv_scale: float = 1.0, *, q_rope: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
-               max_q: int | None = None) -> Tensor:
-    if _dispatch.use_triton(q, cache, page_table, kv_lens, q_rope, cu_seqlens_q) and _dispatch.mla_decode_supported(
-            q, cache, v_dim, q_rope=q_rope, cu_seqlens_q=cu_seqlens_q):
+               max_q: int | None = None, w_uv: Tensor | None = None) -> Tensor:
+    """`tokenspeed.ops.reference.mla.mla_decode`; with w_uv [H, v_head, v_dim] (kv_b_proj's W_UV view) the output
+    is multiplied per head by W_UV[h]^T ([..., H, v_head] in q's dtype): the composition of the latent output
+    (rounded to q's dtype) and a bmm, fused into the Triton combine kernel where the kernel runs."""
+    if _dispatch.use_triton(q, cache, page_table, kv_lens, q_rope, cu_seqlens_q, w_uv) and \
+            _dispatch.mla_decode_supported(q, cache, v_dim, q_rope=q_rope, cu_seqlens_q=cu_seqlens_q) and \
+            (w_uv is None or (w_uv.dim() == 3 and w_uv.shape[0] == q.shape[-2] and w_uv.shape[2] == v_dim
+                              and w_uv.stride(-1) == 1 and w_uv.device == q.device)):
         return _dispatch.kernels("mla_decode").mla_decode(q, cache, page_table, kv_lens, scale, v_dim, kv_scale,
-                                                          q_rope=q_rope, cu_seqlens_q=cu_seqlens_q, max_q=max_q)
-    return _ref_mla.mla_decode(q, cache, page_table, kv_lens, scale, v_dim, kv_scale, q_rope=q_rope,
-                               cu_seqlens_q=cu_seqlens_q, max_q=max_q)
+                                                          q_rope=q_rope, cu_seqlens_q=cu_seqlens_q, max_q=max_q,
+                                                          w_uv=w_uv)
+    o = _ref_mla.mla_decode(q, cache, page_table, kv_lens, scale, v_dim, kv_scale, q_rope=q_rope,
+                            cu_seqlens_q=cu_seqlens_q, max_q=max_q)
+    return o if w_uv is None else torch.einsum("...hr,hvr->...hv", o, w_uv.to(o.dtype))
 
 
 def mla_decode_kernel_usable(cache: Tensor, v_dim: int, *tensors: Tensor) -> bool:
@@ -217,7 +253,24 @@ def mla_norm_store_latent(kv_c: Tensor, k_pe: Tensor, weight: Tensor, eps: float
     return _ref_mla.mla_norm_store_latent(kv_c, k_pe, weight, eps, cache, slot_mapping, kv_scale)
 
 
-for _fn, _ref in ((moe_experts, _ref_moe.moe_experts), (mla_decode, _ref_mla.mla_decode),
+def mla_norm_store_absorb(kv_c: Tensor, k_pe: Tensor, weight: Tensor, eps: float, cache: Tensor,
+                          slot_mapping: Tensor, kv_scale: float, q_nope: Tensor, w_uk: Tensor) -> Tensor:
+    """`mla_norm_store_latent(kv_c, k_pe, weight, eps, cache, slot_mapping, kv_scale)` and the W_UK absorption
+    q_lat [T, H, r] = q_nope [T, H, nope] @ W_UK[h] [H, nope, r] (w_uk cast to q_nope's dtype, the result in it):
+    one Triton launch (`tokenspeed.ops.triton.mla_prep.mla_norm_store_absorb`) where the store's kernel runs and
+    the operands fit it, else the two ops. Mutates cache rows slot_mapping only; returns q_lat."""
+    if _dispatch.use_triton(kv_c, k_pe, weight, cache, slot_mapping, q_nope, w_uk) and \
+            _dispatch.mla_norm_store_supported(kv_c, k_pe, weight, cache, slot_mapping) and q_nope.dim() == 3 and \
+            q_nope.shape[0] == kv_c.shape[0] and q_nope.stride(-1) == 1 and \
+            q_nope.dtype in (torch.float32, torch.bfloat16, torch.float16) and \
+            w_uk.shape == (q_nope.shape[1], q_nope.shape[2], kv_c.shape[1]) and w_uk.stride(-1) == 1:
+        return _dispatch.kernels("mla_prep").mla_norm_store_absorb(kv_c, k_pe, weight, eps, cache, slot_mapping,
+                                                                   kv_scale, q_nope, w_uk)
+    mla_norm_store_latent(kv_c, k_pe, weight, eps, cache, slot_mapping, kv_scale)
+    return torch.einsum("thn,hnr->thr", q_nope, w_uk.to(q_nope.dtype))
+
+
+for _fn, _ref in ((moe_experts, _ref_moe.moe_experts),
                   (mla_norm_store_latent, _ref_mla.mla_norm_store_latent),
                   (mla_attention_expanded, _ref_mla.mla_attention_expanded), (rms_norm, _ref_norm.rms_norm),
                   (gated_rms_norm, _ref_norm.gated_rms_norm), (add_rms_norm, _ref_norm.add_rms_norm),
@@ -230,7 +283,7 @@ for _fn, _ref in ((moe_experts, _ref_moe.moe_experts), (mla_decode, _ref_mla.mla
 
 def kda_decode(
     qkv: Tensor,
-    f: Tensor,
+    f: Tensor | None,
     b: Tensor,
     conv_weight: Tensor,
     conv_state: Tensor,
@@ -248,6 +301,10 @@ def kda_decode(
     norm_gate: Tensor | None = None,
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
+    f_a: Tensor | None = None,
+    f_b_weight: Tensor | None = None,
+    g_a: Tensor | None = None,
+    g_b_weight: Tensor | None = None,
 ) -> Tensor:
     """KDA decode / k-token verify from the raw projections, fused on CUDA (one launch per layer).
 
@@ -267,18 +324,31 @@ def kda_decode(
     norm_gate ([T, H, D] or [T, H*D], unit last stride; may be a column view of a wider projection) with
     norm_weight [D]: o is returned as `gated_rms_norm(o, norm_gate, norm_weight, norm_eps)` (the KDA output norm),
     fused into the kernel's epilogue on CUDA, composed otherwise.
+    Low-rank gates folded in (the alternative to f / norm_gate): f None with f_a [T, R] (unit column stride, e.g. a
+    column view of the merged projection) and f_b_weight [H*D, R] gives f = f_a @ f_b_weight^T, and g_a with
+    g_b_weight (in place of norm_gate, with norm_weight) the norm's gate likewise, each summed in fp32 and rounded
+    to qkv.dtype (`reference.kda.low_rank_up`: what the model's bmm writes); computed in the kernel on CUDA,
+    composed otherwise.
     """
     if step_states is not None and update_state:
         raise ValueError("step_states is for verify (update_state=False)")
-    if (norm_gate is None) != (norm_weight is None):
-        raise ValueError("norm_gate and norm_weight go together")
-    if _dispatch.use_triton(qkv, f, b, conv_state, state, state_indices, norm_gate) \
+    if (f is None) == (f_a is None) or (f_a is None) != (f_b_weight is None) or (g_a is None) != (g_b_weight is None):
+        raise ValueError("pass either f or f_a with f_b_weight; g_a goes with g_b_weight")
+    if (norm_gate is None and g_a is None) != (norm_weight is None) or (norm_gate is not None and g_a is not None):
+        raise ValueError("norm_gate and norm_weight go together (or g_a / g_b_weight with norm_weight)")
+    if _dispatch.use_triton(qkv, f, b, conv_state, state, state_indices, norm_gate, f_a, g_a) \
             and _dispatch.kda_decode_supported(qkv, conv_weight, dt_bias):
         return _dispatch.kernels("kda_decode").kda_decode(
             qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens,
             lower_bound=lower_bound, scale=scale, update_state=update_state, step_states=step_states,
             seq_lens=seq_lens, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps,
+            f_a=f_a, f_b_weight=f_b_weight, g_a=g_a, g_b_weight=g_b_weight,
         )
+    if f_a is not None or g_a is not None:  # the composition the folded kernel replaces
+        from tokenspeed.ops.reference.kda import low_rank_up
+
+        f = f if f_a is None else low_rank_up(f_a, f_b_weight, qkv.dtype)
+        norm_gate = norm_gate if g_a is None else low_rank_up(g_a, g_b_weight, qkv.dtype)
     o = _kda_decode_reference(qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices,
                               cu_seqlens, lower_bound=lower_bound, scale=scale, update_state=update_state,
                               step_states=step_states, seq_lens=seq_lens)
@@ -468,6 +538,7 @@ __all__ = [
     "mla_decode",
     "mla_decode_kernel_usable",
     "mla_gather_latent",
+    "mla_norm_store_absorb",
     "mla_norm_store_latent",
     "mla_store_latent",
     "moe_experts",

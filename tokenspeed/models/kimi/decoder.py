@@ -7,7 +7,8 @@ Plain pre-norm residual (Kimi Linear): h += Attn(input_norm(h)); h += FFN(post_n
 the norm that reads its result (`ops.add_rms_norm`, one kernel per junction on CUDA): the layer takes its input
 already normed and the norm after it (the next layer's input norm, or the final norm), and returns its output
 stream with that norm applied. A MoE layer on one rank does its second junction inside the experts' combine
-kernel (`SparseMoE.forward_add_norm`): one launch fewer, the same bits.
+kernel (`SparseMoE.forward_add_norm`): one launch fewer, the same bits; on CUDA at decode sizes its first junction
+also fuses with the router GEMV and the routing (`SparseMoE.forward_junctions`, `ops.moe_gate`).
 """
 
 from __future__ import annotations
@@ -82,11 +83,13 @@ class DecoderLayer(nn.Module):
         that reads this layer's output (the next layer's input norm, or the final norm). Returns (h'', x):
         h' = h + Attn(normed), h'' = h' + FFN(post_attention_layernorm(h')) the layer's output stream and
         x = next_norm(h''), each add and the norm after it one `ops.add_rms_norm` (a MoE on one rank: the second
-        one inside the experts' combine). Nothing is mutated but the cache."""
+        one inside the experts' combine; the first one with the router in `ops.moe_gate` where
+        `SparseMoE.gate_fusable`). Nothing is mutated but the cache."""
         post = self.post_attention_layernorm
-        x, hidden = ops.add_rms_norm(self.self_attn(normed, batch, cache), hidden, post.weight, post.eps)
-        if hasattr(self, "block_sparse_moe"):
-            x, hidden = self.block_sparse_moe.forward_add_norm(x, hidden, next_norm)
+        attn_out = self.self_attn(normed, batch, cache)
+        if hasattr(self, "block_sparse_moe"):  # both junctions (and, when fusable, the routing) in the MoE block
+            x, hidden = self.block_sparse_moe.forward_junctions(attn_out, hidden, post, next_norm)
         else:
+            x, hidden = ops.add_rms_norm(attn_out, hidden, post.weight, post.eps)
             x, hidden = ops.add_rms_norm(self.mlp(x), hidden, next_norm.weight, next_norm.eps)
         return hidden, x

@@ -6,11 +6,16 @@ Triton kernel, tails up to ABSORBED_MAX_TAIL) use the absorbed form (MQA over th
 (prefill chunks) expand keys/values per head with kv_b_proj. Both are the same function; tests check they agree.
 Inside attention the reference keeps fp32 (the absorbed query, the expanded keys/values, the softmax) and rounds
 once at the output.
+
+Without q-LoRA (Kimi Linear) q_proj and kv_a_proj_with_mqa both read x: they are one `MergedLinear`
+(`q_kv_a_proj`, one GEMM a layer instead of two; checkpoints keep the two names, the loader concatenates them, q's
+rows sharded by head under tensor parallelism, kv_a's replicated), and q / kv_a are strided views of its output.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +24,7 @@ from tokenspeed import ops
 from tokenspeed.distributed import ParallelContext
 from tokenspeed.models.batch import CacheBuffers, ForwardBatch
 from tokenspeed.models.config import KimiConfig
-from tokenspeed.models.layers import Linear, RMSNorm
+from tokenspeed.models.layers import Linear, MergedLinear, Part, RMSNorm
 from tokenspeed.ops.h2d import to_device
 
 # A sequence with at most this many new tokens attends in the absorbed (latent) form through the torch reference
@@ -38,6 +43,23 @@ ABSORBED_MAX_QUERY_LEN = 8
 # 0.59 vs 1.51 ms at 16 new tokens, 1.25 vs 1.43 at 64, 1.84 vs 1.28 at 128 (beside 15 decodes: 0.59 vs 2.54,
 # 1.57 vs 2.33, 2.41 vs 2.45), so the crossover is near 100 tokens: 64.
 ABSORBED_MAX_TAIL = 64
+# Where the whole batch attends through the absorbed Triton kernel (`_fused_form`): the W_UK absorption runs inside
+# the latent store's launch (`ops.mla_norm_store_absorb`) and the W_UV product inside mla_decode's combine
+# (`w_uv`): 3 launches (store+absorb, split, combine+W_UV) instead of 5. False: the unfused ops (the reference
+# composition the fused path is tested against). The default of `fused_decode_enabled`, which the environment
+# variable TOKENSPEED_MLA_FUSED overrides at each call ("1" on, "0" off), so a benchmark can A/B the two paths
+# between CUDA-graph captures in one process.
+FUSED_DECODE = True
+FUSED_ENV = "TOKENSPEED_MLA_FUSED"
+
+
+def fused_decode_enabled() -> bool:
+    """Whether the layer may take the fused decode path: TOKENSPEED_MLA_FUSED "1" / "0" when set (read on every
+    call), else FUSED_DECODE. Raises ValueError on another value."""
+    v = os.environ.get(FUSED_ENV, "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"{FUSED_ENV} must be 0 or 1; got {v!r}")
+    return FUSED_DECODE if v == "" else v == "1"
 
 
 class MLAAttention(nn.Module):
@@ -66,19 +88,37 @@ class MLAAttention(nn.Module):
             self.q_a_proj = Linear(d, config.q_lora_rank, dtype, device)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.mla_norm_eps, dtype, device)
             self.q_b_proj = Linear(config.q_lora_rank, h * qk, dtype, device, shard="out")
-        else:
-            self.q_proj = Linear(d, h * qk, dtype, device, shard="out")
-        self.kv_a_proj_with_mqa = Linear(d, config.kv_lora_rank + self.rope, dtype, device)
+            self.kv_a_proj_with_mqa = Linear(d, config.kv_lora_rank + self.rope, dtype, device)
+        else:  # q_proj and kv_a_proj_with_mqa both read x: one GEMM (see `_project`)
+            self.q_kv_a_proj = MergedLinear(d, (Part("q_proj", h * qk, sharded=True),
+                                                Part("kv_a_proj_with_mqa", config.kv_lora_rank + self.rope,
+                                                     sharded=False)), dtype, device)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.mla_norm_eps, dtype, device)
         self.kv_b_proj = Linear(config.kv_lora_rank, h * (self.nope + self.v_dim), dtype, device, shard="out")
         if config.mla_use_output_gate:
             self.g_proj = Linear(d, h * self.v_dim, dtype, device, shard="out")
         self.o_proj = Linear(h * self.v_dim, d, dtype, device, shard="in")
 
-    def _query(self, x: Tensor) -> Tensor:
-        if hasattr(self, "q_b_proj"):
-            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return self.q_proj(x)
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [T, hidden] -> (q [T, H, nope + rope], kv_a [T, kv_lora + rope]). Without q_lora, one GEMM of the
+        merged weight [q_proj ; kv_a_proj_with_mqa] (`q_kv_a_proj`, loaded from the two checkpoint names; q's rows
+        this rank's heads, kv_a's replicated) and both are strided views of its output (row stride H * (nope +
+        rope) + kv_lora + rope): every consumer reads them in place (unit last stride). With q_lora (K3): q_a_proj
+        -> q_a_layernorm -> q_b_proj, and kv_a_proj_with_mqa on its own."""
+        t, qk = x.shape[0], self.nope + self.rope
+        if hasattr(self, "q_kv_a_proj"):
+            y = self.q_kv_a_proj(x)
+            return self.q_kv_a_proj.part(y, "q_proj").view(t, self.num_heads, qk), \
+                self.q_kv_a_proj.part(y, "kv_a_proj_with_mqa")
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(t, self.num_heads, qk), self.kv_a_proj_with_mqa(x)
+
+    def projection_weight(self, name: str) -> Tensor:
+        """The weight [rows, hidden] of input projection `name` ("q_proj" or "kv_a_proj_with_mqa" without q_lora;
+        any projection module's name with it): a view of the merged weight where merged."""
+        if hasattr(self, "q_kv_a_proj") and name in self.q_kv_a_proj.slices:
+            return self.q_kv_a_proj.part_weight(name)
+        return getattr(self, name).weight
 
     def _kv_b(self) -> tuple[Tensor, Tensor]:
         """kv_b_proj split per head in fp32: W_UK [H, nope, r] and W_UV [H, v, r]."""
@@ -87,28 +127,71 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: Tensor, batch: ForwardBatch, cache: CacheBuffers) -> Tensor:
         """x: [T, hidden] normed input -> [T, hidden]. Writes the new tokens' latent rows into the cache."""
-        t, h = x.shape[0], self.num_heads
-        q = self._query(x).view(t, h, self.nope + self.rope)
-        kv_a = self.kv_a_proj_with_mqa(x)
+        q, kv_a = self._project(x)
         k_pe = kv_a[:, self.kv_lora_rank :]
         if self.use_rope:
             cos, sin = ops.rope_cos_sin(batch.positions, self.rope, self.rope_theta, self.rope_scaling)
             q = torch.cat([q[..., : self.nope], ops.apply_rope(q[..., self.nope :], cos, sin)], dim=-1)
             k_pe = ops.apply_rope(k_pe.unsqueeze(1), cos, sin).squeeze(1)
         latent_cache = cache.mla_latent[self.cache_index]
-        # kv_a_layernorm of c_kv, [c_kv ; k_pe] and the cache write: one launch on CUDA, reading kv_a in place.
         norm = self.kv_a_layernorm
+        ql = batch.uniform_query_len
+        form = self._fused_form(q, batch, latent_cache)
+        if form is not None:
+            o = self._attend_fused(q, kv_a[:, : self.kv_lora_rank], k_pe, batch, latent_cache, cache.mla_kv_scale,
+                                   ragged=form == "ragged")
+            return self._output(o, x)
+        # kv_a_layernorm of c_kv, [c_kv ; k_pe] and the cache write: one launch on CUDA, reading kv_a in place.
         ops.mla_norm_store_latent(kv_a[:, : self.kv_lora_rank], k_pe, norm.weight, norm.eps, latent_cache,
                                   batch.slot_mapping, cache.mla_kv_scale)
-        ql = batch.uniform_query_len
         if ql is not None and 1 <= ql <= ABSORBED_MAX_QUERY_LEN:
             o = self._attend_uniform(q, batch, latent_cache, cache.mla_kv_scale)
         else:  # mixed query lengths (or one longer than a verify window): by sequence, see `_attend`
             o = self._attend(q, batch, latent_cache, cache.mla_kv_scale)  # [T, H, v]
-        o = o.reshape(t, h * self.v_dim)
+        return self._output(o, x)
+
+    def _output(self, o: Tensor, x: Tensor) -> Tensor:
+        """o [T, H, v] -> the output gate (if any), o_proj and the tensor-parallel reduction: [T, hidden]."""
+        o = o.reshape(x.shape[0], self.num_heads * self.v_dim)
         if hasattr(self, "g_proj"):
             o = o * torch.sigmoid(self.g_proj(x))
         return self.parallel.all_reduce(self.o_proj(o))
+
+    def _fused_form(self, q: Tensor, batch: ForwardBatch, latent_cache: Tensor) -> str | None:
+        """"uniform" / "ragged" when the whole batch takes the absorbed Triton kernel in that form (the cases where
+        the unfused path calls `_attend_latent` once for the batch) and `fused_decode_enabled()`; else None. fp32 off
+        CUDA only: there the unfused absorption runs in fp32 whatever the model dtype."""
+        if not fused_decode_enabled() or not (q.is_cuda or q.dtype == torch.float32):
+            return None
+        if not ops.mla_decode_kernel_usable(latent_cache, self.kv_lora_rank, q, batch.page_table, batch.kv_lens,
+                                            batch.cu_seqlens):
+            return None
+        ql = batch.uniform_query_len
+        if ql is not None and 1 <= ql <= ABSORBED_MAX_QUERY_LEN:
+            return "uniform"
+        return "ragged" if all(n <= ABSORBED_MAX_TAIL for n in batch.query_lens_host) else None
+
+    def _attend_fused(self, q: Tensor, kv_c: Tensor, k_pe: Tensor, batch: ForwardBatch, latent_cache: Tensor,
+                      kv_scale: float, ragged: bool) -> Tensor:
+        """The latent store + `_attend_latent` of the whole batch in 3 launches on CUDA: `ops.mla_norm_store_absorb`
+        (the store and q_lat = q_nope @ W_UK, in the model dtype), then `ops.mla_decode` with w_uv (split, and the
+        combine with the W_UV product). q [T, H, nope + rope]; returns [T, H, v] in the model dtype; writes the
+        new latent rows."""
+        t, h, r = q.shape[0], self.num_heads, self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, r)
+        norm = self.kv_a_layernorm
+        q_lat = ops.mla_norm_store_absorb(kv_c, k_pe, norm.weight, norm.eps, latent_cache, batch.slot_mapping,
+                                          kv_scale, q[..., : self.nope], w[:, : self.nope])
+        q_rope, w_uv = q[..., self.nope :], w[:, self.nope :]
+        if ragged:
+            o = ops.mla_decode(q_lat, latent_cache, batch.page_table, batch.kv_lens, self.scale, r, kv_scale,
+                               q_rope=q_rope, cu_seqlens_q=batch.cu_seqlens,
+                               max_q=max(batch.query_lens_host, default=0), w_uv=w_uv)
+        else:
+            n = batch.kv_lens.shape[0]
+            o = ops.mla_decode(q_lat.view(n, t // n, h, r), latent_cache, batch.page_table, batch.kv_lens, self.scale,
+                               r, kv_scale, q_rope=q_rope.view(n, t // n, h, self.rope), w_uv=w_uv)
+        return o.view(t, h, self.v_dim).to(self.kv_b_proj.weight.dtype)
 
     def _attend_uniform(self, q: Tensor, batch: ForwardBatch, latent_cache: Tensor, kv_scale: float) -> Tensor:
         """Absorbed attention when every sequence has the same q_len (decode, verify): device values only, so it
@@ -123,7 +206,8 @@ class MLAAttention(nn.Module):
         dtype (tensor cores); elsewhere in fp32 like `_attend_absorbed`, so CPU results do not depend on which path
         a batch took.
 
-        Launches on CUDA: the W_UK bmm, mla_decode (split + combine), the W_UV bmm. The absorbed query is passed
+        Launches on CUDA: the W_UK bmm, mla_decode (split + combine), the W_UV bmm (the unfused path, the reference
+        of `_attend_fused`, which the layer takes when `fused_decode_enabled()`). The absorbed query is passed
         as two views (q_lat, and q_pe read in place from q), not concatenated; the W_UV bmm writes straight into
         a [T, H, v] buffer (through its [H, T, v] transpose), so the o_proj input needs no copy."""
         t, h, r = q.shape[0], self.num_heads, self.kv_lora_rank

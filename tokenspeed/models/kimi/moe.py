@@ -15,9 +15,16 @@ Two shapes, one class, switched by config:
 Experts are split over tensor-parallel ranks along their intermediate dim; partial sums are all-reduced.
 `forward_add_norm` also does the residual junction after the FFN (h + y and the next norm): on one rank, for the
 hidden-space MoE, inside the experts' combine kernel (`ops.moe_experts(..., residual=, norm_weight=)`).
+`forward_junctions` also takes the junction before the FFN (the attention output's add and the post-attention norm):
+on CUDA, one rank, hidden-space MoE and decode-sized batches, that junction, the router GEMV and the routing are
+one launch (`ops.moe_gate`), so a MoE layer's FFN is two launches of `ops.moe_experts` after its attention.
+TOKENSPEED_MOE_GATE (read per call): unset / "1", that fusion on CUDA; "0", never (the unfused launches, for A/B
+timing); "force", wherever `ops.moe_gate_kernel_usable` (also in the Triton interpreter: tests).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor, nn
@@ -97,7 +104,7 @@ class SparseMoE(nn.Module):
         """(weights fp32, ids int64) [T, k] (k + 1 with the folded shared expert's column)."""
         c = self.config
         return ops.moe_route(
-            self.gate(x), getattr(self.gate, "e_score_correction_bias", None), c.num_experts_per_token,
+            self.gate(x), self._bias(), c.num_experts_per_token,
             scoring=c.moe_router_activation_func, renormalize=c.moe_renormalize,
             routed_scaling_factor=c.routed_scaling_factor,
             shared_expert_id=c.num_experts if self.fold_shared else None,
@@ -122,6 +129,37 @@ class SparseMoE(nn.Module):
             return y + self.parallel.all_reduce(self.shared_experts(x))
         return y
 
+    def gate_fusable(self, attn_out: Tensor, residual: Tensor, post_norm: RMSNorm) -> bool:
+        """Whether `forward_junctions` runs the junction before the FFN and the routing as one `ops.moe_gate`
+        launch: one rank, hidden-space MoE, sigmoid scoring, the kernel usable for these tensors (decode-sized
+        T, 2-D [T, hidden] in the router weight's dtype), on CUDA unless TOKENSPEED_MOE_GATE says otherwise (see
+        the module docstring). Host-only (no sync)."""
+        mode = os.environ.get("TOKENSPEED_MOE_GATE", "1").strip().lower()
+        if mode == "0" or (mode != "force" and not attn_out.is_cuda):
+            return False
+        c = self.config
+        return self.latent is None and self.parallel.tp_size == 1 and ops.moe_gate_kernel_usable(
+            attn_out, residual, post_norm.weight, self.gate.weight, self._bias(), c.num_experts_per_token,
+            c.moe_router_activation_func)
+
+    def forward_junctions(self, attn_out: Tensor, residual: Tensor, post_norm: RMSNorm, norm: RMSNorm
+                          ) -> tuple[Tensor, Tensor]:
+        """Both junctions of a pre-norm MoE layer around its FFN: h' = residual + attn_out, x = post_norm(h'),
+        h'' = h' + self(x); returns (norm(h''), h'') (new tensors, nothing mutated), exactly
+        `self.forward_add_norm(*ops.add_rms_norm(attn_out, residual, post_norm.weight, post_norm.eps), norm)` up
+        to the fp32 summation order of the router logits. When `gate_fusable`: `ops.moe_gate` (the first junction,
+        the router GEMV and the routing in one launch), then the experts with the second junction in their
+        combine; otherwise that composition."""
+        if not self.gate_fusable(attn_out, residual, post_norm):
+            x, h = ops.add_rms_norm(attn_out, residual, post_norm.weight, post_norm.eps)
+            return self.forward_add_norm(x, h, norm)
+        c = self.config
+        x, h, weights, ids = ops.moe_gate(
+            attn_out, residual, post_norm.weight, post_norm.eps, self.gate.weight, self._bias(),
+            c.num_experts_per_token, scoring=c.moe_router_activation_func, renormalize=c.moe_renormalize,
+            routed_scaling_factor=c.routed_scaling_factor, shared_expert_id=self._shared_id())
+        return self._experts_add_norm(x, h, weights, ids, norm)
+
     def forward_add_norm(self, x: Tensor, residual: Tensor, norm: RMSNorm) -> tuple[Tensor, Tensor]:
         """The FFN and the pre-norm junction after it: (norm(residual + y), residual + y), y = forward(x) (new
         tensors, nothing mutated), exactly `ops.add_rms_norm(self(x), residual, norm.weight, norm.eps)`. Hidden-space
@@ -131,9 +169,19 @@ class SparseMoE(nn.Module):
         if self.latent is not None or self.parallel.tp_size > 1:
             return ops.add_rms_norm(self(x), residual, norm.weight, norm.eps)
         weights, ids = self._route(x)
+        return self._experts_add_norm(x, residual, weights, ids, norm)
+
+    def _experts_add_norm(self, x: Tensor, residual: Tensor, weights: Tensor, ids: Tensor, norm: RMSNorm
+                          ) -> tuple[Tensor, Tensor]:
+        """One rank, hidden-space MoE: the experts of the routing (weights, ids) with the junction after them in
+        their combine: (norm(residual + y), residual + y)."""
         shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
         return ops.moe_experts(x, self.w1, self.w3, self.w2, weights, ids, self.act, add=shared, residual=residual,
                                norm_weight=norm.weight, norm_eps=norm.eps, prefetch_expert=self._shared_id())
+
+    def _bias(self) -> Tensor | None:
+        """The router's fp32 selection bias (noaux_tc), or None."""
+        return getattr(self.gate, "e_score_correction_bias", None)
 
     def _shared_id(self) -> int | None:
         """The folded shared expert's id (in every row of the routing), or None: a prefetch hint for the experts'

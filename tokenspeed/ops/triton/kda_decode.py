@@ -78,6 +78,17 @@ every program waits. The multi-layer replay waits first thing (its offset table 
 before by an eager replay; as the only kernel of its graph it overlaps nothing anyway). The V-split counters are
 touched only after the wait, so consecutive launches sharing them are ordered.
 
+Folded low-rank gates (FOLD_F / FOLD_G, `kda_decode(f=None, f_a=, f_b_weight=, g_a=, g_b_weight=)`; helpers
+and rounding contract in `kda_gates`): instead of reading f (and the norm's gate) that a bmm wrote, each program
+computes the rows it needs from the rank-R inputs f_a / g_a (strided columns of the merged projection, read after
+the PDL wait) and the weights f_b / g_b, in fp32, rounded to the io dtype like the bmm's output. f: every program
+needs the head's whole [D] row (its K axis), summed over [BK, BJ] weight blocks read per token (after the wait;
+the weight rows a program reads are bulk-prefetched into L2 before it, where 16-byte aligned: weights. Holding the
+whole [BK, R] tile in registers from before the wait instead spills at D = R = 128). The output gate: each
+program computes the V lanes it owns (split: its [BV] slice, chunked: the head) and stages them, rounded, in a
+[T, H, D] scratch that `_norm_rows` reads back (.cg) after the same ordering as the o rows (counter pass or CTA
+barrier), so the norm epilogue is unchanged.
+
 `kda_replay_layers` (MULTI_LAYER): the state replay of accepted drafts over all L KDA layers of a model in one
 launch, grid (NV, N * H, L). Program (., ., l) adds row l of an int64 [L, 8] element-offset table
 (`tokenspeed.ops.kda_layers.KdaLayerTable`, built once on the host) to the layer-0 base pointer of each per-layer
@@ -100,6 +111,11 @@ from tokenspeed.ops.kda_layers import KdaLayerTable
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
 from tokenspeed.ops.triton.kda_config import DECODE_TABLE, KdaConfig, default_config, legacy_config  # noqa: F401
+from tokenspeed.ops.triton.kda_gates import check_lowrank, lowrank_aligned, lowrank_rows
+
+# Weight columns per block of the folded gates' fp32 sums (`kda_gates.lowrank_rows`): a [BK, FOLD_BJ] block live at
+# a time (a whole [128, 128] bf16 tile held in registers beside the state spills: 255 registers + 848 B of stack).
+FOLD_BJ = 32
 
 _COUNTERS: dict[torch.device, Tensor] = {}
 _RETIRED: list[Tensor] = []  # outgrown counter buffers, kept alive: graphs captured earlier still address them
@@ -261,14 +277,19 @@ def _store_conv_states3(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_le
 @triton.jit
 def _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh,
                   DT, h, bos, i, cq, ck, ok, mk, lk, rate, lower_bound, scale, D: tl.constexpr, EVEN_K: tl.constexpr,
-                  HAS_LB: tl.constexpr, STORE_OUT: tl.constexpr, OUT_TY: tl.constexpr):
+                  HAS_LB: tl.constexpr, STORE_OUT: tl.constexpr, OUT_TY: tl.constexpr, FA, stride_fat, WF,
+                  FOLD_F: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BJ: tl.constexpr):
     """Token i's per-head vectors (q, k, exp(g)) [BK] and beta: q/k conv + SiLU + L2 norm (q scaled), the gate.
-    Without STORE_OUT the q path is skipped and q is a placeholder (k)."""
+    Without STORE_OUT the q path is skipped and q is a placeholder (k). FOLD_F: the gate logits f are computed
+    here from the low-rank input FA[t] and the weight rows WF[h * D + ok] (`kda_gates`) instead of read from F."""
     t = bos + i
     if STORE_OUT:
         yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, lk, EVEN_K, OUT_TY)
     yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, lk, EVEN_K, OUT_TY)
-    f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
+    if FOLD_F:
+        f = lowrank_rows(FA + t * stride_fat, WF, h * D + ok, lk, R, BR, BJ, EVEN_K and R == BR, OUT_TY)
+    else:
+        f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
     braw = tl.load(Bt + t * stride_bt + h * stride_bh).to(tl.float32)
     k = yk * tl.rsqrt(tl.sum(yk * yk, axis=0) + 1e-6)
     if STORE_OUT:
@@ -304,8 +325,9 @@ def _norm_rows(O, G, stride_gt, stride_gh, NW, norm_eps, bos, num_rows, h, H, D:
                BR: tl.constexpr):
     """The gated RMSNorm epilogue, in place on rows o[bos .. bos + num_rows - 1, h, :D] (lanes `ok`, real where
     `lk`), BR rows at a time: y = x * rsqrt(sum(x^2) / D + eps) * w * sigmoid(gate) in fp32 from the rounded o x as
-    stored, rounded once to o's dtype (`triton.norm.gated_rms_norm`'s formula and order). The rows are read through
-    L2 (.cg): other programs of the head wrote parts of them (the caller orders those writes before this read)."""
+    stored, rounded once to o's dtype (`triton.norm.gated_rms_norm`'s formula and order). The rows (and the gate,
+    when folded: a scratch written in this launch) are read through L2 (.cg): other programs of the head wrote parts
+    of them (the caller orders those writes before this read)."""
     w = tl.load(NW + ok, mask=lk, other=0.0).to(tl.float32)
     r = tl.arange(0, BR)
     for r0 in range(0, num_rows, BR):
@@ -313,7 +335,8 @@ def _norm_rows(O, G, stride_gt, stride_gh, NW, norm_eps, bos, num_rows, h, H, D:
         m = (r0 + r < num_rows)[:, None] & lk[None, :]
         p = O + (t * H + h)[:, None] * D + ok[None, :]
         x = tl.load(p, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-        g = tl.load(G + (t * stride_gt + h * stride_gh)[:, None] + ok[None, :], mask=m, other=0.0).to(tl.float32)
+        g = tl.load(G + (t * stride_gt + h * stride_gh)[:, None] + ok[None, :], mask=m, other=0.0,
+                    cache_modifier=".cg").to(tl.float32)  # folded gate: a scratch other programs wrote
         inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + norm_eps)
         y = x * inv[:, None] * w[None, :] * tl.sigmoid(g)
         tl.store(p, y.to(O.dtype.element_ty), mask=m)
@@ -348,6 +371,7 @@ def _kda_decode_kernel(
     SLOTS, CU, LENS,
     O, STEP, CNT, LOFF,
     G, stride_gt, stride_gh, NW,
+    FA, stride_fat, WF, GA, stride_gat, WG,
     lower_bound, scale, norm_eps,
     H: tl.constexpr,
     D: tl.constexpr,
@@ -369,6 +393,12 @@ def _kda_decode_kernel(
     NORM_ROWS: tl.constexpr = 1,
     PDL: tl.constexpr = False,
     PF_STATE: tl.constexpr = False,
+    FOLD_F: tl.constexpr = False,
+    FOLD_G: tl.constexpr = False,
+    R: tl.constexpr = 1,
+    BR: tl.constexpr = 1,
+    BJ: tl.constexpr = 1,
+    PF_W: tl.constexpr = 0,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
@@ -428,11 +458,19 @@ def _kda_decode_kernel(
     if PDL and not MULTI_LAYER:  # L2 prefetch hints for what the first token reads next to the state
         if CHUNKS == 1:
             _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D, ok, cq, ck, cv, mk, mv, NORM)
+            if FOLD_F and PF_W > 0:  # the head's f_b rows and this program's g_b rows (weights), PF_W bytes each
+                _prefetch_l2_bulk(WF + (h * D + ok) * R, PF_W, lk)
+            if FOLD_G and PF_W > 0:
+                _prefetch_l2_bulk(WG + (h * D + ov) * R, PF_W, lv)
         else:
             cw_all = 2 * HD + h * D + ok  # the head's v channels (CHUNKS * BV = BK)
             _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D, ok, cq, ck, cw_all, mk, mk, NORM)
             if UPDATE and PF_STATE:  # the head's state (read tile by tile in the pipelined loop below), by rows
                 _prefetch_l2_bulk(S + slot * stride_ss + h * D * D + ok * D, D * 4, mk)
+            if FOLD_F and PF_W > 0:  # the head's f_b / g_b rows (read per token below), PF_W bytes each
+                _prefetch_l2_bulk(WF + (h * D + ok) * R, PF_W, lk)
+            if FOLD_G and PF_W > 0:
+                _prefetch_l2_bulk(WG + (h * D + ok) * R, PF_W, lk)
     if not MULTI_LAYER:
         _pdl_sync(PDL)
 
@@ -447,7 +485,13 @@ def _kda_decode_kernel(
                 yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, lk, EVEN_K, OUT_TY)
             yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, lk, EVEN_K, OUT_TY)
             yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv, mv, lv, EVEN_V, OUT_TY)
-            f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
+            if FOLD_F:
+                f = lowrank_rows(FA + t * stride_fat, WF, h * D + ok, lk, R, BR, BJ, EVEN_K and R == BR, OUT_TY)
+            else:
+                f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
+            if FOLD_G:  # this program's V slice of the output-gate logits, staged in the scratch G for the epilogue
+                gv = lowrank_rows(GA + t * stride_gat, WG, h * D + ov, lv, R, BR, BJ, EVEN_V and R == BR, OUT_TY)
+                _store_out(G, t, H, h, D, ov, gv, lv, EVEN_V)
             braw = tl.load(Bt + t * stride_bt + h * stride_bh).to(tl.float32)
 
             if STORE_OUT:
@@ -488,13 +532,18 @@ def _kda_decode_kernel(
             t = bos + i
             q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft, stride_fh,
                                               Bt, stride_bt, stride_bh, DT, h, t, 0, cq, ck, ok, mk, lk, rate,
-                                              lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY)
+                                              lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY, FA, stride_fat,
+                                              WF, FOLD_F, R, BR, BJ)
             if STORE_OUT:
                 # v for the whole head with q / k, staged in o[t, h] (it is rounded to o's dtype anyway): the tile
                 # loop reads its slice back and overwrites it with o, instead of a v conv per tile
                 yw = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, t, 0, 2 * HD + h * D + ow, mw,
                                 ow < D, EVEN_V, OUT_TY)
                 tl.store(O + (t * H + h) * D + ow, yw.to(OUT_TY), mask=ow < D)
+                if FOLD_G:  # the head's output-gate logits, staged in the scratch G for the norm epilogue
+                    gw = lowrank_rows(GA + t * stride_gat, WG, h * D + ow, ow < D, R, BR, BJ, EVEN_V and R == BR,
+                                      OUT_TY)
+                    tl.store(G + (t * H + h) * D + ow, gw.to(OUT_TY), mask=ow < D)
                 tl.debug_barrier()  # visible to the threads that read it back
             if STAGES == 1:  # no Triton pipelining: the next tile prefetched into registers by hand
                 nxt = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
@@ -550,7 +599,12 @@ def _kda_decode_kernel(
                 t = bos + i
                 q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft,
                                                   stride_fh, Bt, stride_bt, stride_bh, DT, h, bos, i, cq, ck, ok, mk,
-                                                  lk, rate, lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY)
+                                                  lk, rate, lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY,
+                                                  FA, stride_fat, WF, FOLD_F, R, BR, BJ)
+                if FOLD_G:  # this tile's slice of the output-gate logits, staged in the scratch G for the epilogue
+                    gv = lowrank_rows(GA + t * stride_gat, WG, h * D + ovc, lvc, R, BR, BJ, EVEN_V and R == BR,
+                                      OUT_TY)
+                    _store_out(G, t, H, h, D, ovc, gv, lvc, EVEN_V)
                 yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv + c * BV, mvc, lvc,
                                 EVEN_V, OUT_TY)
                 b_s, o = _delta_step(b_s, q, k, decay, beta, yv, mvc, STORE_OUT)
@@ -589,17 +643,18 @@ def _kda_decode_kernel(
                 _norm_rows(O, G, stride_gt, stride_gh, NW, norm_eps, bos, seq_len, h, H, D, ok, lk, NORM_ROWS)
 
 
-def _check_layer(qkv: Tensor, f: Tensor, b: Tensor, conv_weight: Tensor, conv_state: Tensor, dt_bias: Tensor,
-                 state: Tensor, N: int, cu_seqlens: Tensor, seq_lens: Tensor | None) -> Tensor:
-    """Validate one layer's arguments of `kda_decode` (N sequences); returns f as a [T, H, D] view."""
+def _check_layer(qkv: Tensor, f: Tensor | None, b: Tensor, conv_weight: Tensor, conv_state: Tensor, dt_bias: Tensor,
+                 state: Tensor, N: int, cu_seqlens: Tensor, seq_lens: Tensor | None) -> Tensor | None:
+    """Validate one layer's arguments of `kda_decode` (N sequences); returns f as a [T, H, D] view (None when f is
+    None: folded, checked by the caller)."""
     H, D = dt_bias.shape
     T = qkv.shape[0]
     if qkv.shape != (T, 3 * H * D) or qkv.stride(1) != 1:
         raise ValueError(f"qkv must be [T, {3 * H * D}] with unit column stride; got {tuple(qkv.shape)}")
     if conv_weight.shape != (3 * H * D, 4):
         raise ValueError(f"the fused kernel needs a width-4 conv weight [C, 4]; got {tuple(conv_weight.shape)}")
-    f3 = f.view(T, H, D) if f.dim() == 2 else f
-    if f3.shape != (T, H, D) or f3.stride(2) != 1:
+    f3 = None if f is None else f.view(T, H, D) if f.dim() == 2 else f
+    if f3 is not None and (f3.shape != (T, H, D) or f3.stride(2) != 1):
         raise ValueError(f"f must be [T, H, D] with unit last stride; got {tuple(f.shape)}")
     if b.shape != (T, H):
         raise ValueError(f"b must be [T, {H}]; got {tuple(b.shape)}")
@@ -640,7 +695,7 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
 
 def kda_decode(
     qkv: Tensor,
-    f: Tensor,
+    f: Tensor | None,
     b: Tensor,
     conv_weight: Tensor,
     conv_state: Tensor,
@@ -665,6 +720,10 @@ def kda_decode(
     norm_gate: Tensor | None = None,
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
+    f_a: Tensor | None = None,
+    f_b_weight: Tensor | None = None,
+    g_a: Tensor | None = None,
+    g_b_weight: Tensor | None = None,
 ) -> Tensor:
     """Triton `ops.kda_decode` (same contract). `config` (a `KdaConfig`; default `default_config(N * H, D,
     ceil(T / N))`) and the overrides BV / num_warps / hints / chunked / num_stages (fields of it) set the launch.
@@ -673,14 +732,22 @@ def kda_decode(
     norm_weight [D]: the returned o is `gated_rms_norm(o, norm_gate, norm_weight, norm_eps)` of the plain result,
     fused as an epilogue (`_norm_rows`). Rows the kernel does not compute (past `seq_lens`) stay zero.
 
+    Folded low-rank gates (`kda_gates`): f None with f_a [T, R] (unit column stride) and f_b_weight [H * D, R]
+    contiguous computes f = round(f_a @ f_b_weight^T) in the kernel; g_a / g_b_weight likewise replace norm_gate
+    (norm_weight still given). The gate goes through a [T, H, D] scratch of qkv's dtype (each program writes the
+    rows it owns, the norming program reads the head's row back), so only these four tensors are read.
+
     On Hopper the launch is a programmatic dependent (`tokenspeed.ops.triton.pdl`; module docstring, "PDL"):
-    `state_indices`, `cu_seqlens` and the two pools are read before the kernel waits for the previous one, so
-    neither of the two kernels launched just before may write them (true in the model: slots and bounds are copied
-    in before a step's first kernel, and only KDA ops of earlier steps write the pools)."""
+    `state_indices`, `cu_seqlens`, the two pools and the folded gates' weights are read before the kernel waits
+    for the previous one, so neither of the two kernels launched just before may write them (true in the model:
+    slots and bounds are copied in before a step's first kernel, and only KDA ops of earlier steps write the
+    pools)."""
     H, D = dt_bias.shape
     T, N = qkv.shape[0], state_indices.numel()
     f3 = _check_layer(qkv, f, b, conv_weight, conv_state, dt_bias, state, N, cu_seqlens, seq_lens)
-    g3 = _check_norm(norm_gate, norm_weight, T, H, D)
+    fold = _check_fold(f3, norm_gate, norm_weight, f_a, f_b_weight, g_a, g_b_weight, T, H, D)
+    g3 = _check_norm(norm_gate, norm_weight, T, H, D) if g_a is None else None
+    norm = norm_weight is not None
     cw = conv_weight if conv_weight.is_contiguous() and conv_weight.dtype == torch.float32 \
         else conv_weight.float().contiguous()
     if out is None:  # with seq_lens the rows past each count are not written: zeros
@@ -696,12 +763,14 @@ def kda_decode(
         return out
     opts = _split(N * H, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     nv = opts["NV"]
-    norm = g3 is not None
     cnt = _counters(qkv.device, N * H) if ((update_state or norm) and nv > 1) else cu_seqlens
-    gate = g3 if norm else out
+    gate = g3 if g3 is not None else torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device) if fold["FOLD_G"] \
+        else out  # folded: the scratch the kernel stages the gate logits in
+    fa, wf = (f_a, f_b_weight) if fold["FOLD_F"] else (qkv, qkv)
+    ga, wg = (g_a, g_b_weight) if fold["FOLD_G"] else (qkv, qkv)
     _kda_decode_kernel[(nv, N * H)](
         qkv, qkv.stride(0),
-        f3, f3.stride(0), f3.stride(1),
+        f3 if f3 is not None else qkv, f3.stride(0) if f3 is not None else 0, f3.stride(1) if f3 is not None else 0,
         b, b.stride(0), b.stride(1),
         cw, conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         A_log, dt_bias.contiguous(),
@@ -709,14 +778,37 @@ def kda_decode(
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         out, step_states if step_states is not None else state, cnt, cu_seqlens,
         gate, gate.stride(0), gate.stride(1), norm_weight.contiguous() if norm else A_log,
+        fa, fa.stride(0), wf, ga, ga.stride(0), wg,
         float(lower_bound) if lower_bound is not None else 0.0, float(scale), float(norm_eps),
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=bool(update_state), STORE_STEPS=step_states is not None,
         HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, NORM=norm,
         NORM_ROWS=min(next_pow2(triton.cdiv(T, N)), 16) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"),
         PF_STATE=D % 4 == 0 and state.data_ptr() % 16 == 0 and state.stride(0) % 4 == 0,
-        **opts, **pdl.launch_kwargs(qkv.device, "kda"),
+        **fold, **opts, **pdl.launch_kwargs(qkv.device, "kda"),
     )
     return out
+
+
+def _check_fold(f3: Tensor | None, norm_gate: Tensor | None, norm_weight: Tensor | None, f_a: Tensor | None,
+                f_b_weight: Tensor | None, g_a: Tensor | None, g_b_weight: Tensor | None, T: int, H: int,
+                D: int) -> dict:
+    """Validate the folded low-rank gates of `kda_decode` (f xor f_a / f_b_weight; norm_gate xor g_a / g_b_weight,
+    the latter with norm_weight; one rank R for both) and return the kernel's constants FOLD_F, FOLD_G, R, BR, BJ
+    and PF_W (bytes of a weight row to bulk-prefetch into L2 before the PDL wait, 0: none). Raises ValueError."""
+    rf = check_lowrank("f_a / f_b_weight", f_a, f_b_weight, T, H, D)
+    rg = check_lowrank("g_a / g_b_weight", g_a, g_b_weight, T, H, D)
+    if (f3 is None) == (rf is None):
+        raise ValueError("pass either f or f_a with f_b_weight")
+    if rg is not None and (norm_gate is not None or norm_weight is None or norm_weight.shape != (D,)):
+        raise ValueError(f"g_a / g_b_weight replace norm_gate and need norm_weight [{D}]")
+    if rf is not None and rg is not None and rf != rg:
+        raise ValueError(f"f_a and g_a must have one rank; got {rf} and {rg}")
+    r = rf or rg or 1
+    ws = [w for w in (f_b_weight, g_b_weight) if w is not None]
+    sizes = {w.element_size() for w in ws}
+    pf = r * sizes.pop() if len(sizes) == 1 and all(lowrank_aligned(w) for w in ws) else 0
+    br = next_pow2(r)
+    return {"FOLD_F": rf is not None, "FOLD_G": rg is not None, "R": r, "BR": br, "BJ": min(br, FOLD_BJ), "PF_W": pf}
 
 
 def _check_norm(gate: Tensor | None, weight: Tensor | None, T: int, H: int, D: int) -> Tensor | None:
@@ -775,6 +867,7 @@ def kda_replay_layers(
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         qkv, state, cnt, table.offsets,  # O: unused (STORE_OUT False), typed like the io dtype for the roundings
         qkv, 0, 0, A_log,  # the norm epilogue's gate / weight: unused (no outputs)
+        qkv, 0, qkv, qkv, 0, qkv,  # the folded low-rank gates: unused (the replay reads the recorded f)
         float(lower_bound) if lower_bound is not None else 0.0, 1.0, 0.0,
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=True, STORE_STEPS=False, HAS_LENS=seq_lens is not None,
         MULTI_LAYER=True, STORE_OUT=False, NORM=False, PDL=pdl.enabled(qkv.device, "kda"), **opts,

@@ -89,6 +89,23 @@ B <= 320, 42 MB), whatever max_q; the combine grid is (v_dim / 128, min(B, RB)) 
 split sequence, merging its splits over a [BLOCK_H, 128] tile. max_splits == 1: no splits, RB programs, no
 combine launch, no workspace. The grid depends only on (T, N, bucket(max_q), max_splits), so a CUDA graph
 captured for one bucket replays any batch of that shape. `plan_ragged` / `ragged_grid` mirror it on the host.
+
+W_UV fused into the combine (`w_uv` [H, v_head, v_dim], kv_b_proj's W_UV view): the output is o[t, h] =
+W_UV[h] o_lat[t, h] ([.., H, v_head] in q's dtype); every split item then writes partials and
+`tokenspeed.ops.triton.mla_combine_uv` merges them and multiplies (its docstring has the contract).
+
+Split count at small batch and short context (why the default stays). Batch 1, 4K, H 32: the default plan is 64
+splits of 64 rows; each split program reads 64 x 1152 B = 74 KB of bf16 cache and writes 64 KB of fp32 partials
+(its 32 rows x 512), so the partials total as much as the cache (4.2 vs 4.7 MB). But they stay in L2 (50 MB):
+what bounds a latency-bound split program is its own bytes over one SM's bandwidth (~50-100 GB/s with two 36 KB
+stages in flight), C / S + 64 KB for S splits of a C-byte cache, and that falls with S: 138 KB at S 64, 211 KB at
+32, 359 KB at 16 (2.3 / 3.5 / 6.0 us at 60 GB/s), 101 KB at 128. The (fused) combine program re-reads S x 2 KB of
+partials plus 32 KB of W_UV: 160 / 96 / 64 KB. Summed, S 48..64 is flat (~4 us), 32 is ~15% worse and 16 ~70%
+worse, 128 about even; so MIN_CHUNK 64 (S 64 at 4K) stays, and the split count is not cut for short contexts
+until an H200 sweep says otherwise (benchmarks/mla_decode_h200.py --policies; MIN_CHUNK and DEFAULT_WAVES are the
+knobs, read at call time). What the fused combine changes: its per-program partial bytes grow with S (256 KB at
+S 128, 32K context), where the unfused combine read S x 512 B per program; MIN_CHUNK 96..128 is the first thing
+to time if the fused combine turns out slow at long contexts.
 """
 
 from __future__ import annotations
@@ -145,10 +162,11 @@ def _uniform_chunk(kv_len, MAX_SPLITS, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _plan_ragged(CU, KV_LENS, N, max_q, budget, min_chunk, H: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_SEQ: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_SEQ: tl.constexpr, BLOCK_N: tl.constexpr, ALL_PARTIAL: tl.constexpr = False):
     """The ragged plan (module docstring) as [BLOCK_SEQ] vectors, one lane per sequence (lanes >= N hold zeros):
     (idx, first token, q_len, kv_len, row blocks, splits, item starts, partial-item starts, combine-block starts)
-    and the scalar chunk."""
+    and the scalar chunk. ALL_PARTIAL (the W_UV-fused combine): every item, single splits too, has a partial item
+    (then partial-item starts == item starts)."""
     idx = tl.arange(0, BLOCK_SEQ)
     ok = idx < N
     first = tl.load(CU + idx, mask=ok, other=0).to(tl.int64)
@@ -165,7 +183,10 @@ def _plan_ragged(CU, KV_LENS, N, max_q, budget, min_chunk, H: tl.constexpr, BLOC
     splits = tl.where(blocks > 0, tl.maximum((kv + chunk - 1) // chunk, 1), 0)
     items = blocks * splits
     starts = tl.cumsum(items, axis=0) - items
-    split_items = tl.where(splits > 1, items, 0)
+    if ALL_PARTIAL:
+        split_items = items
+    else:
+        split_items = tl.where(splits > 1, items, 0)
     part_starts = tl.cumsum(split_items, axis=0) - split_items
     split_blocks = tl.where(splits > 1, blocks, 0)
     comb_starts = tl.cumsum(split_blocks, axis=0) - split_blocks
@@ -174,7 +195,7 @@ def _plan_ragged(CU, KV_LENS, N, max_q, budget, min_chunk, H: tl.constexpr, BLOC
 
 @triton.jit
 def _ragged_item(CU, KV_LENS, N, MAX_SPLITS, min_chunk, max_q, H: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_SEQ: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_SEQ: tl.constexpr, BLOCK_N: tl.constexpr, ALL_PARTIAL: tl.constexpr = False):
     """The work item of split program p = program_id(0) under the ragged plan: (sequence n, its number of splits
     (0: p is past the last item), rows [BLOCK_H] (sequence-local r = j * H + h), row_ok, first token, key range
     lo..hi, causal limit per row, and the row base of its stores). Row r goes to output row base + r (first * H +
@@ -184,7 +205,7 @@ def _ragged_item(CU, KV_LENS, N, MAX_SPLITS, min_chunk, max_q, H: tl.constexpr, 
     program of the grid runs this."""
     p = tl.program_id(0).to(tl.int64)
     idx, first, q_len, kv, blocks, splits, starts, part_starts, _, chunk = _plan_ragged(
-        CU, KV_LENS, N, max_q, N * MAX_SPLITS, min_chunk, H, BLOCK_H, BLOCK_SEQ, BLOCK_N)
+        CU, KV_LENS, N, max_q, N * MAX_SPLITS, min_chunk, H, BLOCK_H, BLOCK_SEQ, BLOCK_N, ALL_PARTIAL)
     n = tl.sum(((starts + blocks * splits <= p) & (idx < N)).to(tl.int64), axis=0)  # the sequence p falls in
     sel = idx == n  # no lane when p is past the last item (n == N): every pick is then 0
     count = tl.sum(tl.where(sel, splits, 0), axis=0)
@@ -201,7 +222,8 @@ def _ragged_item(CU, KV_LENS, N, MAX_SPLITS, min_chunk, max_q, H: tl.constexpr, 
     lo = s * chunk
     hi = tl.minimum(tl.minimum(lo + chunk, kv_len), last_lim + 1)  # no key past the block's last causal limit
     tok0 = tl.sum(tl.where(sel, first, 0), axis=0)
-    base = tl.where(count == 1, tok0 * H, (tl.sum(tl.where(sel, part_starts, 0), axis=0) + local - hb) * BLOCK_H)
+    base = tl.where((count == 1) & (not ALL_PARTIAL), tok0 * H,
+                    (tl.sum(tl.where(sel, part_starts, 0), axis=0) + local - hb) * BLOCK_H)
     return n, count, rows, rows < ql * H, tok0, lo.to(tl.int32), hi.to(tl.int32), lim, base.to(tl.int32)
 
 
@@ -290,6 +312,7 @@ def _mla_split_kernel(
     RAGGED: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    ALL_PARTIAL: tl.constexpr = False,
 ):
     if PDL:  # everything this kernel reads may come from the kernels just before it: wait first, on every path
         gdc_wait()
@@ -297,7 +320,8 @@ def _mla_split_kernel(
     CT = tl.float32 if IEEE else tl.bfloat16
     if RAGGED:  # a 1-D grid over the plan's work items; q [T, H, .] (stride_qj / stride_rj: per token)
         n, count, rows, row_ok, first, lo, hi, lim, base = _ragged_item(CU, KV_LENS, N, MAX_SPLITS, min_chunk,
-                                                                        max_q, H, BLOCK_H, BLOCK_SEQ, BLOCK_N)
+                                                                        max_q, H, BLOCK_H, BLOCK_SEQ, BLOCK_N,
+                                                                        ALL_PARTIAL)
         if count == 0:  # past the last item
             return
         dv = tl.arange(0, BLOCK_DV)
@@ -325,9 +349,10 @@ def _mla_split_kernel(
         dv_ok = dv < DV
         dr_ok = dr < DR
 
-        # Padding sequence: zeros, written once (slot 0 of its own row of the grid, whatever the plan).
+        # Padding sequence: zeros, written once (slot 0 of its own row of the grid, whatever the plan); with
+        # ALL_PARTIAL the W_UV combine writes them (it sees no split: zeros).
         own_len = tl.load(KV_LENS + pid_n).to(tl.int64)
-        if (pid_s == 0) & (own_len <= 0):
+        if (pid_s == 0) & (own_len <= 0) & (not ALL_PARTIAL):
             zo = O + (pid_n * QH + rows[:, None]) * DV + dv[None, :]
             tl.store(zo, tl.zeros([BLOCK_H, BLOCK_DV], dtype=OUT_TY), mask=row_ok[:, None] & dv_ok[None, :])
 
@@ -369,8 +394,8 @@ def _mla_split_kernel(
     q_r = tl.load(r_ptr[:, None] + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0).to(CT)
     acc, m_i, l_i = _flash_rows(q_v, q_r, lim, CACHE, stride_cp, stride_cr, PT + n * stride_pt, lo, hi,
                                 sm_scale_log2, dv, dv_ok, dr, dr_ok, PAGE, DV, BLOCK_H, BLOCK_N, BLOCK_DV, IEEE)
-    _store_rows(acc, m_i, l_i, kv_scale, count == 1, O, o_base, rows, PART, LSE, p_base, p_rows, row_ok, dv, dv_ok,
-                DV)
+    _store_rows(acc, m_i, l_i, kv_scale, (count == 1) & (not ALL_PARTIAL), O, o_base, rows, PART, LSE, p_base,
+                p_rows, row_ok, dv, dv_ok, DV)
 
 
 @triton.jit
@@ -549,6 +574,7 @@ def mla_decode(
     num_stages: int = 2,
     min_chunk: int | None = None,
     out: Tensor | None = None,
+    w_uv: Tensor | None = None,
 ) -> Tensor:
     """Paged absorbed-MLA decode / verify (the contract of the module docstring). Returns [N, Q, H, v_dim], or
     [T, H, v_dim] for a ragged batch.
@@ -558,19 +584,23 @@ def mla_decode(
     host int >= every sequence's token count, is then required); max_splits: split slots per sequence (default
     `default_max_splits`); balanced: the balanced plan (else uniform; the ragged plan is always balanced);
     BLOCK_H / BLOCK_N / num_warps / num_stages: launch configuration; min_chunk: the shortest balanced split in
-    rows (default MIN_CHUNK); out: a contiguous output. Reads only; writes `out` (and its own workspace)."""
+    rows (default MIN_CHUNK); out: a contiguous output; w_uv: [H, v_head, v_dim] (kv_b_proj's W_UV view, unit last
+    stride): the output is then o_lat @ W_UV[h]^T per head, [..., H, v_head] (`mla_combine_uv`; the
+    composition `mla_decode(...)` then bmm, with o_lat rounded to q's dtype in between as there). Reads only;
+    writes `out` (and its own workspace)."""
     if cu_seqlens_q is not None:
         return _mla_decode_ragged(q, cache, page_table, kv_lens, scale, v_dim, kv_scale, q_rope, cu_seqlens_q, max_q,
-                                  max_splits, BLOCK_H, BLOCK_N, num_warps, num_stages, min_chunk, out)
+                                  max_splits, BLOCK_H, BLOCK_N, num_warps, num_stages, min_chunk, out, w_uv)
     Dl = _check_queries(q, q_rope, v_dim)
     N, QN, H = q.shape[:3]
     _check_rest(N, Dl, cache, page_table, kv_lens, v_dim)
+    vh = _uv._check_uv(w_uv, H, v_dim)
     page_table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
     kv_lens = kv_lens if kv_lens.is_contiguous() else kv_lens.contiguous()
     if out is None:
-        out = torch.empty(N, QN, H, v_dim, dtype=q.dtype, device=q.device)
-    elif out.shape != (N, QN, H, v_dim) or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{N}, {QN}, {H}, {v_dim}] tensor of q's dtype")
+        out = torch.empty(N, QN, H, vh, dtype=q.dtype, device=q.device)
+    elif out.shape != (N, QN, H, vh) or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{N}, {QN}, {H}, {vh}] tensor of q's dtype")
     if N == 0 or QN * H == 0:
         return out
     qh = QN * H
@@ -579,17 +609,19 @@ def mla_decode(
     mc = _check_launch(bh, BLOCK_N, ms, N, min_chunk)
     qr = q[..., v_dim:] if q_rope is None else q_rope
     _launch(q, qr, cache, page_table, kv_lens, out, scale, kv_scale, ms, mc, balanced, bh, BLOCK_N, num_warps,
-            num_stages)
+            num_stages, v_dim, w_uv)
     return out
 
 
 def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, out: Tensor, scale: float,
             kv_scale: float, ms: int, min_chunk: int, balanced: bool, bh: int, block_n: int, num_warps: int | None,
-            num_stages: int) -> None:
-    """The split kernel, then (max_splits > 1) the combine kernel, over validated arguments."""
+            num_stages: int, v_dim: int, w_uv: Tensor | None = None) -> None:
+    """The split kernel, then (max_splits > 1) the combine kernel, over validated arguments. With w_uv every
+    split writes partials and the W_UV combine always runs (it also writes the padding sequences' zeros)."""
     N, QN, H = q.shape[:3]
-    qh, v_dim, Dl = QN * H, out.shape[-1], cache.shape[-1]
-    if ms > 1:
+    qh, Dl = QN * H, cache.shape[-1]
+    uv = w_uv is not None
+    if ms > 1 or uv:
         part = torch.empty(N * ms, qh, v_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(N * ms, qh, dtype=torch.float32, device=q.device)
     else:
@@ -609,9 +641,12 @@ def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: T
         QN=QN, H=H, PAGE=cache.shape[1], DV=v_dim, DR=Dl - v_dim,
         BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(Dl - v_dim)), BLOCK_H=bh, BLOCK_N=block_n,
         BLOCK_SEQ=block_seq, BALANCED=bool(balanced), RAGGED=False, IEEE=cache.dtype == torch.float32, PDL=use_pdl,
-        num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
+        ALL_PARTIAL=uv, num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
     )
-    if ms > 1:
+    if uv:
+        _uv._combine_uv(w_uv, kv_lens, kv_lens, out, part, lse, N * QN, N, ms, min_chunk, 0, QN, v_dim, bh,
+                        block_seq, block_n, bool(balanced), False)
+    elif ms > 1:
         block_vc = min(next_pow2(v_dim), 128)
         _mla_combine_kernel[(triton.cdiv(v_dim, block_vc), qh, N)](
             kv_lens, out, part, lse,
@@ -662,21 +697,23 @@ def ragged_grid(num_tokens: int, num_seqs: int, heads: int, max_q: int, max_spli
 def _mla_decode_ragged(q: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, scale: float, v_dim: int,
                        kv_scale: float, q_rope: Tensor | None, cu: Tensor, max_q: int | None,
                        max_splits: int | None, BLOCK_H: int | None, BLOCK_N: int, num_warps: int | None,
-                       num_stages: int, min_chunk: int | None, out: Tensor | None) -> Tensor:
+                       num_stages: int, min_chunk: int | None, out: Tensor | None, w_uv: Tensor | None = None
+                       ) -> Tensor:
     """`mla_decode` of a ragged batch: validates, then launches (`_launch_ragged`). Returns [T, H, v_dim]."""
     Dl = _check_queries(q, q_rope, v_dim, ragged=True)
     T, H = q.shape[:2]
     N = kv_lens.shape[0] if kv_lens.dim() == 1 else -1
     _check_rest(N, Dl, cache, page_table, kv_lens, v_dim)
+    vh = _uv._check_uv(w_uv, H, v_dim)
     if cu.shape != (N + 1,) or cu.dtype not in (torch.int32, torch.int64) or cu.device != q.device:
         raise ValueError(f"cu_seqlens_q must be an int32 / int64 [{N + 1}] tensor on q's device; got "
                          f"{tuple(cu.shape)} {cu.dtype} {cu.device}")
     if max_q is None or int(max_q) < 0:
         raise ValueError(f"a ragged batch needs max_q, a host int >= every sequence's query length; got {max_q}")
     if out is None:
-        out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)
-    elif out.shape != (T, H, v_dim) or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{T}, {H}, {v_dim}] tensor of q's dtype")
+        out = torch.empty(T, H, vh, dtype=q.dtype, device=q.device)
+    elif out.shape != (T, H, vh) or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{T}, {H}, {vh}] tensor of q's dtype")
     if N == 0 or T * H == 0:
         return out
     bh = BLOCK_H or default_block_h(H)
@@ -687,18 +724,22 @@ def _mla_decode_ragged(q: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Te
     cu = cu if cu.is_contiguous() else cu.contiguous()
     qr = q[..., v_dim:] if q_rope is None else q_rope
     _launch_ragged(q, qr, cache, page_table, kv_lens, cu, int(max_q), out, scale, kv_scale, ms, mc, bh, BLOCK_N,
-                   num_warps, num_stages)
+                   num_warps, num_stages, v_dim, w_uv)
     return out
 
 
 def _launch_ragged(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, cu: Tensor,
                    max_q: int, out: Tensor, scale: float, kv_scale: float, ms: int, min_chunk: int, bh: int,
-                   block_n: int, num_warps: int | None, num_stages: int) -> None:
+                   block_n: int, num_warps: int | None, num_stages: int, v_dim: int, w_uv: Tensor | None = None
+                   ) -> None:
     """The ragged split kernel (a 1-D grid over the plan's items), then the ragged combine, over validated
-    arguments (`ragged_grid` sizes both and the workspace)."""
+    arguments (`ragged_grid` sizes both and the workspace). With w_uv every item writes partials (the workspace
+    then holds one per split program) and the W_UV combine runs."""
     T, H = q.shape[:2]
-    N, v_dim, Dl = kv_lens.shape[0], out.shape[-1], cache.shape[-1]
+    N, Dl = kv_lens.shape[0], cache.shape[-1]
+    uv = w_uv is not None
     programs, comb_blocks, part_items = ragged_grid(T, N, H, max_q, ms, bh)
+    part_items = programs if uv else part_items
     if part_items:
         part = torch.empty(part_items, bh, v_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(part_items, bh, dtype=torch.float32, device=q.device)
@@ -720,9 +761,12 @@ def _launch_ragged(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_
         QN=1, H=H, PAGE=cache.shape[1], DV=v_dim, DR=Dl - v_dim,
         BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(Dl - v_dim)), BLOCK_H=bh, BLOCK_N=block_n,
         BLOCK_SEQ=block_seq, BALANCED=True, RAGGED=True, IEEE=cache.dtype == torch.float32, PDL=use_pdl,
-        num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
+        ALL_PARTIAL=uv, num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
     )
-    if comb_blocks:
+    if uv:
+        _uv._combine_uv(w_uv, kv_lens, cu, out, part, lse, T, N, ms, mc, mq, 1, v_dim, bh, block_seq, block_n, True,
+                        True)
+    elif comb_blocks:
         block_vc = min(next_pow2(v_dim), 128)
         _mla_combine_kernel[(triton.cdiv(v_dim, block_vc), comb_blocks, 1)](
             kv_lens, out, part, lse,
@@ -768,3 +812,17 @@ def plan_ragged(q_lens: list[int], kv_lens: list[int], heads: int, max_splits: i
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# The W_UV combine lives in its own module, which imports this one's plan helpers: imported last (both import
+# orders work), and its names stay readable here (`mla_decode._mla_combine_uv_kernel`, ...) as before the split.
+from tokenspeed.ops.triton import mla_combine_uv as _uv
+
+_UV_NAMES = frozenset({"_mla_combine_uv_kernel", "_uv_rows", "_combine_uv", "_check_uv", "UV_BLOCK_T", "UV_BLOCK_V"})
+
+
+def __getattr__(name: str):
+    """Re-exports the W_UV combine's names from `mla_combine_uv` (module attributes looked up at access time)."""
+    if name in _UV_NAMES:
+        return getattr(_uv, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
