@@ -75,6 +75,9 @@ def test_folded_decode_equals_unfolded(mode: str, monkeypatch) -> None:
 def test_fold_choice(qlens, slots, verify, preset, fold, monkeypatch) -> None:
     _, attn = _layer(preset)
     batch = _batch(qlens, slots, verify)
+    monkeypatch.delenv("TOKENSPEED_KDA_FOLD", raising=False)
+    assert not kda.folds_gates(batch, attn.full_rank_gate)  # opt-in (a wash on the H200: kda.FOLD_GATES_MAX_SEQS)
+    monkeypatch.setenv("TOKENSPEED_KDA_FOLD", "1")
     assert kda.folds_gates(batch, attn.full_rank_gate) is fold
     monkeypatch.setenv("TOKENSPEED_KDA_FOLD", "0")
     assert not kda.folds_gates(batch, attn.full_rank_gate)

@@ -131,7 +131,7 @@ def test_layer_matches_separate_projections_triton(monkeypatch) -> None:
     mla_decode's q_rope as the contiguous separate projections do."""
     from tokenspeed.ops.triton import mla_decode as dec
 
-    monkeypatch.delenv("TOKENSPEED_MLA_FUSED", raising=False)
+    monkeypatch.setenv("TOKENSPEED_MLA_FUSED", "1")  # fused decode at any batch size
     monkeypatch.setenv("TOKENSPEED_OPS", "triton")
     monkeypatch.setattr(dec, "DEFAULT_WAVES", 0.06)  # a fast interpreter: few split slots
     ref = _layer_steps(monkeypatch, separate=True)

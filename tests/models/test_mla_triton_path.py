@@ -65,6 +65,7 @@ def test_mla_layer_triton_ops_match_reference(monkeypatch, rotary: bool, fused: 
     model, attn = _layer(rotary)
     monkeypatch.delenv(mla.FUSED_ENV, raising=False)  # FUSED_DECODE decides
     monkeypatch.setattr(mla, "FUSED_DECODE", fused)
+    monkeypatch.setattr(mla, "FUSED_MIN_SEQS", 1)  # any batch (the default waits for larger ones)
     monkeypatch.setattr(dec, "DEFAULT_WAVES", 0.06)  # 4 split slots per sequence, not 132: a fast interpreter
     calls = {"store": 0, "absorb": 0, "q_rope": 0, "w_uv": 0}
     store, absorb, decode = mla_prep.mla_norm_store_latent, mla_prep.mla_norm_store_absorb, dec.mla_decode
@@ -112,6 +113,7 @@ def test_fused_decode_matches_unfused_path(monkeypatch, mixed: bool) -> None:
     # whatever the slots (the merge still runs: with w_uv every split writes partials), so 4 slots, not 132
     monkeypatch.setattr(dec, "DEFAULT_WAVES", 2.0 if mixed else 0.06)
     results = {}
+    monkeypatch.setattr(mla, "FUSED_MIN_SEQS", 1)  # any batch (the default waits for larger ones)
     for fused in (False, True):
         monkeypatch.setattr(mla, "FUSED_DECODE", fused)
         results[fused] = _mixed_steps(model, attn) if mixed else _steps(model, attn)
@@ -135,6 +137,7 @@ def test_fused_switch_reads_the_environment(monkeypatch) -> None:
     q = torch.zeros(2, attn.num_heads, attn.nope + attn.rope)
     latent = cache.mla_latent[attn.cache_index]
     monkeypatch.setenv("TOKENSPEED_OPS", "triton")
+    monkeypatch.setattr(mla, "FUSED_MIN_SEQS", 1)  # any batch (the default waits for larger ones)
     for const in (True, False):
         monkeypatch.setattr(mla, "FUSED_DECODE", const)
         for env, want in ((None, const), ("", const), ("1", True), ("0", False), (" 1 ", True)):
@@ -147,6 +150,12 @@ def test_fused_switch_reads_the_environment(monkeypatch) -> None:
     monkeypatch.setenv(mla.FUSED_ENV, "yes")
     with pytest.raises(ValueError, match=mla.FUSED_ENV):
         mla.fused_decode_enabled()
+    monkeypatch.undo()  # the shipped defaults: fused from FUSED_MIN_SEQS sequences, unless the variable says
+    monkeypatch.delenv(mla.FUSED_ENV, raising=False)
+    n = mla.FUSED_MIN_SEQS
+    assert mla.FUSED_DECODE and n > 1 and not mla.fused_decode_enabled(n - 1) and mla.fused_decode_enabled(n)
+    monkeypatch.setenv(mla.FUSED_ENV, "1")
+    assert mla.fused_decode_enabled(1)
 
 
 MIXED_PAGE = 4

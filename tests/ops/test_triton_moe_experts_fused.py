@@ -30,6 +30,13 @@ SILU = Activation("silu")
 SITU = Activation("situ", beta=4.0, linear_beta=25.0)
 
 
+
+@pytest.fixture(autouse=True)
+def _fused_on(monkeypatch):
+    """The fused path is opt-in (TOKENSPEED_MOE_FUSED=1); these tests exercise it through the default configs."""
+    monkeypatch.setenv("TOKENSPEED_MOE_FUSED", "1")
+
+
 def routing(T: int, k: int, E: int, D: int, dtype, device, seed: int = 0, invalid: bool = False):
     """x [T, D], weights [T, k] fp32 and ids [T, k]: k - 1 distinct routed ids of [0, E - 1) per token, then the
     folded shared expert E - 1 with weight 1 (as `with_shared_expert` appends it); `invalid`: some routed ids -1 /
@@ -161,6 +168,8 @@ def test_fused_config_interp(monkeypatch):
     k, E, D, DI = KIMI["k"] + 1, KIMI["E"] + 1, KIMI["D"], KIMI["I"]
     monkeypatch.delenv("TOKENSPEED_MOE_FUSED", raising=False)
     assert ExpertsConfig().fused_max_tokens == 0  # explicit configs keep the two-launch path
+    assert default_config(1, k, E, D, DI).fused_max_tokens == 0  # off by default (slower on the H200: moe_config)
+    monkeypatch.setenv("TOKENSPEED_MOE_FUSED", "1")
     assert default_config(1, k, E, D, DI).fused_max_tokens == FUSED_MAX_TOKENS == 4
     assert default_config(64, k, E, D, DI).fused_max_tokens < 64  # a threshold: T = 64 stays on the aligned path
     cfg = default_config(1, k, E, D, DI)

@@ -221,7 +221,8 @@ def test_moe_launches_pdl_plumbing_interp(monkeypatch, pdl_on: bool):
         (lambda: tk.moe_experts(x, w1, w3, w2, tw, ids, SILU, residual=residual, norm_weight=w, config=direct,
                                 prefetch_expert=E - 1), True, E - 1),  # direct
         (lambda: tk.moe_experts(x, w1, w3, w2, tw, ids, SILU, residual=residual, norm_weight=w,
-                                prefetch_expert=E - 1), None, None),  # fused direct (the default at 4 tokens)
+                                config=replace(direct, fused_max_tokens=4), prefetch_expert=E - 1),
+         None, None),  # fused direct (opt-in: TOKENSPEED_MOE_FUSED=1)
         (lambda: tk.moe_experts(x, w1, w3, w2, tw, ids, SILU, add=x, config=aligned, prefetch_expert=3), True, 3),
         (lambda: tk.moe_experts(x, w1, w3, w2, tw, ids, SILU, config=prefill, prefetch_expert=3), False, None),
         (lambda: tk.moe_experts(x, w1, w3, w2, tw, ids, SILU, config=replace(aligned, prefetch_w2=False),

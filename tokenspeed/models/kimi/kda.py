@@ -79,16 +79,19 @@ def takes_fused_path(batch: ForwardBatch, on_cuda: bool) -> bool:
 # gates' up-projection into the fused kernel: one launch less per layer (~3 us of a latency-bound bmm at batch 1).
 # Every (sequence, head) program reads its head's f_b rows (and its g_b slice) through L2, so the extra L2 traffic
 # grows with the batch (~64 KB per program at head dim 128) while the bmm's stays flat: past a few sequences the
-# bmm wins. A prediction; to be set from an H200 step profile (TOKENSPEED_KDA_FOLD=0 turns the fold off for A/B).
+# bmm wins. Off unless TOKENSPEED_KDA_FOLD=1: on an H200 (kimi-linear-48b-a3b decode, batch 1, 4K, graphs, PDL) it
+# was a wash, 3.167 ms folded vs 3.165 not (benchmarks/results/step_profile_h200_cc6f0b0.json): kda_decode grew from
+# ~7.5 to 11.4 us, about what the bmm cost.
 FOLD_GATES_MAX_SEQS = 8
 
 
 def folds_gates(batch: ForwardBatch, full_rank_gate: bool) -> bool:
     """Whether a KDA layer on the fused path computes its low-rank gates inside `ops.kda_decode` rather than by the
     `fg_b_proj` bmm: low-rank gate config, a decode batch (uniform query length 1, not a verification) of at most
-    FOLD_GATES_MAX_SEQS sequences, and TOKENSPEED_KDA_FOLD not "0" (read per call). A host decision from shapes."""
+    FOLD_GATES_MAX_SEQS sequences, and TOKENSPEED_KDA_FOLD "1" (read per call; off by default, see
+    FOLD_GATES_MAX_SEQS). A host decision from shapes."""
     return (not full_rank_gate and not batch.verify and batch.uniform_query_len == 1
-            and batch.num_seqs <= FOLD_GATES_MAX_SEQS and os.environ.get("TOKENSPEED_KDA_FOLD", "1").strip() != "0")
+            and batch.num_seqs <= FOLD_GATES_MAX_SEQS and os.environ.get("TOKENSPEED_KDA_FOLD", "0").strip() == "1")
 
 
 class KDAAttention(nn.Module):

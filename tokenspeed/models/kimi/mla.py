@@ -51,15 +51,23 @@ ABSORBED_MAX_TAIL = 64
 # between CUDA-graph captures in one process.
 FUSED_DECODE = True
 FUSED_ENV = "TOKENSPEED_MLA_FUSED"
+# ... for batches of at least this many sequences. H200, kimi-linear-48b-a3b decode at 4K, CUDA graphs, PDL, the
+# fused vs the unfused MLA (benchmarks/results/step_profile_h200_cc6f0b0.json): batch 1 3.167 vs 3.126 ms (the
+# combine + W_UV program re-reads its head's fp32 partials of all 64 split slots: 22 us against 5 + 4 us for combine
+# and bmm), batch 64 17.344 vs 17.504 ms. Between those, not measured yet.
+FUSED_MIN_SEQS = 16
 
 
-def fused_decode_enabled() -> bool:
-    """Whether the layer may take the fused decode path: TOKENSPEED_MLA_FUSED "1" / "0" when set (read on every
-    call), else FUSED_DECODE. Raises ValueError on another value."""
+def fused_decode_enabled(num_seqs: int | None = None) -> bool:
+    """Whether the layer may take the fused decode path for a batch of `num_seqs` sequences: TOKENSPEED_MLA_FUSED
+    "1" / "0" when set (read on every call), else FUSED_DECODE and num_seqs >= FUSED_MIN_SEQS (None: any batch).
+    Raises ValueError on another value."""
     v = os.environ.get(FUSED_ENV, "").strip()
     if v not in ("", "0", "1"):
         raise ValueError(f"{FUSED_ENV} must be 0 or 1; got {v!r}")
-    return FUSED_DECODE if v == "" else v == "1"
+    if v:
+        return v == "1"
+    return FUSED_DECODE and (num_seqs is None or num_seqs >= FUSED_MIN_SEQS)
 
 
 class MLAAttention(nn.Module):
@@ -161,7 +169,7 @@ class MLAAttention(nn.Module):
         """"uniform" / "ragged" when the whole batch takes the absorbed Triton kernel in that form (the cases where
         the unfused path calls `_attend_latent` once for the batch) and `fused_decode_enabled()`; else None. fp32 off
         CUDA only: there the unfused absorption runs in fp32 whatever the model dtype."""
-        if not fused_decode_enabled() or not (q.is_cuda or q.dtype == torch.float32):
+        if not fused_decode_enabled(batch.num_seqs) or not (q.is_cuda or q.dtype == torch.float32):
             return None
         if not ops.mla_decode_kernel_usable(latent_cache, self.kv_lora_rank, q, batch.page_table, batch.kv_lens,
                                             batch.cu_seqlens):

@@ -49,7 +49,10 @@ class ExpertsConfig:
 
 # Calls of up to this many tokens take the align-free direct mode under `default_config` (decode-sized calls only).
 DIRECT_MAX_TOKENS = 4
-# ... and of those, up to this many the fused one-launch experts kernel (`moe_fused`), unless TOKENSPEED_MOE_FUSED=0.
+# ... and of those, up to this many the fused one-launch experts kernel (`moe_fused`) when TOKENSPEED_MOE_FUSED=1.
+# Off by default: on an H200 (kimi-linear-48b-a3b decode, batch 1, 4K, graphs, PDL) it made the step slower, 3.167
+# vs 2.914 ms (benchmarks/results/step_profile_h200_cc6f0b0.json): the fused kernel took 37.4 us against ~38 for
+# gate/up + down, but the combine of its 2.65 MB of fp32 partials took 10.4 us against 2.6 for the plain one.
 FUSED_MAX_TOKENS = 4
 # The fused kernel's chunk is the widest (of FUSED_CHUNKS) that still gives this many programs (2 per SM on 132 SMs).
 FUSED_MIN_PROGRAMS = 264
@@ -57,12 +60,13 @@ FUSED_CHUNKS = (64, 32)
 
 
 def fused_max_tokens_default() -> int:
-    """FUSED_MAX_TOKENS, or 0 when TOKENSPEED_MOE_FUSED is "0" (read on every call, so a benchmark can A/B the fused
-    and the two-launch direct path between captures). Raises ValueError on a value other than "", "0" or "1"."""
-    v = os.environ.get("TOKENSPEED_MOE_FUSED", "1").strip()
+    """FUSED_MAX_TOKENS when TOKENSPEED_MOE_FUSED is "1", else 0 (unset or "0": the two-launch direct path; read on
+    every call, so a benchmark can A/B the two between captures). Raises ValueError on a value other than "", "0"
+    or "1"."""
+    v = os.environ.get("TOKENSPEED_MOE_FUSED", "0").strip()
     if v not in ("", "0", "1"):
         raise ValueError(f"TOKENSPEED_MOE_FUSED must be 0 or 1; got {v!r}")
-    return 0 if v == "0" else FUSED_MAX_TOKENS
+    return FUSED_MAX_TOKENS if v == "1" else 0
 
 
 def fused_chunk_size(P: int, DI: int, cfg: ExpertsConfig) -> int:
@@ -94,8 +98,8 @@ def default_config(T: int, k: int, E: int, D: int, DI: int, elt_size: int = 2) -
     64 x 128), 128 x 128 x 64 with 4 stages above (k3-slice, 8K tokens: 21.3 vs 23.1 ms). fp32 (validation only)
     keeps the smaller 64 x 128 / 128 x 64 prefill tiles and drops to 2 stages so the tiles fit in shared memory.
     The decode tiles come with direct_max_tokens = DIRECT_MAX_TOKENS: calls of up to 4 tokens skip the alignment
-    launch (the direct mode, same tiles, bit-identical results), and fused_max_tokens = FUSED_MAX_TOKENS (0 with
-    TOKENSPEED_MOE_FUSED=0): those calls run gate/up and down as one launch (`moe_fused`; the expert outputs then
+    launch (the direct mode, same tiles, bit-identical results), and fused_max_tokens = FUSED_MAX_TOKENS with
+    TOKENSPEED_MOE_FUSED=1 (else 0): those calls run gate/up and down as one launch (`moe_fused`; the expert outputs then
     differ from the two-launch path by the fp32 summation order of the down product).
     """
     rows = T * k / max(E, 1)
