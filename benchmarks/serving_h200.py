@@ -89,18 +89,25 @@ def distinct_experts(model, fb: ForwardBatch, buf: CacheBuffers) -> list[int]:
     from tokenspeed import ops
 
     seen: list[int] = []
-    orig = ops.moe_route
+    route, gate = ops.moe_route, ops.moe_gate  # the routing runs in one or the other (ops.moe_gate at decode sizes)
 
-    def spy(*a, **kw):
-        w, ids = orig(*a, **kw)
+    def spy_route(*a, **kw):
+        w, ids = route(*a, **kw)
         seen.append(int(ids.unique().numel()))
         return w, ids
 
-    ops.moe_route = spy
+    def spy_gate(*a, **kw):
+        out = gate(*a, **kw)
+        seen.append(int(out[3].unique().numel()))
+        return out
+
+    ops.moe_route, ops.moe_gate = spy_route, spy_gate
     try:
         model(fb, buf, torch.arange(fb.num_seqs, device="cuda"))
     finally:
-        ops.moe_route = orig
+        ops.moe_route, ops.moe_gate = route, gate
+    if not seen:
+        raise RuntimeError("no routing seen in a forward: distinct_experts spies on ops.moe_route / ops.moe_gate")
     return seen
 
 

@@ -52,10 +52,10 @@ ABSORBED_MAX_TAIL = 64
 FUSED_DECODE = True
 FUSED_ENV = "TOKENSPEED_MLA_FUSED"
 # ... for batches of at least this many sequences. H200, kimi-linear-48b-a3b decode at 4K, CUDA graphs, PDL, the
-# fused vs the unfused MLA (benchmarks/results/step_profile_h200_cc6f0b0.json): batch 1 3.167 vs 3.126 ms (the
-# combine + W_UV program re-reads its head's fp32 partials of all 64 split slots: 22 us against 5 + 4 us for combine
-# and bmm), batch 64 17.344 vs 17.504 ms. Between those, not measured yet.
-FUSED_MIN_SEQS = 16
+# whole step with the fused vs the unfused MLA (benchmarks/results/step_profile_h200_{cc6f0b0,a31b058}.json): batch 1
+# 2.766 vs 2.710 ms (the combine + W_UV program re-reads its head's fp32 partials of all 64 split slots: 22 us
+# against 5 + 4 us for combine and bmm), batch 4 4.656 vs 4.698, batch 16 9.644 vs 9.729, batch 64 17.344 vs 17.504.
+FUSED_MIN_SEQS = 4
 
 
 def fused_decode_enabled(num_seqs: int | None = None) -> bool:
