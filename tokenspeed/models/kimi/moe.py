@@ -16,8 +16,9 @@ Experts are split over tensor-parallel ranks along their intermediate dim; parti
 `forward_add_norm` also does the residual junction after the FFN (h + y and the next norm): on one rank, for the
 hidden-space MoE, inside the experts' combine kernel (`ops.moe_experts(..., residual=, norm_weight=)`).
 `forward_junctions` also takes the junction before the FFN (the attention output's add and the post-attention norm):
-on CUDA, one rank, hidden-space MoE and decode-sized batches, that junction, the router GEMV and the routing are
-one launch (`ops.moe_gate`), so a MoE layer's FFN is two launches of `ops.moe_experts` after its attention.
+on CUDA, one rank, hidden-space MoE and batches of up to GATE_FUSED_MAX_TOKENS tokens, that junction, the router
+GEMV and the routing are one launch (`ops.moe_gate`), so a MoE layer's FFN is two launches of `ops.moe_experts`
+after its attention.
 TOKENSPEED_MOE_GATE (read per call): unset / "1", that fusion on CUDA; "0", never (the unfused launches, for A/B
 timing); "force", wherever `ops.moe_gate_kernel_usable` (also in the Triton interpreter: tests).
 """
@@ -34,6 +35,12 @@ from tokenspeed.distributed import ParallelContext
 from tokenspeed.models.config import KimiConfig
 from tokenspeed.models.kimi.mlp import GatedMLP, activation_of
 from tokenspeed.models.layers import Linear, RMSNorm, weight
+
+# Batches of up to this many tokens take `ops.moe_gate` on CUDA (the kernel takes up to 16). H200, kimi-linear-48b-a3b
+# decode at 4K, graphs, PDL, the step with vs without it (benchmarks/results/step_profile_h200_{cc6f0b0,d4374fe}.json):
+# batch 1 3.167 vs 3.317 ms, 2 3.579 vs 3.640, 4 4.711 vs 4.723, 8 6.699 vs 6.561, 16 9.700 vs 9.337: every program
+# re-normalises all T rows and the last one routes them one after another, which outgrows the two launches it saves.
+GATE_FUSED_MAX_TOKENS = 4
 
 
 class Router(nn.Module):
@@ -131,11 +138,11 @@ class SparseMoE(nn.Module):
 
     def gate_fusable(self, attn_out: Tensor, residual: Tensor, post_norm: RMSNorm) -> bool:
         """Whether `forward_junctions` runs the junction before the FFN and the routing as one `ops.moe_gate`
-        launch: one rank, hidden-space MoE, sigmoid scoring, the kernel usable for these tensors (decode-sized
-        T, 2-D [T, hidden] in the router weight's dtype), on CUDA unless TOKENSPEED_MOE_GATE says otherwise (see
-        the module docstring). Host-only (no sync)."""
+        launch: one rank, hidden-space MoE, sigmoid scoring, the kernel usable for these tensors (2-D [T, hidden]
+        in the router weight's dtype), on CUDA at most GATE_FUSED_MAX_TOKENS rows, unless TOKENSPEED_MOE_GATE says
+        otherwise (see the module docstring; "force" ignores the row limit). Host-only (no sync)."""
         mode = os.environ.get("TOKENSPEED_MOE_GATE", "1").strip().lower()
-        if mode == "0" or (mode != "force" and not attn_out.is_cuda):
+        if mode == "0" or (mode != "force" and (not attn_out.is_cuda or attn_out.shape[0] > GATE_FUSED_MAX_TOKENS)):
             return False
         c = self.config
         return self.latent is None and self.parallel.tp_size == 1 and ops.moe_gate_kernel_usable(
