@@ -66,6 +66,7 @@ def test_mla_layer_triton_ops_match_reference(monkeypatch, rotary: bool, fused: 
     monkeypatch.delenv(mla.FUSED_ENV, raising=False)  # FUSED_DECODE decides
     monkeypatch.setattr(mla, "FUSED_DECODE", fused)
     monkeypatch.setattr(mla, "FUSED_MIN_SEQS", 1)  # any batch (the default waits for larger ones)
+    monkeypatch.setattr(mla, "FUSED_RAGGED", True)  # mixed steps too (off by default)
     monkeypatch.setattr(dec, "DEFAULT_WAVES", 0.06)  # 4 split slots per sequence, not 132: a fast interpreter
     calls = {"store": 0, "absorb": 0, "q_rope": 0, "w_uv": 0}
     store, absorb, decode = mla_prep.mla_norm_store_latent, mla_prep.mla_norm_store_absorb, dec.mla_decode
@@ -114,6 +115,7 @@ def test_fused_decode_matches_unfused_path(monkeypatch, mixed: bool) -> None:
     monkeypatch.setattr(dec, "DEFAULT_WAVES", 2.0 if mixed else 0.06)
     results = {}
     monkeypatch.setattr(mla, "FUSED_MIN_SEQS", 1)  # any batch (the default waits for larger ones)
+    monkeypatch.setattr(mla, "FUSED_RAGGED", True)  # mixed steps too (off by default)
     for fused in (False, True):
         monkeypatch.setattr(mla, "FUSED_DECODE", fused)
         results[fused] = _mixed_steps(model, attn) if mixed else _steps(model, attn)
@@ -138,6 +140,7 @@ def test_fused_switch_reads_the_environment(monkeypatch) -> None:
     latent = cache.mla_latent[attn.cache_index]
     monkeypatch.setenv("TOKENSPEED_OPS", "triton")
     monkeypatch.setattr(mla, "FUSED_MIN_SEQS", 1)  # any batch (the default waits for larger ones)
+    monkeypatch.setattr(mla, "FUSED_RAGGED", True)  # mixed steps too (off by default)
     for const in (True, False):
         monkeypatch.setattr(mla, "FUSED_DECODE", const)
         for env, want in ((None, const), ("", const), ("1", True), ("0", False), (" 1 ", True)):

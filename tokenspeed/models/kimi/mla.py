@@ -56,6 +56,12 @@ FUSED_ENV = "TOKENSPEED_MLA_FUSED"
 # 2.766 vs 2.710 ms (the combine + W_UV program re-reads its head's fp32 partials of all 64 split slots: 22 us
 # against 5 + 4 us for combine and bmm), batch 4 4.656 vs 4.698, batch 16 9.644 vs 9.729, batch 64 17.344 vs 17.504.
 FUSED_MIN_SEQS = 4
+# Ragged batches (mixed steps: decodes beside short tails) take the fused form only when this is set or
+# TOKENSPEED_MLA_FUSED=1 forces it: only uniform decode steps were timed (above), and the one end-to-end run with the
+# ragged form on (swe-smith at concurrency 4, benchmarks/results/swe_smith_cuda_48b_{b6cf34e,ba0ffe1}*) had a p90
+# time to first token of 1.6-2.1 s against 0.7 s before this fusion; its combine + W_UV re-reads every split's
+# partials for each 16-token tile, which grows with the history. Not proven the cause; kept off until timed.
+FUSED_RAGGED = False
 
 
 def fused_decode_enabled(num_seqs: int | None = None) -> bool:
@@ -167,7 +173,8 @@ class MLAAttention(nn.Module):
 
     def _fused_form(self, q: Tensor, batch: ForwardBatch, latent_cache: Tensor) -> str | None:
         """"uniform" / "ragged" when the whole batch takes the absorbed Triton kernel in that form (the cases where
-        the unfused path calls `_attend_latent` once for the batch) and `fused_decode_enabled()`; else None. fp32 off
+        the unfused path calls `_attend_latent` once for the batch) and `fused_decode_enabled()` (ragged: also
+        FUSED_RAGGED or TOKENSPEED_MLA_FUSED=1); else None. fp32 off
         CUDA only: there the unfused absorption runs in fp32 whatever the model dtype."""
         if not fused_decode_enabled(batch.num_seqs) or not (q.is_cuda or q.dtype == torch.float32):
             return None
@@ -177,7 +184,8 @@ class MLAAttention(nn.Module):
         ql = batch.uniform_query_len
         if ql is not None and 1 <= ql <= ABSORBED_MAX_QUERY_LEN:
             return "uniform"
-        return "ragged" if all(n <= ABSORBED_MAX_TAIL for n in batch.query_lens_host) else None
+        ragged = FUSED_RAGGED or os.environ.get(FUSED_ENV, "").strip() == "1"
+        return "ragged" if ragged and all(n <= ABSORBED_MAX_TAIL for n in batch.query_lens_host) else None
 
     def _attend_fused(self, q: Tensor, kv_c: Tensor, k_pe: Tensor, batch: ForwardBatch, latent_cache: Tensor,
                       kv_scale: float, ragged: bool) -> Tensor:
