@@ -7,42 +7,25 @@ It calls `tokenspeed.ops.triton.kda_decode.kda_decode` / `kda_replay_layers` on 
 KDA geometry (32 heads x 128, bf16; batch 1 and 8, verify 4 tokens, the 20-layer replay; `-fold`: the low-rank
 gates folded in, `f_a=` / `g_a=` rank-128 column views with their up-projection weights) with `pdl.enabled`
 forced True, catches the kernel launch instead of running it, and hands it to `triton.compile` for
-GPUTarget("cuda", 90, 32) with the signature and specialisations the JIT would derive. The PTX is checked for the
-PDL wait and trigger (and the L2 prefetches where the variant issues them). Use the Triton the GPU runs (e.g. a
-`pip install --target DIR triton==3.6.0`, then PYTHONPATH=DIR:.): a variant that fails here fails there.
+GPUTarget("cuda", 90, 32) with the signature and specialisations the JIT would derive (benchmarks/sm90_compile.py).
+The PTX is checked for the PDL wait and trigger (and the L2 prefetches where the variant issues them). Use the
+Triton the GPU runs (e.g. a `pip install --target DIR triton==3.6.0`, then PYTHONPATH=DIR:.): a variant that fails
+here fails there.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
 import re
-import subprocess
-import tempfile
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import create_function_from_signature
+from sm90_compile import TARGET, Launch, catch_launches, compile_launch, cubin_usage, failure_line, sass_hash
 
 from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors
 from tokenspeed.ops.triton import kda_decode as kd
-from tokenspeed.ops.triton import pdl
 
-TARGET = GPUTarget("cuda", 90, 32)
 H, D = 32, 128
-
-
-class _Catch:
-    """Stands in for the JIT kernel: `kernel[grid](*args, **kw)` records the call."""
-
-    def __init__(self, fn, calls: list):
-        self.fn, self.calls = fn, calls
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.calls.append((self.fn, args, kw))
 
 
 def _layer(N: int, q: int, d: int = D, dtype=torch.bfloat16) -> dict:
@@ -93,7 +76,8 @@ def variants() -> list[tuple[str, callable]]:
                 (f"verify-b2-q4-chunked{sfx}", call(2, 4, update_state=False, chunked=True)),
                 (f"tail-b1-q64{sfx}", call(1, 64))]
     for tag, N, q, kw in [("decode-b1", 1, 1, {}), ("decode-b8-chunked", 8, 1, {}),
-                          ("decode-b8-chunked-s1", 8, 1, {"num_stages": 1}), ("verify-b2-q4", 2, 4, {"update_state": False}),
+                          ("decode-b8-chunked-s1", 8, 1, {"num_stages": 1}),
+                          ("verify-b2-q4", 2, 4, {"update_state": False}),
                           ("verify-b2-q4-chunked", 2, 4, {"update_state": False, "chunked": True})]:
         def fold_call(N=N, q=q, kw=kw):
             inp = _layer(N, q)
@@ -108,41 +92,21 @@ def variants() -> list[tuple[str, callable]]:
     return out
 
 
-def capture(thunk, use_pdl: bool = True) -> tuple:
-    """The (kernel, args, kwargs) of the one launch `thunk` makes, with PDL forced on or off (launch keyword
-    dropped)."""
-    calls: list = []
-    saved = (kd._kda_decode_kernel, pdl.enabled, pdl.launch_kwargs)
-    kd._kda_decode_kernel = _Catch(saved[0], calls)
-    pdl.enabled, pdl.launch_kwargs = (lambda device, family="": use_pdl), (lambda device, family="": {})
-    try:
-        thunk()
-    finally:
-        kd._kda_decode_kernel, pdl.enabled, pdl.launch_kwargs = saved
+def capture(thunk, use_pdl: bool = True) -> Launch:
+    """The one launch `thunk` makes, with PDL forced on or off (launch keyword dropped)."""
+    calls = catch_launches({kd: ("_kda_decode_kernel",)}, thunk, pdl_on=use_pdl, drop_launch_pdl=True)
     assert len(calls) == 1, calls
     return calls[0]
 
 
-def compile_sm90(fn, args, kwargs) -> dict:
-    backend = make_backend(TARGET)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, spec, opts = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+def compile_sm90(launch: Launch, sass: bool = False) -> dict:
+    """Compile one caught launch: shared memory, registers, stack, the PTX's PDL wait / trigger and L2 prefetch
+    counts, and (`sass`) a hash of the SASS."""
+    kernel = compile_launch(launch)
     ptx = kernel.asm["ptx"]
-    sass = "\n".join(line for line in sass.splitlines() if not line.lstrip().startswith(("code for", "Fatbin")))
-    return {"shared": kernel.metadata.shared, "regs": int(regs.group(1)) if regs else None,
-            "stack": int(stack.group(1)) if stack else None, "wait": ptx.count("griddepcontrol.wait"),
+    return {"shared": kernel.metadata.shared, **cubin_usage(kernel), "wait": ptx.count("griddepcontrol.wait"),
             "trigger": ptx.count("griddepcontrol.launch_dependents"), "prefetch": ptx.count("prefetch.global.L2"),
-            "bulk": ptx.count("cp.async.bulk.prefetch.L2"),
-            "sass": hashlib.sha1(sass.encode()).hexdigest()[:12]}
+            "bulk": ptx.count("cp.async.bulk.prefetch.L2"), "sass": sass_hash(kernel) if sass else None}
 
 
 def main() -> None:
@@ -157,18 +121,17 @@ def main() -> None:
         if args.only and not re.search(args.only, tag):
             continue
         try:
-            fn, a, kw = capture(thunk, not args.no_pdl)
-            r = compile_sm90(fn, a, kw)
+            launch = capture(thunk, not args.no_pdl)
+            r, kw = compile_sm90(launch, args.sass), launch.kwargs
             cfg = {k: kw[k] for k in ("BV", "NV", "CHUNKS", "STAGES", "NORM", "PDL", "num_warps") if k in kw}
             ok = args.no_pdl or (r["wait"] >= 1 and r["trigger"] >= 1)
             failed += not ok
             print(f"{tag:28s} regs {r['regs']:4d}  stack {r['stack']}  smem {r['shared']:6d} B  wait {r['wait']} "
-                  f"trigger {r['trigger']} prefetch {r['prefetch']}+{r['bulk']} bulk  {cfg}" + (f"  sass {r['sass']}" if args.sass
-                                                                              else "") + ("" if ok else "  NO PDL"),
-                  flush=True)
+                  f"trigger {r['trigger']} prefetch {r['prefetch']}+{r['bulk']} bulk  {cfg}"
+                  + (f"  sass {r['sass']}" if args.sass else "") + ("" if ok else "  NO PDL"), flush=True)
         except Exception as e:  # noqa: BLE001 - report every variant that does not compile, then go on
             failed += 1
-            print(f"{tag:28s} FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+            print(failure_line(f"{tag:28s} ", e, 400), flush=True)
     print(f"{failed} failed", flush=True)
 
 

@@ -7,78 +7,49 @@ Kernels: `mla_decode`'s split and combine kernels (Kimi-Linear's shapes: H 32, D
 queries over bf16 / fp8 caches; Q 1 and 4; the q / q_rope views of the model's decode; the default and the
 16-row tile; N 1 and 64) and `mla_norm_store_latent`'s kernel (bf16 kv_a into bf16 / fp8 caches, kv_scale 1 and
 not). The wrappers run on small CPU tensors with `pdl.enabled` forced on; their launches are caught and handed to
-`triton.compile` for GPUTarget("cuda", 90, 32) with the signature and specialisations the JIT would derive.
-Exits non-zero when a variant fails. Needs no CUDA driver (do not set TRITON_INTERPRET).
+`triton.compile` for GPUTarget("cuda", 90, 32) with the signature and specialisations the JIT would derive
+(benchmarks/sm90_compile.py). Exits non-zero when a variant fails. Needs no CUDA driver (do not set TRITON_INTERPRET).
 """
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import create_function_from_signature
+from sm90_compile import TARGET, Launch, catch_launches, compile_launch, cubin_usage, failure_line
 
 from tokenspeed.ops.triton import mla_decode as k_dec
 from tokenspeed.ops.triton import mla_prep as k_prep
-from tokenspeed.ops.triton import pdl
 
-TARGET = GPUTarget("cuda", 90, 32)
-
-
-class _Catch:
-    """Stands in for a JIT kernel: `kernel[grid](*args, **kw)` records the call."""
-
-    def __init__(self, fn, calls: list):
-        self.fn, self.calls = fn, calls
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.calls.append((self.fn, args, kw))
+DECODE_KERNELS = ("_mla_split_kernel", "_mla_combine_kernel", "_mla_combine_uv_kernel")
 
 
-def caught(module, names: tuple[str, ...], run) -> list:
-    """The (kernel, args, kwargs) that `run()` launches of `module`'s kernels `names`, with PDL forced on. A kernel
-    is caught in every loaded tokenspeed.ops.triton module that binds it (a re-exported kernel, e.g. mla_decode's
-    `_mla_combine_uv_kernel`, launches from the module that defines it)."""
-    calls: list = []
-    kernels = {n: getattr(module, n) for n in names}
-    homes = [m for key, m in list(sys.modules.items()) if key.startswith("tokenspeed.ops.triton") and m is not None]
-    saved = [(m, n, f) for m in homes for n, f in kernels.items() if vars(m).get(n) is f]
-    saved_pdl = pdl.enabled, pdl.launch_kwargs
-    pdl.enabled = lambda device, family="": True
-    pdl.launch_kwargs = lambda device, family="": {"launch_pdl": True}
-    for m, n, f in saved:
-        setattr(m, n, _Catch(f, calls))
-    try:
-        run()
-    finally:
-        for m, n, f in saved:
-            setattr(m, n, f)
-        pdl.enabled, pdl.launch_kwargs = saved_pdl
-    return calls
+def caught(module, names: tuple[str, ...], run) -> list[Launch]:
+    """The launches that `run()` makes of `module`'s kernels `names` (caught wherever a tokenspeed.ops.triton module
+    binds them), with PDL forced on."""
+    return catch_launches({module: names}, run, pdl_on=True)
 
 
-def compile_sm90(fn, args, kwargs) -> dict:
-    backend = make_backend(TARGET)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, spec, opts = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+def compile_sm90(launch: Launch) -> dict:
+    """Compile one caught launch: shared memory, registers, stack, and whether the PTX has the PDL wait."""
+    kernel = compile_launch(launch)
     ptx = kernel.asm["ptx"]
-    return {"shared": kernel.metadata.shared, "regs": int(regs.group(1)) if regs else None,
-            "stack": int(stack.group(1)) if stack else None, "griddep": "griddepcontrol.wait" in ptx}
+    return {"shared": kernel.metadata.shared, **cubin_usage(kernel), "griddep": "griddepcontrol.wait" in ptx}
+
+
+def report(tag: str, width: int, launch: Launch, name_width: int) -> bool:
+    """Compile `launch` and print its line (`tag` padded to `width`); returns whether it passed (compiled, with
+    the PDL wait)."""
+    head = f"{tag:{width}s} {launch.fn.__name__:{name_width}s} "
+    try:
+        r = compile_sm90(launch)
+    except Exception as e:  # noqa: BLE001 - report every variant that does not compile, then go on
+        print(failure_line(head, e, 300), flush=True)
+        return False
+    print(f"{head}smem {r['shared']:6d} B  regs {r['regs']}  stack {r['stack']}  griddepcontrol {r['griddep']}",
+          flush=True)
+    return r["griddep"]
 
 
 def decode_variants() -> dict:
@@ -137,6 +108,7 @@ def absorb_variants() -> dict:
 
 
 def store_variants() -> dict:
+    """tag -> a thunk running `mla_norm_store_latent` (bf16 kv_a into a bf16 / fp8 cache; kv_scale 1 and not)."""
     out = {}
     for cache_dtype, kv_scale in ((torch.bfloat16, 1.0), (torch.float8_e4m3fn, 0.25), (torch.float8_e4m3fn, 1.0)):
         for T in (1, 8):
@@ -152,21 +124,12 @@ def store_variants() -> dict:
 def main() -> int:
     print(f"triton {triton.__version__}, target {TARGET}", flush=True)
     failed = 0
-    dec_names = ("_mla_split_kernel", "_mla_combine_kernel", "_mla_combine_uv_kernel")
-    groups = ((k_dec, dec_names, decode_variants()), (k_dec, dec_names, uv_variants()),
+    groups = ((k_dec, DECODE_KERNELS, decode_variants()), (k_dec, DECODE_KERNELS, uv_variants()),
               (k_prep, ("_norm_store_kernel",), store_variants()),
               (k_prep, ("_norm_store_absorb_kernel",), absorb_variants()))
     for module, names, variants in groups:
         for tag, run in variants.items():
-            for fn, args, kw in caught(module, names, run):
-                try:
-                    r = compile_sm90(fn, args, kw)
-                    print(f"{tag:40s} {fn.__name__:26s} smem {r['shared']:6d} B  regs {r['regs']}  stack "
-                          f"{r['stack']}  griddepcontrol {r['griddep']}", flush=True)
-                    failed += not r["griddep"]
-                except Exception as e:  # noqa: BLE001 - report every variant that does not compile, then go on
-                    failed += 1
-                    print(f"{tag:40s} {fn.__name__:26s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            failed += sum(not report(tag, 40, launch, 26) for launch in caught(module, names, run))
     print(f"{failed} failed", flush=True)
     return 1 if failed else 0
 

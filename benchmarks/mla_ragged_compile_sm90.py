@@ -5,8 +5,9 @@ GPU, with PDL on, and report each one's shared memory, registers per thread and 
 
 Variants: Kimi-Linear's shapes (H 32, Dl 576 = 512 + 64, page 64), bf16 queries over bf16 / fp8 caches, the q /
 q_rope views of the model and the concatenated query, 15 decodes + a tail and a lone tail, the default 32-row tile
-and the 16-row one, max_splits 1 (no combine) and the default, and the W_UV-fused combine (`w_uv`). Uses benchmarks/mla_compile_sm90.py's machinery
-(launches caught from the wrapper with `pdl.enabled` forced on, handed to triton.compile for GPUTarget cuda 90).
+and the 16-row one, max_splits 1 (no combine) and the default, and the W_UV-fused combine (`w_uv`). Uses
+benchmarks/mla_compile_sm90.py's report and benchmarks/sm90_compile.py (launches caught from the wrapper with
+`pdl.enabled` forced on, handed to triton.compile for GPUTarget cuda 90).
 Exits non-zero when a variant fails to compile or lacks the PDL wait (a spill stack is reported, not failed).
 """
 
@@ -16,7 +17,10 @@ import sys
 
 import torch
 import triton
-from mla_compile_sm90 import TARGET, caught, compile_sm90, k_dec  # benchmarks/ (the script's folder is on sys.path)
+from mla_compile_sm90 import DECODE_KERNELS, caught, report  # benchmarks/ (the script's folder is on sys.path)
+from sm90_compile import TARGET
+
+from tokenspeed.ops.triton import mla_decode as k_dec
 
 
 def ragged_variants() -> dict:
@@ -52,15 +56,7 @@ def main() -> int:
     print(f"triton {triton.__version__}, target {TARGET}", flush=True)
     failed = 0
     for tag, run in ragged_variants().items():
-        for fn, args, kw in caught(k_dec, ("_mla_split_kernel", "_mla_combine_kernel", "_mla_combine_uv_kernel"), run):
-            try:
-                r = compile_sm90(fn, args, kw)
-                print(f"{tag:57s} {fn.__name__:22s} smem {r['shared']:6d} B  regs {r['regs']}  stack {r['stack']}  "
-                      f"griddepcontrol {r['griddep']}", flush=True)
-                failed += not r["griddep"]
-            except Exception as e:  # noqa: BLE001 - report every variant that does not compile, then go on
-                failed += 1
-                print(f"{tag:57s} {fn.__name__:22s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        failed += sum(not report(tag, 57, launch, 22) for launch in caught(k_dec, DECODE_KERNELS, run))
     print(f"{failed} failed", flush=True)
     return 1 if failed else 0
 

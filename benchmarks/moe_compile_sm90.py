@@ -19,65 +19,36 @@ prefetch hint, plus the router. With PDL the PTX must show `griddepcontrol.wait`
 (`cp.async.bulk.prefetch.L2.global`) and its routing loads (`ld.global.cg`) before the wait; the combine's pre-wait
 `.cg` loads of the residual / add (and `combine_partials`' row-counter atomic after the wait); the others (the fused
 experts kernel too) no global load before the wait. Use the Triton the GPU runs (e.g. `pip install --target DIR
-triton==3.6.0`, then PYTHONPATH=DIR:benchmarks:.): a variant that fails here fails there. Needs no CUDA driver. --sass adds a hash of
-each kernel's SASS (equal hashes: the same machine code). Exit status 1 if anything fails.
+triton==3.6.0`, then PYTHONPATH=DIR:benchmarks:.): a variant that fails here fails there. Needs no CUDA driver.
+--sass adds a hash of each kernel's SASS (equal hashes: the same machine code). Exit status 1 if anything fails.
+The catching and compiling machinery is benchmarks/sm90_compile.py's.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 
+import sm90_compile as sc
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import create_function_from_signature
 
 from tokenspeed.ops.reference.activation import Activation
-from tokenspeed.ops.triton import moe_align, moe_combine, moe_fused, moe_pdl, moe_route, pdl
+from tokenspeed.ops.triton import moe_align, moe_combine, moe_fused, moe_pdl, moe_route
 from tokenspeed.ops.triton import moe_experts as tk
 
-TARGET = GPUTarget("cuda", 90, 32)
 KERNELS = {tk: ("_gate_up_kernel", "_down_kernel", "_gather_x_kernel"), moe_combine: ("_combine_kernel",
            "_combine_norm_kernel", "_combine_partials_kernel"), moe_align: ("_align_kernel",),
            moe_route: ("_moe_route_kernel",), moe_fused: ("_fused_direct_kernel",)}
 KIMI = {"k": 8, "E": 256, "D": 2304, "DI": 1024}
 
 
-class _Catch:
-    """Stands in for a JIT kernel: `kernel[grid](*args, **kw)` records the call."""
-
-    def __init__(self, fn, calls: list):
-        self.fn, self.calls = fn, calls
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.calls.append((self.fn, args, kw))
-
-
-def caught(call: Callable[[], object], pdl_on: bool) -> list:
-    """The (kernel, args, kwargs) launches of call(), with `pdl.enabled` forced to pdl_on (132 SMs assumed)."""
-    calls: list = []
-    saved = {(m, n): getattr(m, n) for m, names in KERNELS.items() for n in names}
-    real_enabled, real_sms = pdl.enabled, moe_pdl._sm_count
-    pdl.enabled = lambda device, family="": pdl_on
-    moe_pdl._sm_count = lambda device: 132
-    for (m, n), f in saved.items():
-        setattr(m, n, _Catch(f, calls))
-    try:
-        call()
-    finally:
-        pdl.enabled, moe_pdl._sm_count = real_enabled, real_sms
-        for (m, n), f in saved.items():
-            setattr(m, n, f)
-    return calls
+def caught(call: Callable[[], object], pdl_on: bool) -> list[sc.Launch]:
+    """The launches of call() of the `KERNELS`, with `pdl.enabled` forced to pdl_on (132 SMs assumed)."""
+    return sc.catch_launches(KERNELS, call, pdl_on=pdl_on, patches=[(moe_pdl, "_sm_count", lambda device: 132)])
 
 
 def experts_call(cfg: tk.ExpertsConfig | None, T: int, k: int, E: int, D: int, DI: int, add: bool = False,
@@ -97,47 +68,31 @@ def experts_call(cfg: tk.ExpertsConfig | None, T: int, k: int, E: int, D: int, D
 
 
 def route_call(T: int) -> Callable[[], object]:
+    """`moe_route` of T tokens' fp32 router logits over Kimi-Linear's 256 experts, the shared expert as id 256."""
     E = KIMI["E"]
     return lambda: moe_route.moe_route(torch.zeros(T, E), torch.zeros(E), KIMI["k"], shared_expert_id=E)
 
 
-def pack(fn, args, kwargs):
-    backend = make_backend(TARGET)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, spec, opts = binder(*args, **kwargs)
-    return fn._pack_args(backend, kwargs, bound, spec, opts)
-
-
-def compile_sm90(fn, packed) -> dict:
-    options, signature, constexprs, attrs = packed
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+def compile_sm90(fn, packed: tuple, sass: bool = False) -> dict:
+    """Compile one packed launch (`sc.pack_launch`): shared memory, registers, stack, TMA / wgmma use, the PTX and
+    (`sass`) a hash of the SASS."""
+    kernel = sc.compile_packed(fn, packed)
     ptx = kernel.asm["ptx"]
-    sass = "\n".join(line for line in sass.splitlines() if not line.lstrip().startswith(("code for", "Fatbin")))
-    return {"shared": kernel.metadata.shared, "regs": int(regs.group(1)) if regs else None,
-            "stack": int(stack.group(1)) if stack else None, "tma": "cp.async.bulk.tensor" in ptx,
-            "wgmma": "wgmma.mma_async" in ptx, "sass": hashlib.sha1(sass.encode()).hexdigest()[:12], "ptx": ptx}
+    return {"shared": kernel.metadata.shared, **sc.cubin_usage(kernel), "tma": "cp.async.bulk.tensor" in ptx,
+            "wgmma": "wgmma.mma_async" in ptx, "sass": sc.sass_hash(kernel) if sass else None, "ptx": ptx}
 
 
 def pdl_checks(name: str, ptx: str, kwargs: dict, pdl_on: bool) -> list[str]:
     """The PTX facts of the PDL protocol for this kernel; returns the failed ones."""
-    wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    pf = ptx.find("cp.async.bulk.prefetch.L2.global")
-    first_ld = ptx.find("ld.global")
+    wait, pf = ptx.find(sc.WAIT), ptx.find(sc.L2_BULK_PREFETCH)
     if not pdl_on:
-        return ["no griddepcontrol without PDL"] if wait >= 0 or trig >= 0 or pf >= 0 else []
-    bad = [] if 0 <= wait < trig else ["griddepcontrol.wait, then launch_dependents"]
+        return ["no griddepcontrol without PDL"] if sc.has_griddepcontrol(ptx) or pf >= 0 else []
+    bad = [] if sc.wait_then_trigger(ptx) else ["griddepcontrol.wait, then launch_dependents"]
     if kwargs.get("PREFETCH") and not 0 <= pf < wait:
         bad.append("the weight L2 prefetch before the wait")
     if not kwargs.get("PREFETCH") and pf >= 0:
         bad.append("no L2 prefetch unless asked")
-    pre_loads = re.findall(r"ld\.global[\w.:]*", ptx[:max(wait, 0)])
+    pre_loads = sc.loads_before_wait(ptx)
     if name == "_down_kernel":
         if not pre_loads or any(".cg" not in ld for ld in pre_loads):
             bad.append("the routing loads (expert id) before the wait, through L2 only (.cg)")
@@ -145,7 +100,7 @@ def pdl_checks(name: str, ptx: str, kwargs: dict, pdl_on: bool) -> list[str]:
         pre = bool(kwargs.get("HAS_ADD") or name == "_combine_norm_kernel" or kwargs.get("NORM"))
         if pre != any(".cg" in ld for ld in pre_loads):
             bad.append("the residual / add loaded (.cg) before the wait" if pre else "no global load before the wait")
-    elif 0 <= first_ld < wait:
+    elif pre_loads:
         bad.append("no global load before the wait")
     atom = ptx.find("atom.")
     if atom >= 0 and atom < wait:
@@ -175,6 +130,7 @@ def decode_variants() -> list[tuple[str, Callable[[], object]]]:
 
 
 def prefill_variants() -> list[tuple[str, Callable[[], object]]]:
+    """(tag, call) of the prefill sweep's gate_up / down configs (moe_prefill_h200) at 1024 tokens, E 16."""
     from moe_prefill_h200 import DOWN, GATE_UP
 
     return [(tag, experts_call(cfg, 1024, 8, 16, 2304, 1024)) for tag, cfg in [*GATE_UP.items(), *DOWN.items()]]
@@ -188,24 +144,24 @@ def main() -> None:
     ap.add_argument("--sass", action="store_true", help="print a hash of each kernel's SASS")
     args = ap.parse_args()
     pdl_on = not args.no_pdl
-    print(f"triton {triton.__version__}, target {TARGET}, PDL {pdl_on}", flush=True)
+    print(f"triton {triton.__version__}, target {sc.TARGET}, PDL {pdl_on}", flush=True)
     seen: dict = {}
     failed = 0
     for tag, call in decode_variants() if args.decode else prefill_variants():
         if args.only and not re.search(args.only, tag):
             continue
-        for fn, a, kw in caught(call, pdl_on):
-            packed = pack(fn, a, kw)
+        for fn, _, a, kw in caught(call, pdl_on):
+            packed = sc.pack_launch(fn, a, kw)
             key = (fn.__name__, repr(packed[1:]))
             if key in seen:
                 print(f"{tag:28s} {fn.__name__:21s} = {seen[key]}", flush=True)
                 continue
             seen[key] = tag
             try:
-                r = compile_sm90(fn, packed)
+                r = compile_sm90(fn, packed, args.sass)
             except Exception as e:  # noqa: BLE001 - report every variant that does not compile, then go on
                 failed += 1
-                print(f"{tag:28s} {fn.__name__:21s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(sc.failure_line(f"{tag:28s} {fn.__name__:21s} ", e, 300), flush=True)
                 continue
             bad = pdl_checks(fn.__name__, r["ptx"], kw, pdl_on) + (["no spills"] if r["stack"] else [])
             failed += bool(bad)

@@ -7,10 +7,11 @@ programmatic dependent launch (PDL) on or off, and report its shared memory, reg
 
 The wrapper runs on small CPU tensors at Kimi-Linear's shapes (bf16, hidden 2304, 256 experts, top-8 plus the
 folded shared expert as id 256, the correction bias) for T = 1, 2, 3, 4, 8, 16 (default configuration; then a
-few other `GateConfig`s) with `pdl.enabled` forced to the chosen value; its launch is caught instead of run and handed to `triton.compile` for GPUTarget("cuda", 90, 32)
-with the signature and specialisations the JIT derives (the helpers of `moe_compile_sm90`). With PDL the PTX must
-show `griddepcontrol.wait` before `griddepcontrol.launch_dependents`, the router-weight loads before the wait and
-the counter's atomic after it. Use the Triton the GPU runs (e.g. `pip install --target DIR triton==3.6.0`). Exit
+few other `GateConfig`s) with `pdl.enabled` forced to the chosen value; its launch is caught instead of run and
+handed to `triton.compile` for GPUTarget("cuda", 90, 32) with the signature and specialisations the JIT derives
+(benchmarks/sm90_compile.py, and `moe_compile_sm90.compile_sm90`). With PDL the PTX must show
+`griddepcontrol.wait` before `griddepcontrol.launch_dependents`, the router-weight loads before the wait and the
+counter's atomic after it. Use the Triton the GPU runs (e.g. `pip install --target DIR triton==3.6.0`). Exit
 status 1 if anything fails (a spill counts as a failure).
 """
 
@@ -21,37 +22,20 @@ import re
 import sys
 from collections.abc import Callable
 
+import sm90_compile as sc
 import torch
 import triton
-from moe_compile_sm90 import TARGET, compile_sm90, pack
+from moe_compile_sm90 import compile_sm90
 
-from tokenspeed.ops.triton import moe_gate, pdl
+from tokenspeed.ops.triton import moe_gate
 
 KIMI = {"k": 8, "E": 256, "K": 2304}
 TOKENS = (1, 2, 3, 4, 8, 16)
 
 
-class _Catch:
-    """Stands in for the JIT kernel: `kernel[grid](*args, **kw)` records the call."""
-
-    def __init__(self, fn, calls: list):
-        self.fn, self.calls = fn, calls
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.calls.append((self.fn, grid, args, kw))
-
-
-def caught(call: Callable[[], object], pdl_on: bool) -> list:
-    """The (kernel, grid, args, kwargs) launches of call(), with `pdl.enabled` forced to pdl_on."""
-    calls: list = []
-    real_kernel, real_enabled = moe_gate._moe_gate_kernel, pdl.enabled
-    moe_gate._moe_gate_kernel = _Catch(real_kernel, calls)
-    pdl.enabled = lambda device, family="": pdl_on
-    try:
-        call()
-    finally:
-        moe_gate._moe_gate_kernel, pdl.enabled = real_kernel, real_enabled
-    return calls
+def caught(call: Callable[[], object], pdl_on: bool) -> list[sc.Launch]:
+    """The launches (fn, grid, args, kwargs) of call(), with `pdl.enabled` forced to pdl_on."""
+    return sc.catch_launches({moe_gate: ("_moe_gate_kernel",)}, call, pdl_on=pdl_on)
 
 
 def gate_call(T: int, shared: bool = True, bias: bool = True, config: moe_gate.GateConfig | None = None
@@ -68,19 +52,18 @@ def gate_call(T: int, shared: bool = True, bias: bool = True, config: moe_gate.G
 
 def pdl_checks(ptx: str, pdl_on: bool) -> list[str]:
     """The PTX facts of the PDL protocol; returns the failed ones."""
-    wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    atom = ptx.find("atom.")
     if not pdl_on:
-        return ["no griddepcontrol without PDL"] if wait >= 0 or trig >= 0 else []
-    bad = [] if 0 <= wait < trig else ["griddepcontrol.wait, then launch_dependents"]
-    if not re.search(r"ld\.global", ptx[:max(wait, 0)]):
+        return ["no griddepcontrol without PDL"] if sc.has_griddepcontrol(ptx) else []
+    bad = [] if sc.wait_then_trigger(ptx) else ["griddepcontrol.wait, then launch_dependents"]
+    if not sc.loads_before_wait(ptx):
         bad.append("the router weight loaded before the wait")
-    if not 0 <= wait < atom:
+    if not 0 <= ptx.find(sc.WAIT) < ptx.find("atom."):
         bad.append("the counter's atomic after the wait")
     return bad
 
 
 def variants() -> list[tuple[str, Callable[[], object]]]:
+    """(tag, call): the default configuration at each of `TOKENS`, then other `GateConfig`s."""
     out = [(f"T{T}", gate_call(T)) for T in TOKENS]
     out += [("T1_nobias_noshared", gate_call(1, shared=False, bias=False))]
     # other launch configurations (the default's alternatives for timing on the GPU)
@@ -97,7 +80,7 @@ def main() -> None:
     ap.add_argument("--sass", action="store_true", help="print a hash of each kernel's SASS")
     args = ap.parse_args()
     pdl_on = not args.no_pdl
-    print(f"triton {triton.__version__}, target {TARGET}, PDL {pdl_on}", flush=True)
+    print(f"triton {triton.__version__}, target {sc.TARGET}, PDL {pdl_on}", flush=True)
     failed = 0
     for tag, call in variants():
         if args.only and not re.search(args.only, tag):
@@ -105,10 +88,10 @@ def main() -> None:
         for fn, grid, a, kw in caught(call, pdl_on):
             cfg = f"grid {grid[0]} BLOCK_T {kw['BLOCK_T']} BLOCK_N {kw['BLOCK_N']} warps {kw['num_warps']}"
             try:
-                r = compile_sm90(fn, pack(fn, a, kw))
+                r = compile_sm90(fn, sc.pack_launch(fn, a, kw), args.sass)
             except Exception as e:  # noqa: BLE001 - report every variant that does not compile, then go on
                 failed += 1
-                print(f"{tag:20s} {cfg}  FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(sc.failure_line(f"{tag:20s} {cfg}  ", e, 300), flush=True)
                 continue
             bad = pdl_checks(r["ptx"], pdl_on) + (["no spills"] if r["stack"] else [])
             failed += bool(bad)

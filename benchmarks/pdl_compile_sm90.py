@@ -7,99 +7,55 @@ spinning producer of benchmarks/gemv_pdl_chain_h200.py.
 
 Each wrapper is called on small CPU tensors with `pdl.enabled` forced True; its kernel launches are caught
 instead of run and handed to `triton.compile` for GPUTarget("cuda", 90, 32) with the signature and
-specialisations the JIT would derive. Per kernel it prints registers and spill bytes (ptxas -v on the PTX), shared
-memory, and the PTX checks: `griddepcontrol.wait` present and `griddepcontrol.launch_dependents` after it; for
-the GEMV's "l2" mode the `cp.async.bulk.prefetch.L2.global` before the wait, for "regs" a global load of W
-before the wait; and whether the K loop was software-pipelined (`cp.async` copies, dot kernels). Exit status 1
-if any variant fails to compile or a check fails. Needs no CUDA driver; use the Triton the GPU runs (3.6).
+specialisations the JIT would derive (benchmarks/sm90_compile.py). Per kernel it prints registers and spill bytes
+(ptxas -v on the PTX), shared memory, and the PTX checks: `griddepcontrol.wait` present and
+`griddepcontrol.launch_dependents` after it; for the GEMV's "l2" mode the `cp.async.bulk.prefetch.L2.global`
+before the wait, for "regs" a global load of W before the wait; and whether the K loop was software-pipelined
+(`cp.async` copies, dot kernels). Exit status 1 if any variant fails to compile or a check fails. Needs no CUDA
+driver; use the Triton the GPU runs (3.6).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import gemv_pdl_chain_h200 as chain  # the A/B chain's spinning producer (this script's folder is on sys.path)
+import sm90_compile as sc
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import create_function_from_signature
 
 from tokenspeed.ops.reference.activation import Activation
-from tokenspeed.ops.triton import activation, attn_res, conv, gemv, norm, pdl
-
-TARGET = GPUTarget("cuda", 90, 32)
-_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+from tokenspeed.ops.triton import activation, attn_res, conv, gemv, norm
 
 
-class _Catch:
-    """Stands in for a JIT kernel: `kernel[grid](*args, **kw)` records (fn, args, kw)."""
-
-    def __init__(self, fn, calls: list):
-        self.fn, self.calls = fn, calls
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.calls.append((self.fn, args, kw))
+def caught(module, names: tuple[str, ...], call: Callable[[], object]) -> list[sc.Launch]:
+    """The kernel launches that call() makes through module.<names>, with PDL forced on."""
+    return sc.catch_launches({module: names}, call, pdl_on=True)
 
 
-def caught(module, names: tuple[str, ...], call: Callable[[], object]) -> list:
-    """The kernel launches (fn, args, kwargs) that call() makes through module.<names>, with PDL forced on."""
-    calls: list = []
-    saved = {n: getattr(module, n) for n in names}
-    real_enabled = pdl.enabled
-    pdl.enabled = lambda device: True
-    for n, f in saved.items():
-        setattr(module, n, _Catch(f, calls))
-    try:
-        call()
-    finally:
-        pdl.enabled = real_enabled
-        for n, f in saved.items():
-            setattr(module, n, f)
-    return calls
-
-
-def compile_sm90(fn, args, kwargs) -> dict:
-    """Compile one caught launch; returns its PTX, shared memory, registers and spill bytes."""
-    backend = make_backend(TARGET)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, spec, opts = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+def compile_sm90(launch: sc.Launch) -> dict:
+    """Compile one caught launch; returns its PTX, shared memory, and the registers and spill bytes of `ptxas -v`
+    run on the PTX (the other scripts read cuobjdump's STACK instead, a frame size, not spill traffic)."""
+    kernel = sc.compile_launch(launch)
     ptx = kernel.asm["ptx"]
-    arch = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        Path(src).write_text(ptx)
-        res = subprocess.run([str(_BIN / "ptxas"), f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True, check=True).stderr
-    regs = re.search(r"Used (\d+) registers", res)
-    spills = [int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", res)]
-    return {"ptx": ptx, "shared": kernel.metadata.shared, "regs": int(regs.group(1)) if regs else None,
-            "spill_bytes": sum(spills)}
+    return {"ptx": ptx, "shared": kernel.metadata.shared, **sc.ptxas_usage(ptx)}
 
 
 def ptx_checks(ptx: str, prefetch: str | None, pipelined: bool) -> list[str]:
     """The PTX facts a PDL variant must show; returns the failed ones."""
-    bad = []
-    wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    if wait < 0 or trig < wait:
-        bad.append("griddepcontrol.wait, then launch_dependents")
-    pf = ptx.find("cp.async.bulk.prefetch.L2.global")
+    bad = [] if sc.wait_then_trigger(ptx) else ["griddepcontrol.wait, then launch_dependents"]
+    wait, pf = ptx.find(sc.WAIT), ptx.find(sc.L2_BULK_PREFETCH)
     if prefetch == "l2" and not 0 <= pf < wait:
         bad.append("cp.async.bulk.prefetch.L2.global before the wait")
     if prefetch != "l2" and pf >= 0:
         bad.append("no L2 prefetch outside mode l2")
-    if prefetch == "regs" and not 0 <= ptx.find("ld.global") < wait:
+    if prefetch == "regs" and not sc.loads_before_wait(ptx):
         bad.append("a global load (the first W tile) before the wait")
-    if prefetch in ("none", "l2") and 0 <= ptx.find("ld.global") < wait:
+    if prefetch in ("none", "l2") and sc.loads_before_wait(ptx):
         bad.append("no global load before the wait")
     if pipelined and "cp.async.commit_group" not in ptx:
         bad.append("K loop pipelined (cp.async)")
@@ -156,20 +112,20 @@ def main() -> None:
     ap.add_argument("--only", default="", help="regex of variant tags")
     ap.add_argument("--ptx", default="", help="write each kernel's PTX into this folder")
     args = ap.parse_args()
-    print(f"triton {triton.__version__}, target {TARGET}", flush=True)
+    print(f"triton {triton.__version__}, target {sc.TARGET}", flush=True)
     jobs = [(tag, caught(gemv, ("_gemv_dot_kernel", "_gemv_fma_kernel", "_splitk_reduce_kernel"), call), mode, piped)
             for tag, call, mode, piped in gemv_variants() if re.search(args.only, tag)]
     jobs += [(tag, caught(mod, tuple(n for n in dir(mod) if n.endswith("_kernel")), call), None, False)
              for tag, mod, call in other_variants() if re.search(args.only, tag)]
     failed = 0
     for tag, launches, mode, piped in jobs:
-        for fn, a, kw in launches:
-            name = fn.__name__
+        for launch in launches:
+            name = launch.fn.__name__
             try:
-                r = compile_sm90(fn, a, kw)
+                r = compile_sm90(launch)
             except Exception as e:  # noqa: BLE001 - report every variant that does not compile, then go on
                 failed += 1
-                print(f"{tag:28s} {name:24s} FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+                print(sc.failure_line(f"{tag:28s} {name:24s} ", e, 400), flush=True)
                 continue
             gemv_main = name.startswith("_gemv_")
             bad = ptx_checks(r["ptx"], mode if gemv_main else None, piped and gemv_main)
