@@ -1,0 +1,122 @@
+"""Do eager mixed steps stall on Triton compiles? Per step shape: wall time of the first and a repeat forward and the
+kernel variants compiled by the first (issue 8: swe-smith at concurrency 4 had multi-second times to first token on
+steps of a few short tails beside decodes; the hypothesis is that each new shape class compiles new specialisations
+of the eager-path kernels mid-serve).
+
+    PYTHONPATH=.:benchmarks python benchmarks/compile_stalls.py --out benchmarks/results          # H200
+    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/compile_stalls.py --geometry tiny-kimi-linear --device cpu \
+        --history 64 --shapes "1,1,1,20;2,2,1"                                                 # plumbing only
+
+A shape is the new tokens of each sequence of one step ("1,1,1,164": three decodes beside a 164-token tail), every
+sequence on a `--history`-token cached history (scratch pages, distinct KDA slots), after the engine's start-up
+warm-up (`ModelRunner.warm_up`'s prompt lengths) unless --no-warm-up. A compiled variant is a new entry in a
+Triton JIT function's per-device kernel cache (`JITFunction.device_caches`; the interpreter compiles nothing, so
+a CPU run reports 0). Writes compile_stalls.json to --out: per shape the two wall times (CUDA-synchronised) and
+the kernels that compiled, with counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pkgutil
+import sys
+import time
+from itertools import accumulate
+
+import torch
+
+import tokenspeed.ops.triton as triton_ops
+from tokenspeed.models import CacheBuffers, ForwardBatch
+from tokenspeed.models.loader import load_model
+from tokenspeed.ops.h2d import device_longs
+
+SWE_SMITH_SHAPES = "1,1,1,164;164,164,164,1;1,1,168;168,1,1,1;1,1,1,1,300;40,1,1,1;1,17;1,1,1,1,1,1,1,1,200"
+WARM_UP_LENGTHS = (8192, 1024, 100, 17)  # the engine's start-up prompts (EngineCore._warm_up)
+
+
+def jit_functions() -> dict[str, object]:
+    """Every Triton JIT function reachable from tokenspeed.ops.triton's modules and the loaded fla modules, by
+    qualified name (autotuned kernels through their `.fn`)."""
+    for info in pkgutil.iter_modules(triton_ops.__path__):
+        importlib.import_module(f"{triton_ops.__name__}.{info.name}")
+    found: dict[str, object] = {}
+    seen: set[int] = set()  # a kernel re-exported by another module counts once
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith(("tokenspeed.ops.triton", "fla.")):
+            continue
+        for attr, obj in vars(mod).items():
+            fn, depth = obj, 0
+            while not hasattr(fn, "device_caches") and hasattr(fn, "fn") and depth < 4:  # autotuner / heuristics
+                fn, depth = fn.fn, depth + 1
+            if hasattr(fn, "device_caches") and id(fn) not in seen:
+                seen.add(id(fn))
+                found[f"{name}.{attr}"] = fn
+    return found
+
+
+def variants(fns: dict[str, object]) -> dict[str, int]:
+    """Compiled kernels per JIT function (summed over devices)."""
+    return {name: sum(len(cache[0]) for cache in fn.device_caches.values()) for name, fn in fns.items()}
+
+
+def step(model, buf: CacheBuffers, qlens: list[int], history: int, scratch: int, device: str) -> float:
+    """One eager forward of `qlens` new tokens per sequence on `history` cached tokens; wall ms."""
+    page = buf.page_size
+    pages = [[scratch] * (-(-(history + q) // page)) for q in qlens]
+    fb = ForwardBatch.build([[7] * q for q in qlens], [history] * len(qlens), pages, list(range(len(qlens))), page,
+                            device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    model(fb, buf, device_longs([c - 1 for c in accumulate(qlens)], device))
+    sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--geometry", default="kimi-linear-48b-a3b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--history", type=int, default=10240)
+    ap.add_argument("--shapes", default=SWE_SMITH_SHAPES, help="';' list of ','-separated new tokens per sequence")
+    ap.add_argument("--no-warm-up", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = load_model(args.geometry, dtype, args.device, load_format="dummy", seed=0)
+    shapes = [[int(x) for x in s.split(",")] for s in args.shapes.split(";")]
+    page = 64
+    longest = args.history + max(max(s) for s in shapes + [list(WARM_UP_LENGTHS)])
+    buf = CacheBuffers.allocate(model.config, -(-longest // page) + 1, page, max(len(s) for s in shapes) + 1,
+                                model.dtype, args.device)
+    scratch = buf.mla_latent[0].shape[0] - 1 if buf.mla_latent else 0
+    fns = jit_functions()
+    rows, t_start = [], time.time()
+    with torch.no_grad():
+        if not args.no_warm_up:
+            for n in WARM_UP_LENGTHS:
+                step(model, buf, [n], 0, scratch, args.device)
+        for qlens in shapes:
+            before = variants(fns)
+            first = step(model, buf, qlens, args.history, scratch, args.device)
+            after = variants(fns)
+            again = step(model, buf, qlens, args.history, scratch, args.device)
+            new = {k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)}
+            rows.append({"qlens": qlens, "first_ms": first, "repeat_ms": again, "new_variants": sum(new.values()),
+                         "compiled": new})
+            print(f"{','.join(map(str, qlens)):>28}: first {first:9.1f} ms, repeat {again:8.1f} ms, "
+                  f"{sum(new.values())} new variants {sorted(new)[:6]}", flush=True)
+    res = {"env": {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                   "torch": torch.__version__, "commit": os.environ.get("BENCH_COMMIT", "unknown"),
+                   "date": time.strftime("%Y-%m-%d"), "argv": sys.argv, "wall_s": time.time() - t_start},
+           "geometry": args.geometry, "history": args.history, "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "compile_stalls.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
