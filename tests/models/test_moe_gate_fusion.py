@@ -16,30 +16,17 @@ import pytest
 import torch
 
 from tests.ops.triton_env import cpu_interp, rel_err  # sets up Triton (the interpreter) first
+from tests.models.moe_steps import run_two_steps
 from tokenspeed import ops
 from tokenspeed.distributed import ParallelContext
-from tokenspeed.models import CacheBuffers, ForwardBatch, load_model
+from tokenspeed.models import load_model
 from tokenspeed.models.kimi.moe import SparseMoE
-
-PAGE = 4
 
 
 def _moe_layers(model) -> list:
     return [layer for layer in model.model.layers if hasattr(layer, "block_sparse_moe")]
 
 
-def _run(model) -> tuple[torch.Tensor, ...]:
-    """Logits of a 2-sequence prefill (8 tokens) and a decode step, then every layer's residual stream."""
-    n = model.config.num_hidden_layers
-    cache = CacheBuffers.allocate(model.config, 8, PAGE, 4, torch.float32)
-    pages = [[0, 1], [4, 5]]
-    out = []
-    with torch.no_grad():
-        for tokens, cached in (([[5, 6, 7, 8, 9], [10, 11, 12]], [0, 0]), ([[13], [14]], [5, 3])):
-            logits, feats = model(ForwardBatch.build(tokens, cached, pages, [1, 3], PAGE), cache,
-                                  capture_layers=tuple(range(1, n + 1)))
-            out.append(logits)
-    return (*out, *feats)
 
 
 def _junction_inputs(model, T: int, seed: int):
@@ -61,11 +48,11 @@ def test_model_fused_gate_matches_unfused_interp(monkeypatch):
     real = moe_gate.moe_gate
     monkeypatch.setattr(moe_gate, "moe_gate", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     monkeypatch.setenv("TOKENSPEED_MOE_GATE", "force")
-    got = _run(model)
+    got = run_two_steps(model)
     assert calls == [8] * len(layers) + [2] * len(layers)  # every MoE layer, both steps
     monkeypatch.setenv("TOKENSPEED_MOE_GATE", "0")
     calls.clear()
-    want = _run(model)
+    want = run_two_steps(model)
     assert not calls
     for a, b in zip(got, want, strict=True):
         assert rel_err(a, b) < 1e-4
@@ -122,6 +109,6 @@ def test_forward_plain_routes_moe_layers_through_junctions(monkeypatch, mode: st
     seen = []
     real = SparseMoE.forward_junctions
     monkeypatch.setattr(SparseMoE, "forward_junctions", lambda self, *a: seen.append(a[0].shape) or real(self, *a))
-    _run(model)
+    run_two_steps(model)
     assert len(seen) == 2 * len(_moe_layers(model))
     assert not hasattr(model.model.layers[0], "block_sparse_moe")

@@ -19,12 +19,11 @@ import torch
 
 # tests.ops.triton_env sets up Triton (the interpreter) before anything imports it
 from tests.ops.triton_env import cpu_interp
+from tests.models.moe_steps import run_two_steps
 from tokenspeed import ops
 from tokenspeed.distributed import ParallelContext
-from tokenspeed.models import CacheBuffers, ForwardBatch, load_model
+from tokenspeed.models import load_model
 from tokenspeed.models.kimi.moe import SparseMoE
-
-PAGE = 4
 
 
 class _Recording(ParallelContext):
@@ -46,18 +45,6 @@ def _unfused(self: SparseMoE, x: torch.Tensor, residual: torch.Tensor, norm) -> 
     return ops.add_rms_norm(self(x), residual, norm.weight, norm.eps)
 
 
-def _run(model) -> tuple[torch.Tensor, ...]:
-    """Logits of a 2-sequence prefill and a decode step, then every layer's residual stream of the decode."""
-    n = model.config.num_hidden_layers
-    cache = CacheBuffers.allocate(model.config, 8, PAGE, 4, torch.float32)
-    pages = [[0, 1], [4, 5]]
-    out = []
-    with torch.no_grad():
-        for tokens, cached in (([[5, 6, 7, 8, 9], [10, 11, 12]], [0, 0]), ([[13], [14]], [5, 3])):
-            logits, feats = model(ForwardBatch.build(tokens, cached, pages, [1, 3], PAGE), cache,
-                                  capture_layers=tuple(range(1, n + 1)))
-            out.append(logits)
-    return (*out, *feats)
 
 
 @cpu_interp
@@ -78,14 +65,14 @@ def test_fused_junction_equals_unfused_and_tp_path_triton_interp(monkeypatch):
         return partials(*a, **k)
 
     monkeypatch.setattr(moe_experts, "combine_partials", spy_partials)
-    got = _run(model)
+    got = run_two_steps(model)
     assert len(calls) == 2 * len(moes)  # two steps, every MoE junction in the combine
     with monkeypatch.context() as m:
         m.setattr(SparseMoE, "forward_add_norm", _unfused)
-        unfused = _run(model)
+        unfused = run_two_steps(model)
     for moe in moes:
         moe.parallel = _Recording(tp_size=2, tp_rank=0)
-    tp = _run(model)
+    tp = run_two_steps(model)
     assert len(calls) == 2 * len(moes)  # the TP path never fuses
     for a, b, c in zip(got, unfused, tp, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)

@@ -183,7 +183,6 @@ def moe_experts(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Ten
     return add_rms_norm(out, residual, norm_weight, norm_eps)
 
 
-
 def moe_gate_kernel_usable(attn_out: Tensor, residual: Tensor, norm_weight: Tensor, router_weight: Tensor,
                            correction_bias: Tensor | None, top_k: int, scoring: str = "sigmoid") -> bool:
     """Whether `moe_gate` with these arguments runs its one-launch Triton kernel (the dispatch rule, and the kernel's
@@ -211,6 +210,7 @@ def moe_gate(attn_out: Tensor, residual: Tensor, norm_weight: Tensor, norm_eps: 
     return _ref_gate.moe_gate(attn_out, residual, norm_weight, norm_eps, router_weight, correction_bias, top_k,
                               scoring=scoring, renormalize=renormalize, routed_scaling_factor=routed_scaling_factor,
                               shared_expert_id=shared_expert_id)
+
 
 def mla_attention_expanded(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: list[int], cu_seqlens_k: list[int],
                            scale: float) -> Tensor:
