@@ -1,5 +1,6 @@
-"""Launch configurations of the fused KDA decode kernel (`ops/triton/kda_decode.py`): the `KdaConfig` variants a
-sweep compares, the original default (`legacy_config`) and the per-program-count decode table (`default_config`).
+"""Launch configurations of the fused KDA decode kernel (`ops/triton/kda_decode_kernel.py`, launched by
+`kda_decode.py`): the `KdaConfig` variants a sweep compares, the original default (`legacy_config`) and the
+per-program-count decode table (`default_config`).
 Host-only: no Triton kernel here."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The low-rank gate up-projections folded into the fused KDA decode kernel (`kda_decode.py`).
+"""The low-rank gate up-projections folded into the fused KDA decode kernel (`kda_decode_kernel.py`).
 
 Kimi Linear's KDA layer computes its decay-gate logits f and its output-gate logits g from rank-R inputs, as one
 `StackedLinear` bmm: f = f_a @ f_b^T and g = g_a @ g_b^T, each [T, H * D] in the model dtype from f_a / g_a

@@ -18,7 +18,8 @@ PDL (`tokenspeed.ops.triton.pdl`): W_UV (kv_b_proj's weight: no kernel writes it
 partials and log-sum-exps (the split kernel just before), kv_lens and cu_seqlens after it.
 
 Split from `tokenspeed.ops.triton.mla_decode` (which launches it and re-exports its names): the combine reads the
-split kernel's plan (`_plan_balanced`, `_plan_ragged`, `_uniform_chunk` of that module) to find the partials.
+split kernel's plan (`_plan_balanced`, `_plan_ragged`, `_uniform_chunk` of `tokenspeed.ops.triton.mla_split_plan`,
+which both modules import; this one does not import `mla_decode`) to find the partials.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
-from tokenspeed.ops.triton.mla_decode import _plan_balanced, _plan_ragged, _uniform_chunk
+from tokenspeed.ops.triton.mla_split_plan import _plan_balanced, _plan_ragged, _uniform_chunk
 
 
 @triton.jit

@@ -94,6 +94,11 @@ W_UV fused into the combine (`w_uv` [H, v_head, v_dim], kv_b_proj's W_UV view): 
 W_UV[h] o_lat[t, h] ([.., H, v_head] in q's dtype); every split item then writes partials and
 `tokenspeed.ops.triton.mla_combine_uv` merges them and multiplies (its docstring has the contract).
 
+Modules: the device-side plan helpers every program runs (`_plan_balanced`, `_uniform_chunk`, `_plan_ragged`,
+`_ragged_item`) are `tokenspeed.ops.triton.mla_split_plan`, shared with the W_UV combine; this module keeps the
+split and combine kernels, the wrappers, the policy constants (MIN_CHUNK, DEFAULT_WAVES, read at call time from
+here) and the plan's host mirrors (`plan_splits`, `plan_ragged`, `ragged_grid`).
+
 Split count at small batch and short context (why the default stays). Batch 1, 4K, H 32: the default plan is 64
 splits of 64 rows; each split program reads 64 x 1152 B = 74 KB of bf16 cache and writes 64 KB of fp32 partials
 (its 32 rows x 512), so the partials total as much as the cache (4.2 vs 4.7 MB). But they stay in L2 (50 MB):
@@ -118,8 +123,10 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from tokenspeed.ops.triton import mla_combine_uv as _uv
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
+from tokenspeed.ops.triton.mla_split_plan import _pick, _plan_balanced, _plan_ragged, _ragged_item, _uniform_chunk
 
 LOG2E = 1.4426950408889634
 # The shortest balanced split (rows). Partials cost Q*H*v_dim*8 bytes per split (written, then read back), so at
@@ -131,100 +138,6 @@ MIN_CHUNK = 64
 # b1 4K / 32K (two waves: 20.4 / 114.9), 37.2 / 143.0 at b4 (51.9 / 156.9), 82.5 / 484.6 at b16, 269 / 1838 at
 # b64 (two waves within 2%).
 DEFAULT_WAVES = 1.0
-
-
-@triton.jit
-def _plan_balanced(KV_LENS, N, G, min_chunk, BLOCK_SEQ: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(idx, lens, counts, starts, chunk) of the balanced split plan, as [BLOCK_SEQ] vectors + the chunk."""
-    idx = tl.arange(0, BLOCK_SEQ)
-    lens = tl.load(KV_LENS + idx, mask=idx < N, other=0).to(tl.int64)
-    lens = tl.maximum(lens, 0)
-    total = tl.sum(lens, axis=0)
-    denom = tl.maximum(G - N, 1)
-    chunk = tl.maximum((total + denom - 1) // denom, min_chunk)
-    chunk = (chunk + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    counts = (lens + chunk - 1) // chunk
-    starts = tl.cumsum(counts, axis=0) - counts
-    return idx, lens, counts, starts, chunk
-
-
-@triton.jit
-def _pick(idx, vec, n):
-    """vec[n] as a scalar (vec a [BLOCK_SEQ] vector)."""
-    return tl.sum(tl.where(idx == n, vec, 0), axis=0)
-
-
-@triton.jit
-def _uniform_chunk(kv_len, MAX_SPLITS, BLOCK_N: tl.constexpr):
-    c = (tl.maximum(kv_len, 1) + MAX_SPLITS - 1) // MAX_SPLITS
-    return (c + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-
-
-@triton.jit
-def _plan_ragged(CU, KV_LENS, N, max_q, budget, min_chunk, H: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_SEQ: tl.constexpr, BLOCK_N: tl.constexpr, ALL_PARTIAL: tl.constexpr = False):
-    """The ragged plan (module docstring) as [BLOCK_SEQ] vectors, one lane per sequence (lanes >= N hold zeros):
-    (idx, first token, q_len, kv_len, row blocks, splits, item starts, partial-item starts, combine-block starts)
-    and the scalar chunk. ALL_PARTIAL (the W_UV-fused combine): every item, single splits too, has a partial item
-    (then partial-item starts == item starts)."""
-    idx = tl.arange(0, BLOCK_SEQ)
-    ok = idx < N
-    first = tl.load(CU + idx, mask=ok, other=0).to(tl.int64)
-    q_len = tl.load(CU + idx + 1, mask=ok, other=0).to(tl.int64) - first
-    # Clamped to the grid's bucket of max_q: a sequence longer than it breaks the contract (its rows come out wrong
-    # or unwritten) but every program and workspace index stays in bounds.
-    q_len = tl.minimum(tl.maximum(q_len, 0), max_q)
-    kv = tl.maximum(tl.load(KV_LENS + idx, mask=ok, other=0).to(tl.int64), 0)
-    blocks = (q_len * H + BLOCK_H - 1) // BLOCK_H
-    work = tl.sum(blocks * kv, axis=0)
-    chunk = tl.maximum((work + budget - 1) // budget, min_chunk)
-    chunk = (chunk + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    # A sequence with rows but no keys (padding) keeps one split: its programs write its zeros.
-    splits = tl.where(blocks > 0, tl.maximum((kv + chunk - 1) // chunk, 1), 0)
-    items = blocks * splits
-    starts = tl.cumsum(items, axis=0) - items
-    if ALL_PARTIAL:
-        split_items = items
-    else:
-        split_items = tl.where(splits > 1, items, 0)
-    part_starts = tl.cumsum(split_items, axis=0) - split_items
-    split_blocks = tl.where(splits > 1, blocks, 0)
-    comb_starts = tl.cumsum(split_blocks, axis=0) - split_blocks
-    return idx, first, q_len, kv, blocks, splits, starts, part_starts, comb_starts, chunk
-
-
-@triton.jit
-def _ragged_item(CU, KV_LENS, N, MAX_SPLITS, min_chunk, max_q, H: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_SEQ: tl.constexpr, BLOCK_N: tl.constexpr, ALL_PARTIAL: tl.constexpr = False):
-    """The work item of split program p = program_id(0) under the ragged plan: (sequence n, its number of splits
-    (0: p is past the last item), rows [BLOCK_H] (sequence-local r = j * H + h), row_ok, first token, key range
-    lo..hi, causal limit per row, and the row base of its stores). Row r goes to output row base + r (first * H +
-    r) when the sequence has one split, else to partial row base + r (item * BLOCK_H + r - hb * BLOCK_H): one int32
-    scalar live across the flash loop, not two (T * H and the workspace's rows fit in int32). The per-sequence
-    values are picked inline, not through `_pick`: each helper call costs the interpreter milliseconds, and every
-    program of the grid runs this."""
-    p = tl.program_id(0).to(tl.int64)
-    idx, first, q_len, kv, blocks, splits, starts, part_starts, _, chunk = _plan_ragged(
-        CU, KV_LENS, N, max_q, N * MAX_SPLITS, min_chunk, H, BLOCK_H, BLOCK_SEQ, BLOCK_N, ALL_PARTIAL)
-    n = tl.sum(((starts + blocks * splits <= p) & (idx < N)).to(tl.int64), axis=0)  # the sequence p falls in
-    sel = idx == n  # no lane when p is past the last item (n == N): every pick is then 0
-    count = tl.sum(tl.where(sel, splits, 0), axis=0)
-    nb = tl.maximum(tl.sum(tl.where(sel, blocks, 0), axis=0), 1)
-    local = p - tl.sum(tl.where(sel, starts, 0), axis=0)
-    s = local // nb  # split-major: the row blocks of one key range run side by side (it is read once from DRAM)
-    hb = local - s * nb
-    ql = tl.sum(tl.where(sel, q_len, 0), axis=0)
-    kv_len = tl.sum(tl.where(sel, kv, 0), axis=0)
-    # int32 rows and limits (a sequence's positions and rows fit): fewer registers live across the flash loop
-    rows = (hb * BLOCK_H).to(tl.int32) + tl.arange(0, BLOCK_H)
-    lim = (kv_len - ql).to(tl.int32) + rows // H
-    last_lim = kv_len - ql + (tl.minimum(hb * BLOCK_H + BLOCK_H, ql * H) - 1) // H
-    lo = s * chunk
-    hi = tl.minimum(tl.minimum(lo + chunk, kv_len), last_lim + 1)  # no key past the block's last causal limit
-    tok0 = tl.sum(tl.where(sel, first, 0), axis=0)
-    base = tl.where((count == 1) & (not ALL_PARTIAL), tok0 * H,
-                    (tl.sum(tl.where(sel, part_starts, 0), axis=0) + local - hb) * BLOCK_H)
-    return n, count, rows, rows < ql * H, tok0, lo.to(tl.int32), hi.to(tl.int32), lim, base.to(tl.int32)
 
 
 @triton.jit
@@ -814,10 +727,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# The W_UV combine lives in its own module, which imports this one's plan helpers: imported last (both import
-# orders work), and its names stay readable here (`mla_decode._mla_combine_uv_kernel`, ...) as before the split.
-from tokenspeed.ops.triton import mla_combine_uv as _uv
-
+# The W_UV combine's names stay readable here (`mla_decode._mla_combine_uv_kernel`, ...) as before it moved out.
 _UV_NAMES = frozenset({"_mla_combine_uv_kernel", "_uv_rows", "_combine_uv", "_check_uv", "UV_BLOCK_T", "UV_BLOCK_V"})
 
 
