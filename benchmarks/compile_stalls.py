@@ -25,6 +25,7 @@ import pkgutil
 import sys
 import time
 from itertools import accumulate
+from typing import ClassVar
 
 import torch
 
@@ -49,17 +50,102 @@ def jit_functions() -> dict[str, object]:
             continue
         for attr, obj in vars(mod).items():
             fn, depth = obj, 0
-            while not hasattr(fn, "device_caches") and hasattr(fn, "fn") and depth < 4:  # autotuner / heuristics
+            while not _is_kernel(fn) and hasattr(fn, "fn") and depth < 4:  # autotuner / heuristics
                 fn, depth = fn.fn, depth + 1
-            if hasattr(fn, "device_caches") and id(fn) not in seen:
+            if _is_kernel(fn) and id(fn) not in seen:
                 seen.add(id(fn))
                 found[f"{name}.{attr}"] = fn
     return found
 
 
+def _is_kernel(obj) -> bool:
+    """A Triton JIT function, or its interpreter stand-in (TRITON_INTERPRET=1)."""
+    return hasattr(obj, "device_caches") or type(obj).__name__ == "InterpretedFunction"
+
+
 def variants(fns: dict[str, object]) -> dict[str, int]:
     """Compiled kernels per JIT function (summed over devices)."""
-    return {name: sum(len(cache[0]) for cache in fn.device_caches.values()) for name, fn in fns.items()}
+    return {name: len(ks) for name, ks in keys(fns).items()}
+
+
+def keys(fns: dict[str, object]) -> dict[str, set]:
+    """Per JIT function, the specialisation keys compiled so far: on a GPU Triton's own (the kernel-key cache's
+    (specialisation, options) pairs); in the interpreter the ones `SimulatedKeys` recorded."""
+    out = {}
+    for name, fn in fns.items():
+        ks = set(SimulatedKeys.seen.get(id(fn), ()))
+        for cache in getattr(fn, "device_caches", {}).values():
+            ks.update(cache[1].keys())
+        out[name] = ks
+    return out
+
+
+class SimulatedKeys:
+    """Records, per launch in the Triton interpreter (which compiles nothing), the key Triton's JIT would compute:
+    ("constexpr", value) for constexpr parameters, (type, "D" or None) for the others (an int or pointer divisible
+    by 16 is specialised unless the parameter is in do_not_specialize / do_not_specialize_on_alignment; floats and
+    None are not), and the launch options. `install()` patches the interpreter's launch entry point."""
+
+    seen: ClassVar[dict[int, set]] = {}
+
+    @staticmethod
+    def key(fn, args: tuple, kwargs: dict) -> tuple:
+        import inspect
+
+        sig = inspect.signature(fn.fn)
+        bound = sig.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters})
+        bound.apply_defaults()
+        dns = set(fn.kwargs.get("do_not_specialize") or ())
+        dnsa = set(fn.kwargs.get("do_not_specialize_on_alignment") or ())
+        spec = []
+        for i, (name, p) in enumerate(sig.parameters.items()):
+            v = bound.arguments.get(name)
+            if "constexpr" in str(p.annotation):
+                spec.append(("constexpr", v if not isinstance(v, torch.dtype) else str(v)))
+                continue
+            free = i in dns or name in dns or i in dnsa or name in dnsa
+            if isinstance(v, bool):
+                spec.append(("u1", None))
+            elif isinstance(v, int):
+                spec.append(("i32" if -2**31 <= v < 2**31 else "i64", None if free or v % 16 else "D"))
+            elif isinstance(v, torch.Tensor):
+                spec.append((f"*{v.dtype}", None if free or v.data_ptr() % 16 else "D"))
+            elif v is None:
+                spec.append(("constexpr", None))
+            else:
+                spec.append((type(v).__name__, None))
+        options = sorted((k, v) for k, v in kwargs.items() if k not in sig.parameters)
+        return tuple(spec), str(options)
+
+    @classmethod
+    def install(cls) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        orig = InterpretedFunction.run
+
+        def run(self, *args, grid, warmup, **kwargs):
+            cls.seen.setdefault(id(self), set()).add(cls.key(self, args, kwargs))
+            return orig(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        InterpretedFunction.run = run
+
+
+def key_diffs(fn, new: set, old: set) -> list[str]:
+    """For each new key, the parameters where it differs from the closest earlier key ("name: old -> new")."""
+    import inspect
+
+    names = list(inspect.signature(fn.fn).parameters)
+    out = []
+    for k in new:
+        if not old:
+            out.append("first variant")
+            continue
+        best = min(old, key=lambda o: sum(a != b for a, b in zip(o[0], k[0])) + (o[1] != k[1]))
+        d = [f"{n}: {a} -> {b}" for n, a, b in zip(names, best[0], k[0]) if a != b]
+        if best[1] != k[1]:
+            d.append(f"options: {best[1]} -> {k[1]}")
+        out.append("; ".join(d))
+    return out
 
 
 def step(model, buf: CacheBuffers, qlens: list[int], history: int, scratch: int, device: str) -> float:
@@ -94,19 +180,25 @@ def main() -> None:
                                 model.dtype, args.device)
     scratch = buf.mla_latent[0].shape[0] - 1 if buf.mla_latent else 0
     fns = jit_functions()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        SimulatedKeys.install()
     rows, t_start = [], time.time()
     with torch.no_grad():
         if not args.no_warm_up:
             for n in WARM_UP_LENGTHS:
                 step(model, buf, [n], 0, scratch, args.device)
         for qlens in shapes:
-            before = variants(fns)
+            before = keys(fns)
             first = step(model, buf, qlens, args.history, scratch, args.device)
-            after = variants(fns)
+            after = keys(fns)
             again = step(model, buf, qlens, args.history, scratch, args.device)
-            new = {k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)}
+            new = {k: len(after[k] - before[k]) for k in after if after[k] - before[k]}
+            why = {k: key_diffs(fns[k], after[k] - before[k], before[k]) for k in new}
             rows.append({"qlens": qlens, "first_ms": first, "repeat_ms": again, "new_variants": sum(new.values()),
-                         "compiled": new})
+                         "compiled": new, "why": why})
+            for k, ds in why.items():
+                for d in ds:
+                    print(f"    {k.rsplit('.', 1)[-1]}: {d}", flush=True)
             print(f"{','.join(map(str, qlens)):>28}: first {first:9.1f} ms, repeat {again:8.1f} ms, "
                   f"{sum(new.values())} new variants {sorted(new)[:6]}", flush=True)
     res = {"env": {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
