@@ -3,16 +3,19 @@ kernel variants compiled by the first (issue 8: swe-smith at concurrency 4 had m
 steps of a few short tails beside decodes; the hypothesis is that each new shape class compiles new specialisations
 of the eager-path kernels mid-serve).
 
-    PYTHONPATH=.:benchmarks python benchmarks/compile_stalls.py --out benchmarks/results          # H200
+    PYTHONPATH=.:benchmarks python benchmarks/compile_stalls.py --engine --random 24 --out benchmarks/results  # H200
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/compile_stalls.py --geometry tiny-kimi-linear --device cpu \
-        --history 64 --shapes "1,1,1,20;2,2,1"                                                 # plumbing only
+        --history 64 --shapes "1,1,1,20;2,2,1" --no-warm-up                                   # plumbing only
 
 A shape is the new tokens of each sequence of one step ("1,1,1,164": three decodes beside a 164-token tail), every
-sequence on a `--history`-token cached history (scratch pages, distinct KDA slots), after the engine's start-up
-warm-up (`ModelRunner.warm_up`'s prompt lengths) unless --no-warm-up. A compiled variant is a new entry in a
-Triton JIT function's per-device kernel cache (`JITFunction.device_caches`; the interpreter compiles nothing, so
-a CPU run reports 0). Writes compile_stalls.json to --out: per shape the two wall times (CUDA-synchronised) and
-the kernels that compiled, with counts.
+sequence on a `--history`-token cached history (scratch pages, distinct KDA slots). With --engine the model and
+buffers are a started serving engine's (its start-up warm-up and CUDA-graph capture have run, as in `tokenspeed
+serve`); without, a bare model after the lone prompts of WARM_UP_LENGTHS (unless --no-warm-up). --random N adds N
+seeded random mixed shapes. A compiled variant is a new entry in a Triton JIT
+function's per-device kernel cache (`JITFunction.device_caches`); in the interpreter, which compiles nothing, the
+keys Triton would compute are simulated (`SimulatedKeys`). Writes compile_stalls.json to --out: per shape the two
+wall times (CUDA-synchronised), the kernels that compiled, with counts, and per new variant the parameters whose
+specialisation differs from the closest earlier variant.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import importlib
 import json
 import os
 import pkgutil
+import random
 import sys
 import time
 from itertools import accumulate
@@ -162,31 +166,64 @@ def step(model, buf: CacheBuffers, qlens: list[int], history: int, scratch: int,
     return (time.perf_counter() - t0) * 1e3
 
 
+def random_shapes(n: int, seed: int = 0) -> list[list[int]]:
+    """n mixed steps like multi-turn serving's: 0-15 decodes beside 1-3 tails of 2-64, 65-256 or 257-900 tokens."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        tails = [rng.choice((rng.randint(2, 64), rng.randint(65, 256), rng.randint(257, 900)))
+                 for _ in range(rng.randint(1, 3))]
+        out.append([1] * rng.randint(0, 15) + tails)
+    return out
+
+
+def build(args) -> tuple[object, CacheBuffers, int, float]:
+    """(model, cache buffers, scratch page, start-up s): with --engine the serving engine's own (its start-up
+    warm-up and graph capture included), else a bare model whose warm-up is the lone prompts of WARM_UP_LENGTHS
+    (unless --no-warm-up)."""
+    t0 = time.time()
+    if args.engine:
+        from tokenspeed import LLM
+
+        llm = LLM(args.geometry, device=args.device, load_format="dummy", max_num_seqs=32,
+                  max_model_len=args.history + 2048, gpu_memory_utilization=0.9)
+        runner = llm.engine.runner
+        return runner.model, runner.buffers, runner.num_pages, time.time() - t0
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = load_model(args.geometry, dtype, args.device, load_format="dummy", seed=0)
+    page = 64
+    longest = args.history + 2048
+    buf = CacheBuffers.allocate(model.config, -(-longest // page) + 1, page, 33, model.dtype, args.device)
+    scratch = buf.mla_latent[0].shape[0] - 1 if buf.mla_latent else 0
+    if not args.no_warm_up:
+        with torch.no_grad():
+            for n in WARM_UP_LENGTHS:
+                step(model, buf, [n], 0, scratch, args.device)
+    return model, buf, scratch, time.time() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--geometry", default="kimi-linear-48b-a3b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--history", type=int, default=10240)
     ap.add_argument("--shapes", default=SWE_SMITH_SHAPES, help="';' list of ','-separated new tokens per sequence")
+    ap.add_argument("--random", type=int, default=0, help="this many more random mixed shapes (`random_shapes`)")
+    ap.add_argument("--engine", action="store_true", help="start the serving engine (its warm-up and graphs)")
     ap.add_argument("--no-warm-up", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = load_model(args.geometry, dtype, args.device, load_format="dummy", seed=0)
-    shapes = [[int(x) for x in s.split(",")] for s in args.shapes.split(";")]
-    page = 64
-    longest = args.history + max(max(s) for s in shapes + [list(WARM_UP_LENGTHS)])
-    buf = CacheBuffers.allocate(model.config, -(-longest // page) + 1, page, max(len(s) for s in shapes) + 1,
-                                model.dtype, args.device)
-    scratch = buf.mla_latent[0].shape[0] - 1 if buf.mla_latent else 0
+    shapes = [[int(x) for x in s.split(",")] for s in args.shapes.split(";") if s]
+    shapes += random_shapes(args.random)
+    if max(len(s) for s in shapes) > 32 or max(max(s) for s in shapes) > 2048:
+        raise SystemExit("shapes must have at most 32 sequences of at most 2048 new tokens")
+    model, buf, scratch, start_s = build(args)
+    print(f"start-up (model, warm-up{', graphs' if args.engine else ''}): {start_s:.1f} s", flush=True)
     fns = jit_functions()
     if os.environ.get("TRITON_INTERPRET") == "1":
         SimulatedKeys.install()
     rows, t_start = [], time.time()
     with torch.no_grad():
-        if not args.no_warm_up:
-            for n in WARM_UP_LENGTHS:
-                step(model, buf, [n], 0, scratch, args.device)
         for qlens in shapes:
             before = keys(fns)
             first = step(model, buf, qlens, args.history, scratch, args.device)
@@ -204,7 +241,8 @@ def main() -> None:
     res = {"env": {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                    "torch": torch.__version__, "commit": os.environ.get("BENCH_COMMIT", "unknown"),
                    "date": time.strftime("%Y-%m-%d"), "argv": sys.argv, "wall_s": time.time() - t_start},
-           "geometry": args.geometry, "history": args.history, "rows": rows}
+           "geometry": args.geometry, "history": args.history, "start_up_s": start_s, "engine": args.engine,
+           "rows": rows}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "compile_stalls.json"), "w") as f:
         json.dump(res, f, indent=1)

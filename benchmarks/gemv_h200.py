@@ -116,11 +116,19 @@ def auto_split(n_blocks: int, K: int, block_k: int, programs: int, min_steps: in
     return split
 
 
+def wave_split(n_blocks: int, K: int, block_k: int, programs: int) -> int:
+    """The largest split-K (any integer, not only a power of two) whose n_blocks x split programs fit in
+    `programs` (a whole number of waves: no half-empty last wave, e.g. 36 tiles x 3 = 108 programs on 132 SMs,
+    where a split of 4 puts two programs on 12 SMs); 1 when the tiles alone fill it; at most one BLOCK_K step
+    per split."""
+    return max(1, min(programs // max(n_blocks, 1), triton.cdiv(K, block_k)))
+
+
 def sweep(M: int, N: int, K: int, elt: int, num_sms: int, wide: bool, dry: bool) -> list[GemvConfig]:
     """The launch configs tried for one (M, N, K): the tile shapes that won a wide H200 sweep (tensor-core kernel;
     the CUDA-core kernel only at M <= 2, where it wins some tiny layers), each with the split-K that fills one and
-    two waves of programs (>= 4 K steps per split, and for small layers >= 1 step: more, shorter programs), plus
-    the default chooser's pick. `wide` adds more tiles, stages, waves and split depths."""
+    two waves of programs (>= 4 K steps per split, and for small layers >= 1 step: more, shorter programs) and the
+    largest split that fits in them (`wave_split`), plus the default chooser's pick. `wide` adds more tiles, stages, waves and split depths."""
     if dry:
         return [GemvConfig("fma", 16, 32, 1, 4, 1), GemvConfig("fma", 8, 64, 3, 4, 1), GemvConfig("dot", 32, 32, 2, 4, 1),
                 k_gemv.default_config(M, N, K, elt, num_sms)]
@@ -146,6 +154,7 @@ def sweep(M: int, N: int, K: int, elt: int, num_sms: int, wide: bool, dry: bool)
             for w in waves:
                 for d in depths:
                     cfgs.add(GemvConfig(kind, bn, bk, auto_split(nb, K, bk, int(w * num_sms), d), warps, stages))
+                cfgs.add(GemvConfig(kind, bn, bk, wave_split(nb, K, bk, int(w * num_sms)), warps, stages))
     return sorted(cfgs, key=lambda c: (c.kind, c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages))
 
 

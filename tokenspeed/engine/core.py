@@ -32,6 +32,14 @@ from tokenspeed.spec.proposer import make_proposer
 logger = logging.getLogger(__name__)
 
 
+# Mixed steps the start-up warm-up runs (new tokens per sequence, each on a cached history), one per class of
+# compiled kernel variants that multi-turn serving meets beyond the lone prompts' (benchmarks/compile_stalls.py
+# lists them): decodes beside a short tail at 2 and 4 sequences (the ragged MLA kernel; the fused KDA kernel's two
+# V-tile choices), beside a tail longer than the fused KDA limit (the chunked scan from cached states, the expanded
+# MLA beside the ragged kernel) and beside one that puts 16-32 rows on each expert (the MoE tiles of that bucket).
+WARM_UP_MIXED = ((1, 40), (1, 1, 1, 40), (1, 1, 300), (1, 1, 1, 600))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -68,11 +76,16 @@ class EngineCore:
         torch.manual_seed(mc.seed)
 
     def _warm_up(self, chunk: int) -> None:
-        """Compile the prefill kernels before serving: a full chunk and a few short prompts (their tiles differ)."""
+        """Compile the prefill kernels before serving: a full chunk and a few short prompts (their tiles differ),
+        then mixed steps of decodes beside a short or a longer tail on a cached history (WARM_UP_MIXED, the
+        shapes of multi-turn serving: ragged MLA fused / unfused by batch size, short-tail KDA, MoE row buckets)."""
         start = time.perf_counter()
         lengths = sorted({min(chunk, n) for n in (chunk, 1024, 100, 17)}, reverse=True)
-        self.runner.warm_up([n for n in lengths if n <= self.max_model_len])
-        logger.info("warmed up prefill kernels for %s-token prompts in %.1f s", lengths, time.perf_counter() - start)
+        max_seqs = self.config.scheduler.max_num_seqs
+        mixed = [q for q in WARM_UP_MIXED if len(q) <= max_seqs and sum(q) <= chunk]
+        self.runner.warm_up([n for n in lengths if n <= self.max_model_len], mixed)
+        logger.info("warmed up prefill kernels for %s-token prompts and mixed steps %s in %.1f s", lengths, mixed,
+                    time.perf_counter() - start)
 
     def _use_cuda_graphs(self) -> bool:
         """Graphs need a CUDA device and the Triton ops (the references synchronise). With EAGLE3 the target's

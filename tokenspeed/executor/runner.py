@@ -5,7 +5,9 @@ samples (verifying drafts when speculating), and performs the KDA state copies t
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -94,16 +96,25 @@ class ModelRunner:
                 continue
             self.graphs[q] = graphs
 
-    def warm_up(self, lengths: list[int]) -> None:
-        """One eager prefill forward per length in `lengths` (one sequence of that many tokens), so the kernels
-        that compile or autotune per shape class (Triton tiles chosen by rows per expert, fla's chunked scan) do it
-        at start-up, not in the first requests. The sequence writes only the scratch page (every page of its
-        table) and KDA slot 0, whose state every sequence that takes it later zeroes or restores first."""
+    def warm_up(self, lengths: list[int], mixed: Sequence[Sequence[int]] = ()) -> None:
+        """One eager prefill forward per length in `lengths` (one sequence of that many tokens), then one eager
+        forward per entry of `mixed` (several sequences with a cached history, taking those many new tokens each:
+        the mixed decode + tail steps of serving, whose ragged kernel variants differ from a lone prompt's), so the
+        kernels that compile or autotune per shape class (Triton tiles chosen by rows per expert, fla's chunked
+        scan, the ragged MLA and short-tail KDA forms) do it at start-up, not in the first requests. Every sequence
+        writes only the scratch page (every page of its table) and KDA slot 0, whose state every sequence that
+        takes it later zeroes or restores first (the values the warm-up leaves there are never read)."""
         page_size = self.buffers.page_size
         for n in lengths:
             pages = [self.num_pages] * (-(-n // page_size))
             forward = ForwardBatch.build([[0] * n], [0], [pages], [0], page_size, self.device)
             self.model(forward, self.buffers, device_longs([n - 1], self.device))
+        history = 4 * page_size
+        for qlens in mixed:
+            pages = [[self.num_pages] * (-(-(history + q) // page_size)) for q in qlens]
+            forward = ForwardBatch.build([[0] * q for q in qlens], [history] * len(qlens), pages, [0] * len(qlens),
+                                         page_size, self.device)
+            self.model(forward, self.buffers, device_longs([c - 1 for c in accumulate(qlens)], self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 

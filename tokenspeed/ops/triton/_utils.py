@@ -1,4 +1,12 @@
-"""Small helpers shared by the Triton wrappers."""
+"""Small helpers shared by the Triton wrappers.
+
+Specialisation policy: Triton compiles a kernel variant per distinct specialisation of its integer and pointer
+arguments (an int equal to 1 becomes a constant, an int or address divisible by 16 gets an alignment hint). An
+argument that counts rows, tokens, pairs or sequences of a step changes from step to step in serving, so each
+new value class would compile a variant (seconds on an H200) in the middle of a request. Such arguments are in the
+kernel's `do_not_specialize` list; strides and model sizes stay specialised. Constexprs chosen from the step's
+shape (tiles, bucketed block sizes) are kept to a few classes, which the engine's start-up warm-up compiles
+(`tokenspeed.executor.warm_up`; `benchmarks/compile_stalls.py` checks what a step still compiles)."""
 
 from __future__ import annotations
 

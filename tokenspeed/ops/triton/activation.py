@@ -54,7 +54,7 @@ def _tanh_f32(x):
     return tl.where(ax < 0.5, small, big)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # per-step counts: no recompile per value
 def _gated_activation_kernel(
     G, U, Y,
     R, I,

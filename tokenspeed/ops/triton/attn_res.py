@@ -87,7 +87,7 @@ def _spin_barrier(C, expected):
     tl.debug_barrier()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # per-step counts: no recompile per value
 def _attn_res_split_kernel(
     Bk, P, Q, NW, Y, WS, CNT,
     n, D,
@@ -160,7 +160,7 @@ def _norm_row_inplace(Y, t64, stride_y, NW, D, norm_eps, BLOCK_D: tl.constexpr):
     tl.store(Y + t64 * stride_y + cols, (w * normed).to(Y.dtype.element_ty), mask=cmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # per-step counts: no recompile per value
 def _attn_res_online_kernel(
     Bk, P, Q, NW, Y,
     n, D,
@@ -201,7 +201,7 @@ def _attn_res_online_kernel(
     tl.store(Y + t64 * stride_y + cols, mix, mask=cmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # per-step counts: no recompile per value
 def _attn_res_tile_kernel(
     Bk, P, Q, NW, Y,
     n, D,

@@ -122,7 +122,7 @@ def _load_row(X, t, T, C, stride_xt, c):
     return tl.load(X + t.to(tl.int64) * stride_xt + c, mask=c < tl.where(t < T, C, 0), other=0.0).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "N", "n_iter"])  # per-step counts: no recompile per value
 def _conv_kernel(
     X, Wt, CS, SI, CU, Y,
     T, C, N, n_iter,

@@ -182,11 +182,19 @@ def kda_decode(
         float(lower_bound) if lower_bound is not None else 0.0, float(scale), float(norm_eps),
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=bool(update_state), STORE_STEPS=step_states is not None,
         HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, NORM=norm,
-        NORM_ROWS=min(next_pow2(triton.cdiv(T, N)), 16) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"),
+        NORM_ROWS=norm_rows(T, N) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"),
         PF_STATE=D % 4 == 0 and state.data_ptr() % 16 == 0 and state.stride(0) % 4 == 0,
         **fold, **opts, **pdl.launch_kwargs(qkv.device, "kda"),
     )
     return out
+
+
+def norm_rows(T: int, N: int) -> int:
+    """NORM_ROWS, the rows the fused output norm takes per step: 1 for one token per sequence (decode), else 16
+    for every other step (verify, prompt tails beside decodes), so mixed serving steps share one compiled variant
+    whatever their lengths; the rows are normed independently and the tile masks the ones past a sequence's end,
+    so the result does not depend on it."""
+    return 1 if T <= N else 16
 
 
 def _check_fold(f3: Tensor | None, norm_gate: Tensor | None, norm_weight: Tensor | None, f_a: Tensor | None,

@@ -201,7 +201,7 @@ def _store_rows(acc, m_i, l_i, kv_scale, direct, O, o_base, o_rows, PART, LSE, p
 
 # The scalars that vary with the batch and the policy are not specialised (divisible by 16, equal to 1): one
 # compiled variant serves them all (fewer JIT compiles at warm-up and in the policy sweep).
-@triton.jit(do_not_specialize=["N", "MAX_SPLITS", "min_chunk", "max_q"])
+@triton.jit(do_not_specialize=["N", "MAX_SPLITS", "min_chunk", "max_q", "stride_pt"])
 def _mla_split_kernel(
     Qp, stride_qn, stride_qj, stride_qh,
     QR, stride_rn, stride_rj, stride_rh,
@@ -539,7 +539,7 @@ def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: T
         lse = torch.empty(N * ms, qh, dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # never touched: one split per sequence
-    block_seq = next_pow2(N) if balanced else 1  # the uniform plan reads only its own kv_len
+    block_seq = plan_block_seq(N) if balanced else 1  # the uniform plan reads only its own kv_len
     use_pdl = pdl.enabled(q.device, "mla")
     launch = pdl.launch_kwargs(q.device, "mla")
     _mla_split_kernel[(triton.cdiv(qh, bh), ms, N)](
@@ -584,6 +584,13 @@ def num_sms(device: torch.device) -> int:
     if idx not in _SM_COUNTS:
         _SM_COUNTS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNTS[idx]
+
+
+def plan_block_seq(num_seqs: int) -> int:
+    """BLOCK_SEQ of the balanced split plan (every program reads all N histories as one vector): a power of two
+    >= 16, so the batch sizes of a serving run share a few compiled variants (one up to 16 sequences); the plan
+    masks the lanes past N, so the result does not depend on it."""
+    return max(16, next_pow2(num_seqs))
 
 
 def ragged_max_q_bucket(max_q: int) -> int:
@@ -659,7 +666,7 @@ def _launch_ragged(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_
     else:
         part = lse = out  # never touched: one split per sequence
     mc = min_chunk if ms > 1 else 2**31 - 1  # max_splits == 1: a chunk longer than any history, so no splits
-    mq, block_seq = ragged_max_q_bucket(max_q), next_pow2(N)
+    mq, block_seq = ragged_max_q_bucket(max_q), plan_block_seq(N)
     use_pdl = pdl.enabled(q.device, "mla")
     launch = pdl.launch_kwargs(q.device, "mla")
     _mla_split_kernel[(programs, 1, 1)](

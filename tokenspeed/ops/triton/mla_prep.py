@@ -119,7 +119,7 @@ def _absorb_block(a, T, QN, stride_qt, stride_qh, WUK, stride_wh, stride_wn, QL,
     tl.store(QL + (toks[:, None] * H + h) * RANK + cols[None, :], acc.to(CT), mask=tmask[:, None] & lmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # per-step counts: no recompile per value
 def _norm_store_absorb_kernel(
     C, stride_c, PE, stride_pe, W, CACHE, stride_cp, stride_cr, SLOTS,
     eps, kv_scale,

@@ -61,7 +61,7 @@ FUSED_ALIGN_MAX_PAIRS = 4096
 FUSED_ALIGN_MAX_BINS = 2048
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "n_rows", "max_blocks"])  # per-step counts: no recompile per value
 def _align_kernel(
     Ids, SortedPair, BlockExpert, Rank, Work,
     P, E, n_rows, max_blocks,

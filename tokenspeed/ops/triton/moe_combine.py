@@ -57,7 +57,7 @@ def _combine_kernel(Buf, TopkW, Out, Add, D, stride_add, TOP_K: tl.constexpr, BL
     tl.store(Out + t * D + offs, y, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # per-step counts: no recompile per value
 def _combine_norm_kernel(Buf, TopkW, Add, Res, W, Y, S, R, D, stride_add, stride_res, eps,
                          TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr,
                          PDL: tl.constexpr = False):

@@ -263,7 +263,7 @@ def _gate_up_rows(
     tl.store(H + rows[:, None] * DI + offs_n[None, :], h.to(H.dtype.element_ty), mask=smask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "num_m"])  # per-step counts: no recompile per value
 def _gate_up_kernel(
     X, W1, W3, H, SortedPair, BlockExpert,
     P, D, DI, E,
@@ -400,7 +400,7 @@ def _down_rows(
         tl.store(out_ptrs, acc.to(Buf.dtype.element_ty), mask=out_mask)  # each expert output rounded to x.dtype
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "num_m"])  # per-step counts: no recompile per value
 def _down_kernel(
     H, W2, Buf, SortedPair, BlockExpert,
     P, D, DI, E,
@@ -459,7 +459,7 @@ def _down_kernel(
                        stride_w2i, pf_bytes, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, TMA, False, PDL, PREFETCH)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # per-step counts: no recompile per value
 def _gather_x_kernel(X, Xs, SortedPair, BlockExpert, P, D, E, stride_xt,
                      TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """Xs[r] = x[pair(r) // k] for the rows of valid expert blocks, zeros for their padding rows (grid max_blocks

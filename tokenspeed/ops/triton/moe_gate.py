@@ -130,7 +130,7 @@ def _route_all(L, Bias, Wout, Iout, T, E, scaling,
         tl.store(Iout + r64 * OUT_K + TOP_K, tl.full([BLOCK_RT], SHARED_ID, tl.int64), mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # per-step counts: no recompile per value
 def _moe_gate_kernel(
     A, R, NW, W, Bias, X, S, L, Wout, Iout, CNT,
     T, K, E,

@@ -24,7 +24,7 @@ from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import as_rows, next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # per-step counts: no recompile per value
 def _rms_norm_kernel(
     X, G, W, Y, Res, S,
     R, D,
