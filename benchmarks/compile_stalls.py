@@ -21,10 +21,12 @@ specialisation differs from the closest earlier variant.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib
 import json
 import os
 import pkgutil
+import pstats
 import random
 import sys
 import time
@@ -166,6 +168,24 @@ def step(model, buf: CacheBuffers, qlens: list[int], history: int, scratch: int,
     return (time.perf_counter() - t0) * 1e3
 
 
+def alloc_counts(device: str) -> dict[str, int]:
+    """The CUDA caching allocator's counters that a slow first call could come from: cudaMalloc / cudaFree calls,
+    retries after a failed cudaMalloc (which free the cache and synchronise), reserved bytes (empty off CUDA)."""
+    if not device.startswith("cuda"):
+        return {}
+    st = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "reserved_bytes.all.current")
+    return {k: int(st.get(k, 0)) for k in keys}
+
+
+def top_calls(prof: cProfile.Profile, n: int = 12) -> list[str]:
+    """The n functions with the most own time in a profile, as 'ms  calls  function'."""
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [f"{tt * 1e3:8.1f} ms {nc:6d}  {fn[0].rsplit('/', 1)[-1]}:{fn[1]}({fn[2]})"
+            for fn, (_, nc, tt, _, _) in rows]
+
+
 def random_shapes(n: int, seed: int = 0) -> list[list[int]]:
     """n mixed steps like multi-turn serving's: 0-15 decodes beside 1-3 tails of 2-64, 65-256 or 257-900 tokens."""
     rng = random.Random(seed)
@@ -211,6 +231,8 @@ def main() -> None:
     ap.add_argument("--random", type=int, default=0, help="this many more random mixed shapes (`random_shapes`)")
     ap.add_argument("--engine", action="store_true", help="start the serving engine (its warm-up and graphs)")
     ap.add_argument("--no-warm-up", action="store_true")
+    ap.add_argument("--profile-first", type=float, default=0.0,
+                    help="cProfile every first call; print the top functions of those slower than this many ms")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     shapes = [[int(x) for x in s.split(",")] for s in args.shapes.split(";") if s]
@@ -226,13 +248,23 @@ def main() -> None:
     with torch.no_grad():
         for qlens in shapes:
             before = keys(fns)
+            mem0 = alloc_counts(args.device)
+            prof = cProfile.Profile() if args.profile_first else None
+            if prof is not None:
+                prof.enable()
             first = step(model, buf, qlens, args.history, scratch, args.device)
+            if prof is not None:
+                prof.disable()
+            mem = {k: v - mem0[k] for k, v in alloc_counts(args.device).items()}
             after = keys(fns)
             again = step(model, buf, qlens, args.history, scratch, args.device)
             new = {k: len(after[k] - before[k]) for k in after if after[k] - before[k]}
             why = {k: key_diffs(fns[k], after[k] - before[k], before[k]) for k in new}
             rows.append({"qlens": qlens, "first_ms": first, "repeat_ms": again, "new_variants": sum(new.values()),
-                         "compiled": new, "why": why})
+                         "compiled": new, "why": why, "allocator": mem})
+            if prof is not None and first > args.profile_first:
+                rows[-1]["profile"] = top_calls(prof)
+                print("    allocator:", mem, "\n    " + "\n    ".join(rows[-1]["profile"]), flush=True)
             for k, ds in why.items():
                 for d in ds:
                     print(f"    {k.rsplit('.', 1)[-1]}: {d}", flush=True)
