@@ -36,8 +36,10 @@ logger = logging.getLogger(__name__)
 # compiled kernel variants that multi-turn serving meets beyond the lone prompts' (benchmarks/compile_stalls.py
 # lists them): decodes beside a short tail at 2 and 4 sequences (the ragged MLA kernel; the fused KDA kernel's two
 # V-tile choices), beside a tail longer than the fused KDA limit (the chunked scan from cached states, the expanded
-# MLA beside the ragged kernel) and beside one that puts 16-32 rows on each expert (the MoE tiles of that bucket).
-WARM_UP_MIXED = ((1, 40), (1, 1, 1, 40), (1, 1, 300), (1, 1, 1, 600))
+# MLA beside the ragged kernel), beside one that puts 16-32 rows on each expert (the MoE tiles of that bucket), and
+# two expanded-MLA tails whose key lengths are odd and 2 mod 4 (the first such torch SDPA call of a process took
+# over a second on an H200: benchmarks/results/compile_stalls_h200_5450477_profiled.json).
+WARM_UP_MIXED = ((1, 40), (1, 1, 1, 40), (1, 1, 300), (1, 1, 1, 600), (1, 301, 302))
 
 
 class EngineCore:
