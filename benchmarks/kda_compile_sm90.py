@@ -4,8 +4,7 @@ one's registers per thread, spill stack and shared memory (Triton's own ptxas an
     PYTHONPATH=. python benchmarks/kda_compile_sm90.py [--only REGEX] [--sass]
 
 It calls `tokenspeed.ops.triton.kda_decode.kda_decode` / `kda_replay_layers` on small CPU tensors of Kimi-Linear's
-KDA geometry (32 heads x 128, bf16; batch 1 and 8, verify 4 tokens, the 20-layer replay; `-fold`: the low-rank
-gates folded in, `f_a=` / `g_a=` rank-128 column views with their up-projection weights) with `pdl.enabled`
+KDA geometry (32 heads x 128, bf16; batch 1 and 8, verify 4 tokens, the 20-layer replay) with `pdl.enabled`
 forced True, catches the kernel launch instead of running it, and hands it to `triton.compile` for
 GPUTarget("cuda", 90, 32) with the signature and specialisations the JIT would derive (benchmarks/sm90_compile.py).
 The PTX is checked for the PDL wait and trigger (and the L2 prefetches where the variant issues them). Use the
@@ -45,17 +44,6 @@ def _norm(inp: dict, d: int = D) -> dict:
     return {"norm_gate": wide[:, H * d:].view(T, H, d), "norm_weight": torch.zeros(d), "norm_eps": 1e-5}
 
 
-def _fold(inp: dict, d: int = D) -> dict:
-    """The folded low-rank gates (`kda_decode(f=None, f_a=, f_b_weight=, g_a=, g_b_weight=)`): f_a | g_a adjacent
-    column views of a merged projection (rank d, as in Kimi Linear), bf16 weights [H * d, d], the norm epilogue on."""
-    T, dt = inp["qkv"].shape[0], inp["qkv"].dtype
-    merged = torch.zeros(T, 3 * H * d + 2 * d + H, dtype=dt)
-    lo = 3 * H * d
-    return {"f": None, "f_a": merged[:, lo:lo + d], "g_a": merged[:, lo + d:lo + 2 * d],
-            "f_b_weight": torch.zeros(H * d, d, dtype=dt), "g_b_weight": torch.zeros(H * d, d, dtype=dt),
-            "norm_weight": torch.zeros(d), "norm_eps": 1e-5}
-
-
 def variants() -> list[tuple[str, callable]]:
     """(tag, thunk calling the wrapper) for each launch variant."""
     dec = {"lower_bound": -5.0, "scale": D ** -0.5}
@@ -75,14 +63,6 @@ def variants() -> list[tuple[str, callable]]:
                 (f"verify-b2-q4{sfx}", call(2, 4, update_state=False)),
                 (f"verify-b2-q4-chunked{sfx}", call(2, 4, update_state=False, chunked=True)),
                 (f"tail-b1-q64{sfx}", call(1, 64))]
-    for tag, N, q, kw in [("decode-b1", 1, 1, {}), ("decode-b8-chunked", 8, 1, {}),
-                          ("decode-b8-chunked-s1", 8, 1, {"num_stages": 1}),
-                          ("verify-b2-q4", 2, 4, {"update_state": False}),
-                          ("verify-b2-q4-chunked", 2, 4, {"update_state": False, "chunked": True})]:
-        def fold_call(N=N, q=q, kw=kw):
-            inp = _layer(N, q)
-            return kd.kda_decode(**{**inp, **_fold(inp)}, **dec, **kw)
-        out.append((f"{tag}-fold", fold_call))
     layers = [KdaLayerTensors(*(_layer(2, 4)[k] for k in KdaLayerTensors._fields)) for _ in range(3)]
     table = KdaLayerTable.build(layers, strict=True)
     acc = torch.zeros(2, dtype=torch.int64)

@@ -12,14 +12,13 @@ router `_moe_route_kernel`, the fused alignment `_align_kernel`, `_gather_x_kern
 (16-divisible strides, constant 1s, descriptor block shapes); launches that compile to the same kernel are compiled
 once. Default: the prefill sweep's configs (`moe_prefill_h200.GATE_UP` / `DOWN`, Kimi-Linear's D 2304, I 1024,
 E 16, 1024 tokens). --decode: the decode launches of `default_config` at T = 1, 2, 4, 8, 64 (Kimi-Linear's top-8 of
-256 + the folded shared expert), fused (one experts launch, `moe_fused`, with `combine_partials`), direct and
-aligned, plain, with `add=` and with the fused junction (`residual=`), with the folded shared expert as the gate/up
-prefetch hint, plus the router. With PDL the PTX must show `griddepcontrol.wait` before
-`griddepcontrol.launch_dependents`; gate_up's hinted W1 / W3 and the down kernel's W2 L2 prefetch
-(`cp.async.bulk.prefetch.L2.global`) and its routing loads (`ld.global.cg`) before the wait; the combine's pre-wait
-`.cg` loads of the residual / add (and `combine_partials`' row-counter atomic after the wait); the others (the fused
-experts kernel too) no global load before the wait. Use the Triton the GPU runs (e.g. `pip install --target DIR
-triton==3.6.0`, then PYTHONPATH=DIR:benchmarks:.): a variant that fails here fails there. Needs no CUDA driver.
+256 + the folded shared expert), direct and aligned, plain, with `add=` and with the fused junction
+(`residual=`), with the folded shared expert as the gate/up prefetch hint, plus the router. With PDL the PTX must
+show `griddepcontrol.wait` before `griddepcontrol.launch_dependents`; gate_up's hinted W1 / W3 and the down
+kernel's W2 L2 prefetch (`cp.async.bulk.prefetch.L2.global`) and its routing loads (`ld.global.cg`) before the
+wait; the combine's pre-wait `.cg` loads of the residual / add; the others no global load before the wait. Use the
+Triton the GPU runs (e.g. `pip install --target DIR triton==3.6.0`, then PYTHONPATH=DIR:benchmarks:.): a variant
+that fails here fails there. Needs no CUDA driver.
 --sass adds a hash of each kernel's SASS (equal hashes: the same machine code). Exit status 1 if anything fails.
 The catching and compiling machinery is benchmarks/sm90_compile.py's.
 """
@@ -37,12 +36,11 @@ import torch
 import triton
 
 from tokenspeed.ops.reference.activation import Activation
-from tokenspeed.ops.triton import moe_align, moe_combine, moe_fused, moe_pdl, moe_route
+from tokenspeed.ops.triton import moe_align, moe_combine, moe_pdl, moe_route
 from tokenspeed.ops.triton import moe_experts as tk
 
 KERNELS = {tk: ("_gate_up_kernel", "_down_kernel", "_gather_x_kernel"), moe_combine: ("_combine_kernel",
-           "_combine_norm_kernel", "_combine_partials_kernel"), moe_align: ("_align_kernel",),
-           moe_route: ("_moe_route_kernel",), moe_fused: ("_fused_direct_kernel",)}
+           "_combine_norm_kernel"), moe_align: ("_align_kernel",), moe_route: ("_moe_route_kernel",)}
 KIMI = {"k": 8, "E": 256, "D": 2304, "DI": 1024}
 
 
@@ -96,15 +94,12 @@ def pdl_checks(name: str, ptx: str, kwargs: dict, pdl_on: bool) -> list[str]:
     if name == "_down_kernel":
         if not pre_loads or any(".cg" not in ld for ld in pre_loads):
             bad.append("the routing loads (expert id) before the wait, through L2 only (.cg)")
-    elif name in ("_combine_kernel", "_combine_norm_kernel", "_combine_partials_kernel"):
-        pre = bool(kwargs.get("HAS_ADD") or name == "_combine_norm_kernel" or kwargs.get("NORM"))
+    elif name in ("_combine_kernel", "_combine_norm_kernel"):
+        pre = bool(kwargs.get("HAS_ADD") or name == "_combine_norm_kernel")
         if pre != any(".cg" in ld for ld in pre_loads):
             bad.append("the residual / add loaded (.cg) before the wait" if pre else "no global load before the wait")
     elif pre_loads:
         bad.append("no global load before the wait")
-    atom = ptx.find("atom.")
-    if atom >= 0 and atom < wait:
-        bad.append("the row counter's atomic after the wait")
     return bad
 
 
@@ -117,9 +112,7 @@ def decode_variants() -> list[tuple[str, Callable[[], object]]]:
         cfg = tk.default_config(T, k, E, D, DI)
         modes = [("aligned", replace(cfg, direct_max_tokens=0))]
         if T <= tk.DIRECT_MAX_TOKENS:
-            modes[:0] = [("direct", replace(cfg, direct_max_tokens=T, fused_max_tokens=0))]
-        if T <= cfg.fused_max_tokens:
-            modes[:0] = [("fused", replace(cfg, direct_max_tokens=T))]
+            modes[:0] = [("direct", replace(cfg, direct_max_tokens=T))]
         for mode, c in modes:
             out += [(f"T{T}_{mode}", experts_call(c, T, k, E, D, DI)),
                     (f"T{T}_{mode}_add", experts_call(c, T, k, E, D, DI, add=True)),

@@ -142,7 +142,7 @@ def host_profile(model, batch: int, ctx: int) -> dict:
 
 def _config_env(config: str) -> dict[str, str]:
     """"pdl:gemv_prefetch:l2[:lin[:NAME=VALUE,...]]" (e.g. "1:regs:1", "-mla,-kda:regs:0",
-    "1:regs:0:table:TOKENSPEED_MOE_FUSED=0") -> the environment of that setting: the three PDL / prefetch
+    "1:regs:0:table:TOKENSPEED_MOE_GATE=0") -> the environment of that setting: the three PDL / prefetch
     variables, plus any extra variables named in the 5th field (an op's own A/B switch)."""
     fields = config.split(":", 4) + [""] * 5
     pdl_set, prefetch, l2, extra = fields[0], fields[1], fields[2], fields[4]

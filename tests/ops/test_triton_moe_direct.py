@@ -62,8 +62,7 @@ def both(x, w1, w3, w2, tw, ids, act, cfg, add=None):
     from tokenspeed.ops.triton.moe_experts import moe_experts
 
     T = x.shape[0]
-    direct = moe_experts(x, w1, w3, w2, tw, ids, act, add=add,  # the two-launch direct mode (not the fused one)
-                          config=replace(cfg, direct_max_tokens=T, fused_max_tokens=0))
+    direct = moe_experts(x, w1, w3, w2, tw, ids, act, add=add, config=replace(cfg, direct_max_tokens=T))
     aligned = moe_experts(x, w1, w3, w2, tw, ids, act, add=add, config=replace(cfg, direct_max_tokens=0))
     assert direct.shape == aligned.shape == (T, w2.shape[1]) and direct.dtype == x.dtype
     return direct, aligned

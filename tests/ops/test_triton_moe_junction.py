@@ -130,7 +130,6 @@ def test_ops_fuses_up_to_the_add_norm_row_limit_interp(monkeypatch, poison_empty
     from tokenspeed.ops.triton import moe_experts as tk
 
     monkeypatch.setenv("TOKENSPEED_OPS", "triton")
-    monkeypatch.setenv("TOKENSPEED_MOE_FUSED", "0")  # the two-launch direct mode, whose combine this counts
     calls = []
     real = moe_combine.combine_add_rms_norm
     monkeypatch.setattr(tk, "combine_add_rms_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -177,7 +176,7 @@ def test_junction_errors_and_empty_calls_interp(poison_empty):
 
 def _caught_launches(monkeypatch, call, pdl_on: bool) -> list[tuple[str, dict]]:
     """(kernel name, launch keywords) of call()'s MoE launches, caught instead of run, with pdl.enabled forced."""
-    from tokenspeed.ops.triton import moe_align, moe_combine, moe_fused, moe_pdl, moe_route, pdl
+    from tokenspeed.ops.triton import moe_align, moe_combine, moe_pdl, moe_route, pdl
     from tokenspeed.ops.triton import moe_experts as tk
 
     seen: list = []
@@ -193,8 +192,7 @@ def _caught_launches(monkeypatch, call, pdl_on: bool) -> list[tuple[str, dict]]:
         m.setattr(pdl, "enabled", lambda device, family="": pdl_on)
         m.setattr(moe_pdl, "_sm_count", lambda device: 132)
         for mod, names in ((tk, ("_gate_up_kernel", "_down_kernel", "_gather_x_kernel")),
-                           (moe_combine, ("_combine_kernel", "_combine_norm_kernel", "_combine_partials_kernel")),
-                           (moe_fused, ("_fused_direct_kernel",)), (moe_align, ("_align_kernel",)),
+                           (moe_combine, ("_combine_kernel", "_combine_norm_kernel")), (moe_align, ("_align_kernel",)),
                            (moe_route, ("_moe_route_kernel",))):
             for n in names:
                 m.setattr(mod, n, Catch(n))
@@ -215,14 +213,10 @@ def test_moe_launches_pdl_plumbing_interp(monkeypatch, pdl_on: bool):
     x, tw, ids, residual, w = routing(4, 3, E, D, dt, "cpu")
     prefill = tk.ExpertsConfig(16, 32, 32, 4, 2, 32, 32, 4, 2, gather_x=True, tma1=True, tma2=True)
     aligned = replace(tk.default_config(4, 3, E, D, DI), direct_max_tokens=0)
-    direct = replace(tk.default_config(4, 3, E, D, DI), fused_max_tokens=0)
     calls = [  # (call, the down kernel prefetches W2, the expert gate_up prefetches; when PDL is on)
         (lambda: moe_route(torch.zeros(4, E), None, 3), None, None),
-        (lambda: tk.moe_experts(x, w1, w3, w2, tw, ids, SILU, residual=residual, norm_weight=w, config=direct,
-                                prefetch_expert=E - 1), True, E - 1),  # direct
         (lambda: tk.moe_experts(x, w1, w3, w2, tw, ids, SILU, residual=residual, norm_weight=w,
-                                config=replace(direct, fused_max_tokens=4), prefetch_expert=E - 1),
-         None, None),  # fused direct (opt-in: TOKENSPEED_MOE_FUSED=1)
+                                prefetch_expert=E - 1), True, E - 1),  # direct
         (lambda: tk.moe_experts(x, w1, w3, w2, tw, ids, SILU, add=x, config=aligned, prefetch_expert=3), True, 3),
         (lambda: tk.moe_experts(x, w1, w3, w2, tw, ids, SILU, config=prefill, prefetch_expert=3), False, None),
         (lambda: tk.moe_experts(x, w1, w3, w2, tw, ids, SILU, config=replace(aligned, prefetch_w2=False),
@@ -238,8 +232,7 @@ def test_moe_launches_pdl_plumbing_interp(monkeypatch, pdl_on: bool):
                 want = pdl_on and expert is not None
                 assert kw["PREFETCH"] is want and args[-2:] == ((expert, D * 2) if want else (0, 0))
     assert set(names) == {"_moe_route_kernel", "_gate_up_kernel", "_down_kernel", "_combine_norm_kernel",
-                          "_align_kernel", "_combine_kernel", "_gather_x_kernel", "_fused_direct_kernel",
-                          "_combine_partials_kernel"}
+                          "_align_kernel", "_combine_kernel", "_gather_x_kernel"}
 
 
 @cpu_interp

@@ -283,7 +283,7 @@ for _fn, _ref in ((moe_experts, _ref_moe.moe_experts),
 
 def kda_decode(
     qkv: Tensor,
-    f: Tensor | None,
+    f: Tensor,
     b: Tensor,
     conv_weight: Tensor,
     conv_state: Tensor,
@@ -301,10 +301,6 @@ def kda_decode(
     norm_gate: Tensor | None = None,
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
-    f_a: Tensor | None = None,
-    f_b_weight: Tensor | None = None,
-    g_a: Tensor | None = None,
-    g_b_weight: Tensor | None = None,
 ) -> Tensor:
     """KDA decode / k-token verify from the raw projections, fused on CUDA (one launch per layer).
 
@@ -324,31 +320,18 @@ def kda_decode(
     norm_gate ([T, H, D] or [T, H*D], unit last stride; may be a column view of a wider projection) with
     norm_weight [D]: o is returned as `gated_rms_norm(o, norm_gate, norm_weight, norm_eps)` (the KDA output norm),
     fused into the kernel's epilogue on CUDA, composed otherwise.
-    Low-rank gates folded in (the alternative to f / norm_gate): f None with f_a [T, R] (unit column stride, e.g. a
-    column view of the merged projection) and f_b_weight [H*D, R] gives f = f_a @ f_b_weight^T, and g_a with
-    g_b_weight (in place of norm_gate, with norm_weight) the norm's gate likewise, each summed in fp32 and rounded
-    to qkv.dtype (`reference.kda.low_rank_up`: what the model's bmm writes); computed in the kernel on CUDA,
-    composed otherwise.
     """
     if step_states is not None and update_state:
         raise ValueError("step_states is for verify (update_state=False)")
-    if (f is None) == (f_a is None) or (f_a is None) != (f_b_weight is None) or (g_a is None) != (g_b_weight is None):
-        raise ValueError("pass either f or f_a with f_b_weight; g_a goes with g_b_weight")
-    if (norm_gate is None and g_a is None) != (norm_weight is None) or (norm_gate is not None and g_a is not None):
-        raise ValueError("norm_gate and norm_weight go together (or g_a / g_b_weight with norm_weight)")
-    if _dispatch.use_triton(qkv, f, b, conv_state, state, state_indices, norm_gate, f_a, g_a) \
+    if (norm_gate is None) != (norm_weight is None):
+        raise ValueError("norm_gate and norm_weight go together")
+    if _dispatch.use_triton(qkv, f, b, conv_state, state, state_indices, norm_gate) \
             and _dispatch.kda_decode_supported(qkv, conv_weight, dt_bias):
         return _dispatch.kernels("kda_decode").kda_decode(
             qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens,
             lower_bound=lower_bound, scale=scale, update_state=update_state, step_states=step_states,
             seq_lens=seq_lens, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps,
-            f_a=f_a, f_b_weight=f_b_weight, g_a=g_a, g_b_weight=g_b_weight,
         )
-    if f_a is not None or g_a is not None:  # the composition the folded kernel replaces
-        from tokenspeed.ops.reference.kda import low_rank_up
-
-        f = f if f_a is None else low_rank_up(f_a, f_b_weight, qkv.dtype)
-        norm_gate = norm_gate if g_a is None else low_rank_up(g_a, g_b_weight, qkv.dtype)
     o = _kda_decode_reference(qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices,
                               cu_seqlens, lower_bound=lower_bound, scale=scale, update_state=update_state,
                               step_states=step_states, seq_lens=seq_lens)

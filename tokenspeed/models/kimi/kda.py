@@ -13,16 +13,11 @@ and b in place. The low-rank gate's two up projections run as one `StackedLinear
 [2, local, hd] from f_b_proj and g_b_proj) on the adjacent f_a|g_a columns, giving f and g contiguous; the
 full-rank config keeps `f_b_proj`. Per decode step a KDA layer launches in_proj, fg_b_proj (or f_b_proj), the
 fused kda_decode (the gated output norm is its epilogue) and o_proj (+ the all-reduce under tensor parallelism).
-Small low-rank decode batches (`folds_gates`) skip the fg_b_proj launch: kda_decode computes f and the output
-gate itself from the f_a|g_a columns and the stacked weight (`ops.kda_decode(f_a=, f_b_weight=, g_a=,
-g_b_weight=)`, fp32 sums rounded to the model dtype like the bmm). Verify batches keep the bmm: the replay of
-accepted drafts (`ReplayInputs`) reads the materialised f.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor, nn
@@ -73,25 +68,6 @@ def takes_fused_path(batch: ForwardBatch, on_cuda: bool) -> bool:
         return True
     return (on_cuda and not batch.verify and batch.num_tokens > 0
             and max(batch.query_lens_host) <= FUSED_MAX_TAIL_CUDA)
-
-
-# Decode batches (one new token per sequence, not a verification) of at most this many sequences fold the low-rank
-# gates' up-projection into the fused kernel: one launch less per layer (~3 us of a latency-bound bmm at batch 1).
-# Every (sequence, head) program reads its head's f_b rows (and its g_b slice) through L2, so the extra L2 traffic
-# grows with the batch (~64 KB per program at head dim 128) while the bmm's stays flat: past a few sequences the
-# bmm wins. Off unless TOKENSPEED_KDA_FOLD=1: on an H200 (kimi-linear-48b-a3b decode, batch 1, 4K, graphs, PDL) it
-# was a wash, 3.167 ms folded vs 3.165 not (benchmarks/results/step_profile_h200_cc6f0b0.json): kda_decode grew from
-# ~7.5 to 11.4 us, about what the bmm cost.
-FOLD_GATES_MAX_SEQS = 8
-
-
-def folds_gates(batch: ForwardBatch, full_rank_gate: bool) -> bool:
-    """Whether a KDA layer on the fused path computes its low-rank gates inside `ops.kda_decode` rather than by the
-    `fg_b_proj` bmm: low-rank gate config, a decode batch (uniform query length 1, not a verification) of at most
-    FOLD_GATES_MAX_SEQS sequences, and TOKENSPEED_KDA_FOLD "1" (read per call; off by default, see
-    FOLD_GATES_MAX_SEQS). A host decision from shapes."""
-    return (not full_rank_gate and not batch.verify and batch.uniform_query_len == 1
-            and batch.num_seqs <= FOLD_GATES_MAX_SEQS and os.environ.get("TOKENSPEED_KDA_FOLD", "0").strip() == "1")
 
 
 class KDAAttention(nn.Module):
@@ -153,8 +129,6 @@ class KDAAttention(nn.Module):
         short (FUSED_MAX_TAIL_CUDA); others (prefill chunks, mixed steps) compose conv, gate and `ops.kda_prefill`.
         """
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
-        if takes_fused_path(batch, x.is_cuda) and folds_gates(batch, self.full_rank_gate):
-            return self._forward_folded(x, batch, cache)
         projected, f, b, gate = self.projections(x)
         if batch.verify:
             cache.replay[self.cache_index] = ReplayInputs(projected, f, b)
@@ -177,22 +151,6 @@ class KDAAttention(nn.Module):
                                 scale=1.0 / math.sqrt(hd), state=rec_state, state_indices=slots,
                                 cu_seqlens=batch.cu_seqlens, cu_seqlens_host=batch.cu_seqlens_host)
             o = ops.gated_rms_norm(o, gate.view(t, h, hd), self.o_norm.weight, self.eps)
-        return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
-
-    def _forward_folded(self, x: Tensor, batch: ForwardBatch, cache: CacheBuffers) -> Tensor:
-        """`forward` of a `folds_gates` batch: in_proj, then the fused kda_decode computing f and the output gate
-        from the f_a / g_a columns of in_proj's output (read in place) and fg_b_proj's stacked weight, then o_proj.
-        Equals the unfolded path up to the fp32 summation order of the two up-projections (each rounded once to
-        the model dtype in both). Advances the KDA state of batch.kda_slots in place."""
-        t, h, hd = x.shape[0], self.num_heads, self.head_dim
-        y = self.in_proj(x)
-        w = self.fg_b_proj.weight  # [2, local, hd]: f_b, g_b
-        o = ops.kda_decode(self.in_proj.part(y, "q_proj", "v_proj"), None, self.in_proj.part(y, "b_proj"),
-                           self.conv_weight, cache.kda_conv[self.cache_index], self.A_log, self.dt_bias,
-                           cache.kda_recurrent[self.cache_index], batch.kda_slots, batch.cu_seqlens,
-                           lower_bound=self.lower_bound, scale=1.0 / math.sqrt(hd), update_state=True,
-                           f_a=self.in_proj.part(y, "f_a_proj"), f_b_weight=w[0], g_a=self.in_proj.part(y, "g_a_proj"),
-                           g_b_weight=w[1], norm_weight=self.o_norm.weight, norm_eps=self.eps)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
 
     def replay_tensors(self, cache: CacheBuffers) -> ops.KdaLayerTensors:

@@ -63,14 +63,6 @@ def kda_gate(
     return -rate * F.softplus(x)
 
 
-def low_rank_up(a: Tensor, weight: Tensor, dtype: torch.dtype) -> Tensor:
-    """One of KDA's low-rank gate up-projections (f = f_a @ f_b^T or g = g_a @ g_b^T): ``a`` ``[T, R]`` times
-    ``weight`` ``[H * D, R]`` transposed, the products summed in fp32 and rounded once to ``dtype`` (what the
-    model's bmm writes, and what the fused decode's folded form computes). Returns ``[T, H * D]`` in ``dtype``;
-    nothing is mutated."""
-    return F.linear(a.float(), weight.float()).to(dtype)
-
-
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     """Return ``x / sqrt(sum(x**2, -1) + eps)`` over the last dimension, as fp32.
 

@@ -10,13 +10,13 @@ module lazily), so CPU-only runs never import Triton. Each module mirrors one re
 - `moe_route`:  `moe_route` (sigmoid / softmax, bias-corrected top-k, renormalise) in one launch
 - `moe_gate`:   `moe_gate`, the attention junction (add + RMSNorm), the router GEMV and the routing in one launch
 - `kda_decode`: `kda_decode`, the fused conv + SiLU + L2 norm + gate + beta + recurrence step for 1..k tokens
-  (optionally with the output gated RMSNorm in its epilogue; `kda_gates`: the low-rank gate up-projections folded
-  in, opt-in); `kda_config`: its launch configurations; `kda_decode_kernel`: the jit kernel behind it
+  (optionally with the output gated RMSNorm in its epilogue); `kda_config`: its launch configurations;
+  `kda_decode_kernel`: the jit kernel behind it
 - `mla_decode`, `mla_split_plan`, `mla_prep`, `mla_combine_uv`: absorbed paged MLA (uniform or ragged queries);
   its device-side split plan (shared by the split and combine kernels); the kv_a norm + latent cache write
   (optionally with the W_UK absorption); the split combine with the W_UV product
-- `moe_align`, `moe_experts`, `moe_combine`, `moe_fused`, `moe_config`: routed experts (alignment, GEMMs,
-  combine / combine + add + norm; the opt-in one-launch gate/up + down with its partials' combine; configs)
+- `moe_align`, `moe_experts`, `moe_combine`, `moe_config`: routed experts (alignment, GEMMs, combine /
+  combine + add + norm; configs)
 - `gemv`: the small-M projections behind `linear`
 - `pdl`: the programmatic-dependent-launch protocol every decode kernel follows (`moe_pdl`: the MoE kernels' part)
 

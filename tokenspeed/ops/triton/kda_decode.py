@@ -1,10 +1,10 @@
 """Host side of the fused KDA decode kernel: the Triton `ops.kda_decode` (one layer: decode, k-token verify,
-optionally the gated-norm epilogue and the folded low-rank gates) and `ops.kda_replay_layers` (the accepted drafts'
-state replay over all KDA layers in one launch), with their argument checks, launch constants (`_split`, from a
-`kda_config.KdaConfig`) and the cached V-split counters (`_counters`).
+optionally the gated-norm epilogue) and `ops.kda_replay_layers` (the accepted drafts' state replay over all KDA
+layers in one launch), with their argument checks, launch constants (`_split`, from a `kda_config.KdaConfig`) and
+the cached V-split counters (`_counters`).
 
-The kernel (`_kda_decode_kernel`), its schedules and its PDL, norm-epilogue, folded-gate and multi-layer contracts
-are in `tokenspeed.ops.triton.kda_decode_kernel`. The wrappers launch it through this module's global
+The kernel (`_kda_decode_kernel`), its schedules and its PDL, norm-epilogue and multi-layer contracts are in
+`tokenspeed.ops.triton.kda_decode_kernel`. The wrappers launch it through this module's global
 `_kda_decode_kernel`, so a benchmark can stand in for it here (benchmarks/kda_compile_sm90.py,
 benchmarks/kda_decode_sweep_h200.py).
 """
@@ -21,11 +21,6 @@ from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
 from tokenspeed.ops.triton.kda_config import DECODE_TABLE, KdaConfig, default_config, legacy_config  # noqa: F401
 from tokenspeed.ops.triton.kda_decode_kernel import _kda_decode_kernel
-from tokenspeed.ops.triton.kda_gates import check_lowrank, lowrank_aligned
-
-# Weight columns per block of the folded gates' fp32 sums (`kda_gates.lowrank_rows`): a [BK, FOLD_BJ] block live at
-# a time (a whole [128, 128] bf16 tile held in registers beside the state spills: 255 registers + 848 B of stack).
-FOLD_BJ = 32
 
 _COUNTERS: dict[torch.device, Tensor] = {}
 _RETIRED: list[Tensor] = []  # outgrown counter buffers, kept alive: graphs captured earlier still address them
@@ -43,18 +38,17 @@ def _counters(device: torch.device, size: int) -> Tensor:
     return buf
 
 
-def _check_layer(qkv: Tensor, f: Tensor | None, b: Tensor, conv_weight: Tensor, conv_state: Tensor, dt_bias: Tensor,
-                 state: Tensor, N: int, cu_seqlens: Tensor, seq_lens: Tensor | None) -> Tensor | None:
-    """Validate one layer's arguments of `kda_decode` (N sequences); returns f as a [T, H, D] view (None when f is
-    None: folded, checked by the caller)."""
+def _check_layer(qkv: Tensor, f: Tensor, b: Tensor, conv_weight: Tensor, conv_state: Tensor, dt_bias: Tensor,
+                 state: Tensor, N: int, cu_seqlens: Tensor, seq_lens: Tensor | None) -> Tensor:
+    """Validate one layer's arguments of `kda_decode` (N sequences); returns f as a [T, H, D] view."""
     H, D = dt_bias.shape
     T = qkv.shape[0]
     if qkv.shape != (T, 3 * H * D) or qkv.stride(1) != 1:
         raise ValueError(f"qkv must be [T, {3 * H * D}] with unit column stride; got {tuple(qkv.shape)}")
     if conv_weight.shape != (3 * H * D, 4):
         raise ValueError(f"the fused kernel needs a width-4 conv weight [C, 4]; got {tuple(conv_weight.shape)}")
-    f3 = None if f is None else f.view(T, H, D) if f.dim() == 2 else f
-    if f3 is not None and (f3.shape != (T, H, D) or f3.stride(2) != 1):
+    f3 = f.view(T, H, D) if f.dim() == 2 else f
+    if f3.shape != (T, H, D) or f3.stride(2) != 1:
         raise ValueError(f"f must be [T, H, D] with unit last stride; got {tuple(f.shape)}")
     if b.shape != (T, H):
         raise ValueError(f"b must be [T, {H}]; got {tuple(b.shape)}")
@@ -95,7 +89,7 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
 
 def kda_decode(
     qkv: Tensor,
-    f: Tensor | None,
+    f: Tensor,
     b: Tensor,
     conv_weight: Tensor,
     conv_state: Tensor,
@@ -120,10 +114,6 @@ def kda_decode(
     norm_gate: Tensor | None = None,
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
-    f_a: Tensor | None = None,
-    f_b_weight: Tensor | None = None,
-    g_a: Tensor | None = None,
-    g_b_weight: Tensor | None = None,
 ) -> Tensor:
     """Triton `ops.kda_decode` (same contract). `config` (a `KdaConfig`; default `default_config(N * H, D,
     ceil(T / N))`) and the overrides BV / num_warps / hints / chunked / num_stages (fields of it) set the launch.
@@ -132,22 +122,15 @@ def kda_decode(
     norm_weight [D]: the returned o is `gated_rms_norm(o, norm_gate, norm_weight, norm_eps)` of the plain result,
     fused as an epilogue (`_norm_rows`). Rows the kernel does not compute (past `seq_lens`) stay zero.
 
-    Folded low-rank gates (`kda_gates`): f None with f_a [T, R] (unit column stride) and f_b_weight [H * D, R]
-    contiguous computes f = round(f_a @ f_b_weight^T) in the kernel; g_a / g_b_weight likewise replace norm_gate
-    (norm_weight still given). The gate goes through a [T, H, D] scratch of qkv's dtype (each program writes the
-    rows it owns, the norming program reads the head's row back), so only these four tensors are read.
-
     On Hopper the launch is a programmatic dependent (`tokenspeed.ops.triton.pdl`; module docstring, "PDL"):
-    `state_indices`, `cu_seqlens`, the two pools and the folded gates' weights are read before the kernel waits
-    for the previous one, so neither of the two kernels launched just before may write them (true in the model:
-    slots and bounds are copied in before a step's first kernel, and only KDA ops of earlier steps write the
-    pools)."""
+    `state_indices`, `cu_seqlens` and the two pools are read before the kernel waits for the previous one, so
+    neither of the two kernels launched just before may write them (true in the model: slots and bounds are copied
+    in before a step's first kernel, and only KDA ops of earlier steps write the pools)."""
     H, D = dt_bias.shape
     T, N = qkv.shape[0], state_indices.numel()
     f3 = _check_layer(qkv, f, b, conv_weight, conv_state, dt_bias, state, N, cu_seqlens, seq_lens)
-    fold = _check_fold(f3, norm_gate, norm_weight, f_a, f_b_weight, g_a, g_b_weight, T, H, D)
-    g3 = _check_norm(norm_gate, norm_weight, T, H, D) if g_a is None else None
-    norm = norm_weight is not None
+    g3 = _check_norm(norm_gate, norm_weight, T, H, D)
+    norm = g3 is not None
     cw = conv_weight if conv_weight.is_contiguous() and conv_weight.dtype == torch.float32 \
         else conv_weight.float().contiguous()
     if out is None:  # with seq_lens the rows past each count are not written: zeros
@@ -164,13 +147,10 @@ def kda_decode(
     opts = _split(N * H, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     nv = opts["NV"]
     cnt = _counters(qkv.device, N * H) if ((update_state or norm) and nv > 1) else cu_seqlens
-    gate = g3 if g3 is not None else torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device) if fold["FOLD_G"] \
-        else out  # folded: the scratch the kernel stages the gate logits in
-    fa, wf = (f_a, f_b_weight) if fold["FOLD_F"] else (qkv, qkv)
-    ga, wg = (g_a, g_b_weight) if fold["FOLD_G"] else (qkv, qkv)
+    gate = g3 if norm else out
     _kda_decode_kernel[(nv, N * H)](
         qkv, qkv.stride(0),
-        f3 if f3 is not None else qkv, f3.stride(0) if f3 is not None else 0, f3.stride(1) if f3 is not None else 0,
+        f3, f3.stride(0), f3.stride(1),
         b, b.stride(0), b.stride(1),
         cw, conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         A_log, dt_bias.contiguous(),
@@ -178,13 +158,12 @@ def kda_decode(
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         out, step_states if step_states is not None else state, cnt, cu_seqlens,
         gate, gate.stride(0), gate.stride(1), norm_weight.contiguous() if norm else A_log,
-        fa, fa.stride(0), wf, ga, ga.stride(0), wg,
         float(lower_bound) if lower_bound is not None else 0.0, float(scale), float(norm_eps),
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=bool(update_state), STORE_STEPS=step_states is not None,
         HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, NORM=norm,
         NORM_ROWS=norm_rows(T, N) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"),
         PF_STATE=D % 4 == 0 and state.data_ptr() % 16 == 0 and state.stride(0) % 4 == 0,
-        **fold, **opts, **pdl.launch_kwargs(qkv.device, "kda"),
+        **opts, **pdl.launch_kwargs(qkv.device, "kda"),
     )
     return out
 
@@ -195,28 +174,6 @@ def norm_rows(T: int, N: int) -> int:
     whatever their lengths; the rows are normed independently and the tile masks the ones past a sequence's end,
     so the result does not depend on it."""
     return 1 if T <= N else 16
-
-
-def _check_fold(f3: Tensor | None, norm_gate: Tensor | None, norm_weight: Tensor | None, f_a: Tensor | None,
-                f_b_weight: Tensor | None, g_a: Tensor | None, g_b_weight: Tensor | None, T: int, H: int,
-                D: int) -> dict:
-    """Validate the folded low-rank gates of `kda_decode` (f xor f_a / f_b_weight; norm_gate xor g_a / g_b_weight,
-    the latter with norm_weight; one rank R for both) and return the kernel's constants FOLD_F, FOLD_G, R, BR, BJ
-    and PF_W (bytes of a weight row to bulk-prefetch into L2 before the PDL wait, 0: none). Raises ValueError."""
-    rf = check_lowrank("f_a / f_b_weight", f_a, f_b_weight, T, H, D)
-    rg = check_lowrank("g_a / g_b_weight", g_a, g_b_weight, T, H, D)
-    if (f3 is None) == (rf is None):
-        raise ValueError("pass either f or f_a with f_b_weight")
-    if rg is not None and (norm_gate is not None or norm_weight is None or norm_weight.shape != (D,)):
-        raise ValueError(f"g_a / g_b_weight replace norm_gate and need norm_weight [{D}]")
-    if rf is not None and rg is not None and rf != rg:
-        raise ValueError(f"f_a and g_a must have one rank; got {rf} and {rg}")
-    r = rf or rg or 1
-    ws = [w for w in (f_b_weight, g_b_weight) if w is not None]
-    sizes = {w.element_size() for w in ws}
-    pf = r * sizes.pop() if len(sizes) == 1 and all(lowrank_aligned(w) for w in ws) else 0
-    br = next_pow2(r)
-    return {"FOLD_F": rf is not None, "FOLD_G": rg is not None, "R": r, "BR": br, "BJ": min(br, FOLD_BJ), "PF_W": pf}
 
 
 def _check_norm(gate: Tensor | None, weight: Tensor | None, T: int, H: int, D: int) -> Tensor | None:
@@ -275,7 +232,6 @@ def kda_replay_layers(
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         qkv, state, cnt, table.offsets,  # O: unused (STORE_OUT False), typed like the io dtype for the roundings
         qkv, 0, 0, A_log,  # the norm epilogue's gate / weight: unused (no outputs)
-        qkv, 0, qkv, qkv, 0, qkv,  # the folded low-rank gates: unused (the replay reads the recorded f)
         float(lower_bound) if lower_bound is not None else 0.0, 1.0, 0.0,
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=True, STORE_STEPS=False, HAS_LENS=seq_lens is not None,
         MULTI_LAYER=True, STORE_OUT=False, NORM=False, PDL=pdl.enabled(qkv.device, "kda"), **opts,

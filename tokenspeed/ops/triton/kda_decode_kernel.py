@@ -63,33 +63,22 @@ launches take the counter too (they write no conv state), and the last arriver s
 both uses. NV = 1 and chunked: the program owns the head; a CTA barrier orders its o stores before the reads.
 BR = NORM_ROWS rows are normed per step (several tokens per sequence: verify, prompt tails).
 
-PDL (`tokenspeed.ops.triton.pdl`; Hopper, compiled code only): before `gdc_wait` a single-layer launch reads only
-its slot and bounds (`state_indices[n]`, `cu_seqlens[n:n+2]`), the recurrent-state pool (split: its [BK, BV] tile
-into registers; chunked verify: the first tile; chunked decode: a bulk L2 prefetch of the head's state rows, when
-they are 16-byte aligned: PF_STATE), A_log, and issues L2 prefetch hints for the conv weight, conv state, dt_bias
-and norm weight rows it reads first. Prefetch hints are correct whatever wrote
-the memory (no data is consumed). The state pool is written only by KDA ops of earlier steps (never by either of
-the two launches before this one). Slots and bounds come from a host-to-device copy, which the protocol allows
-pre-wait only when it was written at least two launches earlier: in the model the batch's slots and cu_seqlens
-are copied in before the step's first kernel (one copy of the batch's host buffer; a graph's static buffers are
-filled before its replay) and no kernel writes them, while embedding, norms, in_proj and the gate projection run
-before a KDA layer (in_proj a cuBLAS launch, which starts only after everything before it completed). The caller
-contract of `kda_decode` states it. seq_lens (the replay's accepted counts, produced by the kernel just before),
-the projections, the gate and every write come after the wait, and `gdc_launch_dependents` right after it. No program exits early (padding rows run masked), so
-every program waits. The multi-layer replay waits first thing (its offset table may have been copied in just
-before by an eager replay; as the only kernel of its graph it overlaps nothing anyway). The V-split counters are
-touched only after the wait, so consecutive launches sharing them are ordered.
-
-Folded low-rank gates (FOLD_F / FOLD_G, `kda_decode(f=None, f_a=, f_b_weight=, g_a=, g_b_weight=)`; helpers
-and rounding contract in `kda_gates`): instead of reading f (and the norm's gate) that a bmm wrote, each program
-computes the rows it needs from the rank-R inputs f_a / g_a (strided columns of the merged projection, read after
-the PDL wait) and the weights f_b / g_b, in fp32, rounded to the io dtype like the bmm's output. f: every program
-needs the head's whole [D] row (its K axis), summed over [BK, BJ] weight blocks read per token (after the wait;
-the weight rows a program reads are bulk-prefetched into L2 before it, where 16-byte aligned: weights. Holding the
-whole [BK, R] tile in registers from before the wait instead spills at D = R = 128). The output gate: each
-program computes the V lanes it owns (split: its [BV] slice, chunked: the head) and stages them, rounded, in a
-[T, H, D] scratch that `_norm_rows` reads back (.cg) after the same ordering as the o rows (counter pass or CTA
-barrier), so the norm epilogue is unchanged.
+PDL (`tokenspeed.ops.triton.pdl`; Hopper, compiled code only): before `gdc_wait` a single-layer launch reads only its
+slot and bounds (`state_indices[n]`, `cu_seqlens[n:n+2]`), the recurrent-state pool (split: its [BK, BV] tile into
+registers; chunked verify: the first tile; chunked decode: a bulk L2 prefetch of the head's state rows, when they are
+16-byte aligned: PF_STATE), A_log, and issues L2 prefetch hints for the conv weight, conv state, dt_bias and norm weight
+rows it reads first. Prefetch hints are correct whatever wrote the memory (no data is consumed). The state pool is
+written only by KDA ops of earlier steps (never by either of the two launches before this one). Slots and bounds come
+from a host-to-device copy, which the protocol allows pre-wait only when it was written at least two launches earlier:
+in the model the batch's slots and cu_seqlens are copied in before the step's first kernel (one copy of the batch's host
+buffer; a graph's static buffers are filled before its replay) and no kernel writes them, while embedding, norms,
+in_proj and the gate projection run before a KDA layer (in_proj a cuBLAS launch, which starts only after everything
+before it completed). The caller contract of `kda_decode` states it. seq_lens (the replay's accepted counts, produced by
+the kernel just before), the projections, the gate and every write come after the wait, and `gdc_launch_dependents`
+right after it. No program exits early (padding rows run masked), so every program waits. The multi-layer replay waits
+first thing (its offset table may have been copied in just before by an eager replay; as the only kernel of its graph it
+overlaps nothing anyway). The V-split counters are touched only after the wait, so consecutive launches sharing them are
+ordered.
 
 `kda_replay_layers` (MULTI_LAYER): the state replay of accepted drafts over all L KDA layers of a model in one
 launch, grid (NV, N * H, L). Program (., ., l) adds row l of an int64 [L, 8] element-offset table
@@ -105,8 +94,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from tokenspeed.ops.triton.kda_gates import lowrank_rows
 
 
 @triton.jit
@@ -253,19 +240,14 @@ def _store_conv_states3(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_le
 @triton.jit
 def _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh,
                   DT, h, bos, i, cq, ck, ok, mk, lk, rate, lower_bound, scale, D: tl.constexpr, EVEN_K: tl.constexpr,
-                  HAS_LB: tl.constexpr, STORE_OUT: tl.constexpr, OUT_TY: tl.constexpr, FA, stride_fat, WF,
-                  FOLD_F: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BJ: tl.constexpr):
+                  HAS_LB: tl.constexpr, STORE_OUT: tl.constexpr, OUT_TY: tl.constexpr):
     """Token i's per-head vectors (q, k, exp(g)) [BK] and beta: q/k conv + SiLU + L2 norm (q scaled), the gate.
-    Without STORE_OUT the q path is skipped and q is a placeholder (k). FOLD_F: the gate logits f are computed
-    here from the low-rank input FA[t] and the weight rows WF[h * D + ok] (`kda_gates`) instead of read from F."""
+    Without STORE_OUT the q path is skipped and q is a placeholder (k)."""
     t = bos + i
     if STORE_OUT:
         yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, lk, EVEN_K, OUT_TY)
     yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, lk, EVEN_K, OUT_TY)
-    if FOLD_F:
-        f = lowrank_rows(FA + t * stride_fat, WF, h * D + ok, lk, R, BR, BJ, EVEN_K and R == BR, OUT_TY)
-    else:
-        f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
+    f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
     braw = tl.load(Bt + t * stride_bt + h * stride_bh).to(tl.float32)
     k = yk * tl.rsqrt(tl.sum(yk * yk, axis=0) + 1e-6)
     if STORE_OUT:
@@ -301,9 +283,9 @@ def _norm_rows(O, G, stride_gt, stride_gh, NW, norm_eps, bos, num_rows, h, H, D:
                BR: tl.constexpr):
     """The gated RMSNorm epilogue, in place on rows o[bos .. bos + num_rows - 1, h, :D] (lanes `ok`, real where
     `lk`), BR rows at a time: y = x * rsqrt(sum(x^2) / D + eps) * w * sigmoid(gate) in fp32 from the rounded o x as
-    stored, rounded once to o's dtype (`triton.norm.gated_rms_norm`'s formula and order). The rows (and the gate,
-    when folded: a scratch written in this launch) are read through L2 (.cg): other programs of the head wrote parts
-    of them (the caller orders those writes before this read)."""
+    stored, rounded once to o's dtype (`triton.norm.gated_rms_norm`'s formula and order). The rows are read through
+    L2 (.cg): other programs of the head wrote parts of them (the caller orders those writes before this read); the
+    gate is read through L2 (.cg) too."""
     w = tl.load(NW + ok, mask=lk, other=0.0).to(tl.float32)
     r = tl.arange(0, BR)
     for r0 in range(0, num_rows, BR):
@@ -312,7 +294,7 @@ def _norm_rows(O, G, stride_gt, stride_gh, NW, norm_eps, bos, num_rows, h, H, D:
         p = O + (t * H + h)[:, None] * D + ok[None, :]
         x = tl.load(p, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
         g = tl.load(G + (t * stride_gt + h * stride_gh)[:, None] + ok[None, :], mask=m, other=0.0,
-                    cache_modifier=".cg").to(tl.float32)  # folded gate: a scratch other programs wrote
+                    cache_modifier=".cg").to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + norm_eps)
         y = x * inv[:, None] * w[None, :] * tl.sigmoid(g)
         tl.store(p, y.to(O.dtype.element_ty), mask=m)
@@ -347,7 +329,6 @@ def _kda_decode_kernel(
     SLOTS, CU, LENS,
     O, STEP, CNT, LOFF,
     G, stride_gt, stride_gh, NW,
-    FA, stride_fat, WF, GA, stride_gat, WG,
     lower_bound, scale, norm_eps,
     H: tl.constexpr,
     D: tl.constexpr,
@@ -369,12 +350,6 @@ def _kda_decode_kernel(
     NORM_ROWS: tl.constexpr = 1,
     PDL: tl.constexpr = False,
     PF_STATE: tl.constexpr = False,
-    FOLD_F: tl.constexpr = False,
-    FOLD_G: tl.constexpr = False,
-    R: tl.constexpr = 1,
-    BR: tl.constexpr = 1,
-    BJ: tl.constexpr = 1,
-    PF_W: tl.constexpr = 0,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
@@ -434,19 +409,11 @@ def _kda_decode_kernel(
     if PDL and not MULTI_LAYER:  # L2 prefetch hints for what the first token reads next to the state
         if CHUNKS == 1:
             _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D, ok, cq, ck, cv, mk, mv, NORM)
-            if FOLD_F and PF_W > 0:  # the head's f_b rows and this program's g_b rows (weights), PF_W bytes each
-                _prefetch_l2_bulk(WF + (h * D + ok) * R, PF_W, lk)
-            if FOLD_G and PF_W > 0:
-                _prefetch_l2_bulk(WG + (h * D + ov) * R, PF_W, lv)
         else:
             cw_all = 2 * HD + h * D + ok  # the head's v channels (CHUNKS * BV = BK)
             _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D, ok, cq, ck, cw_all, mk, mk, NORM)
             if UPDATE and PF_STATE:  # the head's state (read tile by tile in the pipelined loop below), by rows
                 _prefetch_l2_bulk(S + slot * stride_ss + h * D * D + ok * D, D * 4, mk)
-            if FOLD_F and PF_W > 0:  # the head's f_b / g_b rows (read per token below), PF_W bytes each
-                _prefetch_l2_bulk(WF + (h * D + ok) * R, PF_W, lk)
-            if FOLD_G and PF_W > 0:
-                _prefetch_l2_bulk(WG + (h * D + ok) * R, PF_W, lk)
     if not MULTI_LAYER:
         _pdl_sync(PDL)
 
@@ -461,13 +428,7 @@ def _kda_decode_kernel(
                 yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, lk, EVEN_K, OUT_TY)
             yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, lk, EVEN_K, OUT_TY)
             yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv, mv, lv, EVEN_V, OUT_TY)
-            if FOLD_F:
-                f = lowrank_rows(FA + t * stride_fat, WF, h * D + ok, lk, R, BR, BJ, EVEN_K and R == BR, OUT_TY)
-            else:
-                f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
-            if FOLD_G:  # this program's V slice of the output-gate logits, staged in the scratch G for the epilogue
-                gv = lowrank_rows(GA + t * stride_gat, WG, h * D + ov, lv, R, BR, BJ, EVEN_V and R == BR, OUT_TY)
-                _store_out(G, t, H, h, D, ov, gv, lv, EVEN_V)
+            f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
             braw = tl.load(Bt + t * stride_bt + h * stride_bh).to(tl.float32)
 
             if STORE_OUT:
@@ -508,18 +469,13 @@ def _kda_decode_kernel(
             t = bos + i
             q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft, stride_fh,
                                               Bt, stride_bt, stride_bh, DT, h, t, 0, cq, ck, ok, mk, lk, rate,
-                                              lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY, FA, stride_fat,
-                                              WF, FOLD_F, R, BR, BJ)
+                                              lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY)
             if STORE_OUT:
                 # v for the whole head with q / k, staged in o[t, h] (it is rounded to o's dtype anyway): the tile
                 # loop reads its slice back and overwrites it with o, instead of a v conv per tile
                 yw = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, t, 0, 2 * HD + h * D + ow, mw,
                                 ow < D, EVEN_V, OUT_TY)
                 tl.store(O + (t * H + h) * D + ow, yw.to(OUT_TY), mask=ow < D)
-                if FOLD_G:  # the head's output-gate logits, staged in the scratch G for the norm epilogue
-                    gw = lowrank_rows(GA + t * stride_gat, WG, h * D + ow, ow < D, R, BR, BJ, EVEN_V and R == BR,
-                                      OUT_TY)
-                    tl.store(G + (t * H + h) * D + ow, gw.to(OUT_TY), mask=ow < D)
                 tl.debug_barrier()  # visible to the threads that read it back
             if STAGES == 1:  # no Triton pipelining: the next tile prefetched into registers by hand
                 nxt = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
@@ -575,12 +531,7 @@ def _kda_decode_kernel(
                 t = bos + i
                 q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft,
                                                   stride_fh, Bt, stride_bt, stride_bh, DT, h, bos, i, cq, ck, ok, mk,
-                                                  lk, rate, lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY,
-                                                  FA, stride_fat, WF, FOLD_F, R, BR, BJ)
-                if FOLD_G:  # this tile's slice of the output-gate logits, staged in the scratch G for the epilogue
-                    gv = lowrank_rows(GA + t * stride_gat, WG, h * D + ovc, lvc, R, BR, BJ, EVEN_V and R == BR,
-                                      OUT_TY)
-                    _store_out(G, t, H, h, D, ovc, gv, lvc, EVEN_V)
+                                                  lk, rate, lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY)
                 yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv + c * BV, mvc, lvc,
                                 EVEN_V, OUT_TY)
                 b_s, o = _delta_step(b_s, q, k, decay, beta, yv, mvc, STORE_OUT)

@@ -11,11 +11,6 @@ expressions, same one-row tile and warp count as that kernel picks for up to 264
 order), and f is rounded to the model dtype before the add exactly as the unfused pair stores it: bit for bit
 `moe_experts` followed by `add_rms_norm`, one launch instead of two.
 
-`combine_partials` (grid T x cdiv(D, BLOCK_D)): the same, from the fused experts kernel's fp32 partial rows
-(`tokenspeed.ops.triton.moe_fused`: NC per pair, summed in a fixed order and rounded to the model dtype as the down
-kernel rounds each expert output), plain or with the junction (the norm done per row by the row's last block, found
-by an arrival counter: the only atomic, on no value, so the result is deterministic).
-
 PDL (`tokenspeed.ops.triton.pdl`, the reasoning in `tokenspeed.ops.triton.moe_pdl`): both kernels read before
 their wait only what `moe_experts` was given (`add`, the residual, the norm weight): produced before the op's first
 launch, so at least gate_up and down launches back. The per-pair buffer (down's output) and the routing weights
@@ -95,72 +90,6 @@ def _combine_norm_kernel(Buf, TopkW, Add, Res, W, Y, S, R, D, stride_add, stride
     tl.store(Y + r64[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _combine_partials_kernel(Part, TopkW, Add, Res, W, Out, S, Cnt, D, NC, stride_add, stride_res, eps,
-                             TOP_K: tl.constexpr, NC_P2: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_ROW: tl.constexpr, HAS_ADD: tl.constexpr, NORM: tl.constexpr,
-                             PDL: tl.constexpr = False):
-    """Program (t, b) (grid T x cdiv(D, BLOCK_D)), columns [b * BLOCK_D, (b + 1) * BLOCK_D) of token t: each slot
-    j's expert output y_j = cast(sum_c Part[(t * k + j) * NC + c]) (the NC fp32 partials of `moe_fused`, summed by
-    one tl.sum over a [NC_P2, BLOCK_D] tile: a fixed order), f = cast(sum_j w[t, j] * y_j) (+ add, rounded again),
-    as `_combine_kernel` does with down's rounded rows. Without NORM: Out[t] = f. With NORM: S[t] = cast(Res[t] +
-    f) for the block, then the program that arrives last on the row's counter Cnt[t] (the arrival count is the
-    only atomic; no value is summed by an atomic, so the result does not depend on the arrival order) reads the
-    whole row of S back and writes Out[t] = cast(W * cast(S[t] * rsqrt(mean(S[t]^2) + eps))) as one
-    [1, BLOCK_ROW] tile, expression for expression `_combine_norm_kernel`'s norm, and resets Cnt[t] to 0 (for the
-    next call and graph replay). Ordering as in the GEMV's split-K reduction (`tokenspeed.ops.triton.gemv`): a CTA
-    barrier before the acq_rel gpu-scope atomic, the row read back through L2 (.cg). The counters are touched only
-    after the PDL wait, so an earlier call on the stream has finished and reset them.
-    PDL: Add and Res are read before the wait (arguments of `moe_experts`), the partials and weights after it."""
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    m = offs < D
-    if HAS_ADD:
-        a = _load_pre_wait(Add + t * stride_add + offs, PDL, mask=m, other=0.0)
-    if NORM:
-        res = _load_pre_wait(Res + t * stride_res + offs, PDL, mask=m, other=0.0)
-    _pdl_sync(PDL)
-    offs_c = tl.arange(0, NC_P2)
-    pmask = (offs_c < NC)[:, None] & m[None, :]
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        wj = tl.load(TopkW + t * TOP_K + j)
-        rows = (t * TOP_K + j) * NC + offs_c
-        part = tl.load(Part + rows[:, None] * D + offs[None, :], mask=pmask, other=0.0)
-        y = tl.sum(part, axis=0).to(Out.dtype.element_ty)  # the expert's output rounded, as down stores it
-        acc += wj * y.to(tl.float32)
-    f = acc.to(Out.dtype.element_ty)
-    if HAS_ADD:
-        f = (f.to(tl.float32) + a.to(tl.float32)).to(Out.dtype.element_ty)
-    if not NORM:
-        tl.store(Out + t * D + offs, f, mask=m)
-    else:
-        x = (res.to(tl.float32) + f.to(tl.float32)).to(S.dtype.element_ty)
-        tl.store(S + t * D + offs, x, mask=m)
-        tl.debug_barrier()  # every thread's S store is issued before the (single-thread) release below
-        arrived = tl.atomic_add(Cnt + t, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:  # the row's last block: normalise the whole row
-            _norm_row(S, W, Out, t, D, eps, BLOCK_ROW)
-            tl.store(Cnt + t, 0)
-
-
-@triton.jit
-def _norm_row(S, W, Y, t, D, eps, BLOCK_ROW: tl.constexpr):
-    """Y[t] = cast(W * cast(S[t] * rsqrt(mean(S[t]^2) + eps))) over one [1, BLOCK_ROW] tile (S read through L2):
-    `_combine_norm_kernel`'s expressions after its store of S."""
-    cols = tl.arange(0, BLOCK_ROW)
-    cmask = cols < D
-    rows = t + tl.arange(0, 1).to(tl.int64)
-    mask = (rows >= 0)[:, None] & cmask[None, :]
-    x = tl.load(S + rows[:, None] * D + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    x = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    normed = (x * inv[:, None]).to(Y.dtype.element_ty).to(tl.float32)
-    y = w[None, :] * normed
-    tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-
-
 def _unit_cols(t: Tensor | None) -> Tensor | None:
     """t with unit column stride (a copy only when it has none)."""
     return t if t is None or t.stride(1) == 1 else t.contiguous()
@@ -207,61 +136,3 @@ def combine_add_rms_norm(buf: Tensor, topk_weights: Tensor, top_k: int, residual
         TOP_K=top_k, BLOCK_D=block_d, HAS_ADD=add is not None, num_warps=norm_num_warps(block_d),
         **pdl.kernel_kwargs(buf.device, "moe"))
     return normed, summed
-
-
-# Row arrival counters of `combine_partials`' fused norm, one zeroed int32 array per device, restored to zero by
-# every call (see `_combine_partials_kernel`) and never freed: CUDA graphs keep its address.
-COUNTER_ROWS = 1 << 12
-_counters: dict[torch.device, Tensor] = {}
-
-
-def row_counters(device: torch.device) -> Tensor | None:
-    """The device's COUNTER_ROWS zeroed counters; created on first use, or None when that first use is inside a
-    CUDA-graph capture (a capture would only record the zero fill): the caller then takes the unfused path."""
-    cnt = _counters.get(device)
-    if cnt is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        cnt = torch.zeros(COUNTER_ROWS, dtype=torch.int32, device=device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # zeros visible to every stream before any kernel uses them
-        _counters[device] = cnt
-    return cnt
-
-
-def partials_block_d(D: int, n_chunks: int) -> int:
-    """Columns per program of `combine_partials`: a [next_pow2(n_chunks), BLOCK_D] fp32 tile of 2048 elements
-    (at most next_pow2(D), at least 16); kimi (D 2304) at NC 32: 64 columns, 36 programs a token."""
-    return max(16, min(triton.next_power_of_2(D), 2048 // triton.next_power_of_2(n_chunks)))
-
-
-def combine_partials(part: Tensor, topk_weights: Tensor, top_k: int, n_chunks: int, dtype: torch.dtype,
-                     add: Tensor | None = None, residual: Tensor | None = None, norm_weight: Tensor | None = None,
-                     norm_eps: float = 1e-6) -> Tensor | tuple[Tensor, Tensor]:
-    """The combine of `moe_fused`'s partials [P * n_chunks, D] fp32 (P = T * top_k; row p * n_chunks + c = chunk c
-    of pair p): y_p = cast(sum_c part[p * n_chunks + c], dtype), out[t] = cast(sum_j w[t, j] * y_{t k + j}) (+ add,
-    rounded again): `combine` of the per-pair buffer that holds y. With residual ([T, D], dtype) and norm_weight
-    ([D]): (normed, summed) as `combine_add_rms_norm` (the norm per row by its last block to finish, the same one-row
-    expressions). topk_weights: fp32 [P] contiguous. One launch, grid T x cdiv(D, `partials_block_d`), the warps
-    `tokenspeed.ops.triton.norm` gives a next_pow2(D) row (with or without the norm, so the two give the same f).
-    Needs `row_counters(device)` (not None) and T <= COUNTER_ROWS with residual. Reads P * n_chunks * D * 4 bytes
-    of partials, writes T * D * elt (twice with the norm). Only the new outputs (and the counters, back to 0) are
-    written."""
-    P, D = part.shape[0] // n_chunks, part.shape[1]
-    T = P // top_k
-    norm = residual is not None
-    cnt = row_counters(part.device) if norm else None
-    if norm and (cnt is None or T > COUNTER_ROWS):
-        raise ValueError("combine_partials with a norm needs the row counters and T <= COUNTER_ROWS")
-    out = torch.empty(T, D, dtype=dtype, device=part.device)
-    summed = torch.empty(T, D, dtype=dtype, device=part.device) if norm else out
-    add, residual = _unit_cols(add), _unit_cols(residual)
-    block_d, block_row = partials_block_d(D, n_chunks), next_pow2(D)
-    _combine_partials_kernel[(T, triton.cdiv(D, block_d))](
-        part, topk_weights, out if add is None else add, residual if norm else out,
-        norm_weight if norm else out, out, summed, cnt if norm else topk_weights, D, n_chunks,
-        0 if add is None else add.stride(0), residual.stride(0) if norm else 0, float(norm_eps),
-        TOP_K=top_k, NC_P2=triton.next_power_of_2(n_chunks), BLOCK_D=block_d, BLOCK_ROW=block_row,
-        HAS_ADD=add is not None, NORM=norm, num_warps=norm_num_warps(block_row),
-        **pdl.kernel_kwargs(part.device, "moe"))
-    return (out, summed) if norm else out

@@ -3,7 +3,6 @@ choice per shape (`default_config`, from the H200 sweeps it cites) and its check
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import triton
@@ -38,49 +37,10 @@ class ExpertsConfig:
     direct_max_tokens: int = 0
     # PDL launches (pointer loads): the down kernel L2-prefetches its W2 rows before its wait (`moe_pdl`).
     prefetch_w2: bool = True
-    # Direct calls of T <= fused_max_tokens (and <= direct_max_tokens) run gate/up and down as ONE launch
-    # (`moe_fused`: program (pair, chunk of fused_chunk intermediate columns) -> fp32 partials, summed by the
-    # combine); 0: the two-launch direct path. fused_chunk 0: `fused_chunk_size` picks; fused_block_d: the hidden
-    # columns per down-product step.
-    fused_max_tokens: int = 0
-    fused_chunk: int = 0
-    fused_block_d: int = 128
 
 
 # Calls of up to this many tokens take the align-free direct mode under `default_config` (decode-sized calls only).
 DIRECT_MAX_TOKENS = 4
-# ... and of those, up to this many the fused one-launch experts kernel (`moe_fused`) when TOKENSPEED_MOE_FUSED=1.
-# Off by default: on an H200 (kimi-linear-48b-a3b decode, batch 1, 4K, graphs, PDL) it made the step slower, 3.167
-# vs 2.914 ms (benchmarks/results/step_profile_h200_cc6f0b0.json): the fused kernel took 37.4 us against ~38 for
-# gate/up + down, but the combine of its 2.65 MB of fp32 partials took 10.4 us against 2.6 for the plain one.
-FUSED_MAX_TOKENS = 4
-# The fused kernel's chunk is the widest (of FUSED_CHUNKS) that still gives this many programs (2 per SM on 132 SMs).
-FUSED_MIN_PROGRAMS = 264
-FUSED_CHUNKS = (64, 32)
-
-
-def fused_max_tokens_default() -> int:
-    """FUSED_MAX_TOKENS when TOKENSPEED_MOE_FUSED is "1", else 0 (unset or "0": the two-launch direct path; read on
-    every call, so a benchmark can A/B the two between captures). Raises ValueError on a value other than "", "0"
-    or "1"."""
-    v = os.environ.get("TOKENSPEED_MOE_FUSED", "0").strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"TOKENSPEED_MOE_FUSED must be 0 or 1; got {v!r}")
-    return FUSED_MAX_TOKENS if v == "1" else 0
-
-
-def fused_chunk_size(P: int, DI: int, cfg: ExpertsConfig) -> int:
-    """Intermediate columns per program of the fused kernel for P pairs: cfg.fused_chunk if set, else the widest of
-    FUSED_CHUNKS whose grid P * cdiv(DI, C) reaches FUSED_MIN_PROGRAMS (the narrowest otherwise). Wider chunks mean
-    fewer fp32 partial rows (P * cdiv(DI, C) * D * 4 bytes written and read back by the combine); narrower, more
-    programs streaming weights. Kimi-Linear (I 1024, 9 pairs a token): T 1 -> 32 (288 programs), T 2..4 -> 64."""
-    if cfg.fused_chunk:
-        return cfg.fused_chunk
-    for c in FUSED_CHUNKS:
-        if P * triton.cdiv(DI, c) >= FUSED_MIN_PROGRAMS:
-            return c
-    return FUSED_CHUNKS[-1]
-
 
 
 def default_config(T: int, k: int, E: int, D: int, DI: int, elt_size: int = 2) -> ExpertsConfig:
@@ -98,9 +58,7 @@ def default_config(T: int, k: int, E: int, D: int, DI: int, elt_size: int = 2) -
     64 x 128), 128 x 128 x 64 with 4 stages above (k3-slice, 8K tokens: 21.3 vs 23.1 ms). fp32 (validation only)
     keeps the smaller 64 x 128 / 128 x 64 prefill tiles and drops to 2 stages so the tiles fit in shared memory.
     The decode tiles come with direct_max_tokens = DIRECT_MAX_TOKENS: calls of up to 4 tokens skip the alignment
-    launch (the direct mode, same tiles, bit-identical results), and fused_max_tokens = FUSED_MAX_TOKENS with
-    TOKENSPEED_MOE_FUSED=1 (else 0): those calls run gate/up and down as one launch (`moe_fused`; the expert outputs then
-    differ from the two-launch path by the fp32 summation order of the down product).
+    launch (the direct mode, same tiles, bit-identical results).
     """
     rows = T * k / max(E, 1)
     if rows <= 16:
@@ -116,7 +74,7 @@ def default_config(T: int, k: int, E: int, D: int, DI: int, elt_size: int = 2) -
         cfg = ExpertsConfig(128, 128, 64, 8, 4, 256, 64, 8, 3, group_m1=8, group_m2=8, tma1=True, tma2=True,
                             tail_m1=True)
     if rows <= 16:
-        cfg = replace(cfg, direct_max_tokens=DIRECT_MAX_TOKENS, fused_max_tokens=fused_max_tokens_default())
+        cfg = replace(cfg, direct_max_tokens=DIRECT_MAX_TOKENS)
     P = T * k
     max_blocks = P // cfg.block_m + min(E + 1, P)
     if DI >= 512 and max_blocks * triton.cdiv(DI, cfg.block_n1) < 264:
@@ -139,8 +97,5 @@ def _check_config(cfg: ExpertsConfig) -> None:
         raise ValueError(f"group_m1 / group_m2 must be >= 0; got {cfg}")
     if (cfg.tail_m1 and bm < 32) or (cfg.tail_m2 and bm2 < 32):
         raise ValueError(f"a half-block tail needs an M-block of at least 32 rows; got {cfg}")
-    if cfg.direct_max_tokens < 0 or cfg.fused_max_tokens < 0:
-        raise ValueError(f"direct_max_tokens / fused_max_tokens must be >= 0; got {cfg}")
-    fc, fd = cfg.fused_chunk, cfg.fused_block_d
-    if (fc and (fc < 16 or fc & (fc - 1))) or fd < 16 or fd & (fd - 1):
-        raise ValueError(f"fused_chunk (0: automatic) and fused_block_d must be powers of two >= 16; got {cfg}")
+    if cfg.direct_max_tokens < 0:
+        raise ValueError(f"direct_max_tokens must be >= 0; got {cfg}")

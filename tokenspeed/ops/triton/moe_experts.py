@@ -1,4 +1,4 @@
-"""Routed experts (fused MoE): sort the (token, slot) pairs by expert, then two grouped-GEMM launches (one at T <= 4).
+"""Routed experts (fused MoE): sort the (token, slot) pairs by expert, then two grouped-GEMM launches.
 
 Same contract as `tokenspeed.ops.reference.moe.moe_experts`:
 
@@ -26,13 +26,6 @@ Uniform routing at E 256, k 8 expects T*k - E*(1 - (1 - k/E)^T) extra expert rea
 mostly L2 hits); the saving is the fused alignment's launch, 6.3 us on the H200 at T = 1, serial between the router
 and kernel 1. The prefill variants (group, gather_x, TMA) do not apply; tail_m1 / tail_m2 set the tile height, as
 they do for a one-pair aligned block.
-
-Fused direct mode (T <= `ExpertsConfig.fused_max_tokens` as well; `default_config`: 4, TOKENSPEED_MOE_FUSED=0
-turns it off): kernels 1 and 2 become ONE launch (`tokenspeed.ops.triton.moe_fused`: program (chunk c of the I
-columns, pair p) computes h's chunk and its down product into fp32 partial rows, no atomics), and the combine sums
-each pair's partials in a fixed order before rounding (`moe_combine.combine_partials`). One launch ramp, tail and
-PDL wait fewer, and no h round trip; the expert outputs differ from the two-launch path by the fp32 summation order
-of the down product only.
 
 Kernel 1 (grid max_blocks x cdiv(I, BLOCK_N)): for an expert block, gathers the BLOCK_M x rows (token = p // k),
 accumulates the x @ W1[e]^T and x @ W3[e]^T tiles in fp32 with tl.dot over D, applies SiLU or SiTU and writes
@@ -103,14 +96,13 @@ from tokenspeed.ops.reference.activation import Activation
 from tokenspeed.ops.reference.moe import check_add, check_norm
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton.moe_align import align
-from tokenspeed.ops.triton.moe_combine import _unit_cols, combine, combine_add_rms_norm, combine_partials, row_counters
+from tokenspeed.ops.triton.moe_combine import _unit_cols, combine, combine_add_rms_norm
 from tokenspeed.ops.triton.moe_config import (  # noqa: F401 - re-exported
     DIRECT_MAX_TOKENS,
     ExpertsConfig,
     _check_config,
     default_config,
 )
-from tokenspeed.ops.triton.moe_fused import fused_direct
 from tokenspeed.ops.triton.moe_pdl import (
     _load_pre_wait,
     _pdl_sync,
@@ -709,12 +701,7 @@ def moe_experts(
     residual, norm_weight, norm_eps)` (on the GPU: where that kernel takes one row per program, up to 264 rows;
     `ops.moe_experts` fuses up to ADD_NORM_FUSED_MAX_ROWS). prefetch_expert: an expert id the routing is known to
     use (a folded shared expert), L2-prefetched by gate_up before its PDL wait; a hint, no effect on the result.
-    T <= config.fused_max_tokens (direct mode only; `default_config`: 4, 0 with TOKENSPEED_MOE_FUSED=0): gate/up
-    and down run as one launch (`moe_fused`) and the combine sums its fp32 partials (`combine_partials`): the result
-    differs from the two-launch path only by the fp32 summation order of the down product (deterministic), and
-    the junction stays bit for bit that result followed by `add_rms_norm`; prefetch_expert is then unused. A
-    junction call whose first use of the combine's row counters falls inside a CUDA-graph capture takes the
-    two-launch path. Nothing given is mutated."""
+    Nothing given is mutated."""
     _check_args(x, w1, w3, w2, topk_weights, topk_ids, act, add)
     check_norm(residual, norm_weight, x, w2.shape[1])
     T, D = x.shape
@@ -735,9 +722,6 @@ def moe_experts(
         tw = tw.contiguous()
     if T <= cfg.direct_max_tokens:
         pair_ids = topk_ids.reshape(-1).contiguous()
-        if T <= cfg.fused_max_tokens and (residual is None or row_counters(x.device) is not None):
-            part, nc = fused_direct(x, w1, w3, w2, pair_ids, k, act, cfg)
-            return combine_partials(part, tw, k, nc, x.dtype, add, residual, norm_weight, norm_eps)
         h = gate_up_direct(x, w1, w3, pair_ids, k, act, cfg, prefetch_expert)
         buf = down_direct(h, w2, pair_ids, cfg)
     else:
