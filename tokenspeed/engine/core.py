@@ -80,7 +80,8 @@ class EngineCore:
     def _warm_up(self, chunk: int) -> None:
         """Compile the prefill kernels before serving: a full chunk and a few short prompts (their tiles differ),
         then mixed steps of decodes beside a short or a longer tail on a cached history (WARM_UP_MIXED, the
-        shapes of multi-turn serving: ragged MLA fused / unfused by batch size, short-tail KDA, MoE row buckets)."""
+        shapes of multi-turn serving: ragged and expanded MLA, short-tail KDA, MoE row buckets, SDPA key lengths),
+        so that no Triton kernel compiles in the middle of a request (`docs/gpu.md`)."""
         start = time.perf_counter()
         lengths = sorted({min(chunk, n) for n in (chunk, 1024, 100, 17)}, reverse=True)
         max_seqs = self.config.scheduler.max_num_seqs
