@@ -1,4 +1,4 @@
-"""Small helpers shared by the Triton wrappers.
+"""Small helpers shared by the Triton wrappers, and the jit L2 bulk prefetch the GEMV and MoE kernels share.
 
 Specialisation policy: Triton compiles a kernel variant per distinct specialisation of its integer and pointer
 arguments (an int equal to 1 becomes a constant, an int or address divisible by 16 gets an alignment hint). An
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 
 
@@ -40,3 +41,15 @@ def check_same_device(*tensors: Tensor | None) -> torch.device:
     if len(devs) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devs))}")
     return devs.pop()
+
+
+@triton.jit
+def l2_prefetch_bulk(ptrs, nbytes):
+    """`cp.async.bulk.prefetch.L2.global` of `nbytes` (int32, a multiple of 16; 0 issues nothing) from each address
+    of `ptrs` (16-byte aligned: the caller's guarantee), elementwise (sm_90 inline PTX: compiled code only, not the
+    interpreter). A hint: fire and forget, no registers held, nothing waited for, no effect on any result; it moves
+    no data into the SM, so it is correct before a PDL wait whatever wrote the memory. An address held by several
+    threads is prefetched by each (merged in L2)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)

@@ -77,6 +77,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenspeed.ops.triton import pdl
+from tokenspeed.ops.triton._utils import l2_prefetch_bulk
 
 MAX_M = 16
 KINDS = ("fma", "dot")
@@ -210,9 +211,7 @@ def _prefetch_rows_l2(W, offs_n, N, stride_wn, k_lo, k_hi, row_bytes):
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     ptrs = W + rows * stride_wn + k_lo
     nbytes = tl.minimum((k_hi - k_lo) * elt, row_bytes) // 16 * 16 + tl.zeros_like(offs_n)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+    l2_prefetch_bulk(ptrs, nbytes)
 
 
 @triton.jit

@@ -36,6 +36,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenspeed.ops.triton import pdl
+from tokenspeed.ops.triton._utils import l2_prefetch_bulk
 
 # Bytes of W2 the down programs resident at once may L2-prefetch together before their wait (about a third of the
 # H200's 50 MB L2, so prefetched lines survive until the loop reads them), and the programs counted resident per SM.
@@ -70,10 +71,7 @@ def _prefetch_rows_l2(W, e, offs_n, N, stride_we, stride_wn, nbytes):
     any result; a row held by several threads is prefetched by each (merged in L2)."""
     rows = (offs_n % N).to(tl.int64)
     ptrs = W + e.to(tl.int64) * stride_we + rows * stride_wn
-    n = nbytes + tl.zeros_like(offs_n)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, n], dtype=tl.int32, is_pure=False, pack=1)
+    l2_prefetch_bulk(ptrs, nbytes + tl.zeros_like(offs_n))
 
 
 _num_sms: dict[int, int] = {}
