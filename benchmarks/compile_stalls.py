@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import importlib
+import inspect
 import json
 import os
 import pkgutil
@@ -69,11 +70,6 @@ def _is_kernel(obj) -> bool:
     return hasattr(obj, "device_caches") or type(obj).__name__ == "InterpretedFunction"
 
 
-def variants(fns: dict[str, object]) -> dict[str, int]:
-    """Compiled kernels per JIT function (summed over devices)."""
-    return {name: len(ks) for name, ks in keys(fns).items()}
-
-
 def keys(fns: dict[str, object]) -> dict[str, set]:
     """Per JIT function, the specialisation keys compiled so far: on a GPU Triton's own (the kernel-key cache's
     (specialisation, options) pairs); in the interpreter the ones `SimulatedKeys` recorded."""
@@ -96,8 +92,6 @@ class SimulatedKeys:
 
     @staticmethod
     def key(fn, args: tuple, kwargs: dict) -> tuple:
-        import inspect
-
         sig = inspect.signature(fn.fn)
         bound = sig.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters})
         bound.apply_defaults()
@@ -138,8 +132,6 @@ class SimulatedKeys:
 
 def key_diffs(fn, new: set, old: set) -> list[str]:
     """For each new key, the parameters where it differs from the closest earlier key ("name: old -> new")."""
-    import inspect
-
     names = list(inspect.signature(fn.fn).parameters)
     out = []
     for k in new:
