@@ -38,6 +38,12 @@ alone, on absorbed queries). Per form: the median of 10 calls' CUDA-event time (
 reference and the gathers wait on the host) and the max relative error against `today`. Writes --out (default
 benchmarks/results/mla_ragged_h200.json) and prints a table with the ragged / today and ragged / split ratios:
 ABSORBED_MAX_TAIL (tokenspeed/models/kimi/mla.py) belongs below the tails where `split` beats `ragged`.
+
+--loops (alone) times the split kernel's key-loop forms (`prefetch`: the next key tile loaded into registers
+before the current tile's dots, num_stages 1; `pipelined`: Triton's pipeliner, num_stages 2 / 3) and their tiles
+(BLOCK_N 16 / 32 / 64) at min_chunk 64 / 128 / 256, split + combine as --policies, over batch 1 / 4 / 16 / 64 x
+4K / 32K and the mixed batch (16 x 64K/16K/4K/1K); HBM% = cache bytes / time / 4.27 TB/s. Every form's output
+is checked against the first (the default). Writes --out (default benchmarks/results/mla_loops_h200.json).
 """
 
 from __future__ import annotations
@@ -298,7 +304,10 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU interpreter")
     ap.add_argument("--policies", action="store_true", help="only the split-policy sweep (batch x context)")
     ap.add_argument("--ragged", action="store_true", help="only the mixed-batch layer attention forms (ragged)")
+    ap.add_argument("--loops", action="store_true", help="only the split kernel's key-loop forms and tiles")
     args = ap.parse_args()
+    if args.loops and args.out == ap.get_default("out"):
+        args.out = "benchmarks/results/mla_loops_h200.json"
     if args.policies and args.out == ap.get_default("out"):
         args.out = "benchmarks/results/mla_decode_policies_h200.json"
     if args.ragged and args.out == ap.get_default("out"):
@@ -320,6 +329,8 @@ def main():
         return run_policies(args, t0, triton)
     if args.ragged:
         return run_ragged(args, t0, triton)
+    if args.loops:
+        return run_loops(args, t0, triton)
     for name, lens in cases:
         bench_case(name, lens, 1, args, rows)
     if args.verify:
@@ -495,6 +506,70 @@ def run_ragged(args, t0: float, triton) -> None:
     print_ragged_table(rows)
     write_result(args, t0, triton, rows, layer="kimi-linear-48b-a3b MLA, bf16",
                  timing="median of 10 calls, CUDA events (host gaps included), after 2 warm-up calls")
+
+
+# name -> mla_decode keywords of a key-loop form (the first is today's default launch)
+LOOP_FORMS = {
+    "pipelined_n32_s2": {"prefetch": False, "BLOCK_N": 32, "num_stages": 2},
+    "pipelined_n32_s3": {"prefetch": False, "BLOCK_N": 32, "num_stages": 3},
+    "prefetch_n32": {"prefetch": True, "BLOCK_N": 32},
+    "prefetch_n16": {"prefetch": True, "BLOCK_N": 16},
+    "prefetch_n64": {"prefetch": True, "BLOCK_N": 64},
+}
+LOOP_MIN_CHUNKS = (64, 128, 256)
+
+
+def loops_case(name: str, lens: list[int], args, rows: list[dict]) -> None:
+    """Every (key-loop form, min_chunk) on one batch of histories `lens` (see --loops)."""
+    dev = "cpu" if args.smoke else "cuda"
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    q, cache, table, kv = make_case(lens, 1, dtype, dev)
+    scale = DL ** -0.5
+    base = None
+    cache_bytes = sum(lens) * DL * cache.element_size()
+    for form, kw in LOOP_FORMS.items():
+        for mc in LOOP_MIN_CHUNKS:
+            call = {**kw, "min_chunk": mc}
+            if args.smoke:
+                call["BLOCK_N"] = 16
+
+            def fn(call=call):
+                return k_mla.mla_decode(q, cache, table, kv, scale, V, **call)
+
+            try:
+                out = fn()
+                t = graph_us(fn, n=20, smoke=args.smoke)
+            except Exception as e:  # noqa: BLE001 - a form that does not compile is reported, not fatal
+                print(f"{name:14s} {form:18s} mc {mc:4d} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            base = out.clone() if base is None else base
+            row = {"case": name, "batch": len(lens), "ctx": max(lens), "form": form, "min_chunk": mc, **kw,
+                   "us": t, "hbm_frac": cache_bytes / (t * 1e-6) / HBM if math.isfinite(t) and t > 0 else None,
+                   "cache_bytes": cache_bytes, "max_rel_err_vs_default": rel(out, base)}
+            rows.append(row)
+            print(f"{name:14s} {form:18s} mc {mc:4d} {t:9.2f} us  HBM {100 * (row['hbm_frac'] or 0):5.1f}%  "
+                  f"err {row['max_rel_err_vs_default']:.2e}", flush=True)
+
+
+def run_loops(args, t0: float, triton) -> None:
+    cases = [(f"b{b}_{c // 1024}k", [c] * b) for c in POLICY_CONTEXTS for b in POLICY_BATCHES]
+    cases.append(("mixed_b16", [65536, 16384, 4096, 1024] * 4))
+    if args.smoke:
+        cases = [("b1", [100]), ("mixed", [300, 80, 20, 5])]
+    rows: list[dict] = []
+    for name, lens in cases:
+        loops_case(name, lens, args, rows)
+    print("\nbest per case (us, HBM%):")
+    for name, _ in cases:
+        cand = [r for r in rows if r["case"] == name and math.isfinite(r["us"])]
+        if cand:
+            best, dflt = min(cand, key=lambda r: r["us"]), cand[0]
+            print(f"  {name:14s} default {dflt['us']:8.2f} ({100 * (dflt['hbm_frac'] or 0):4.1f}%)  best "
+                  f"{best['form']} mc {best['min_chunk']} {best['us']:8.2f} ({100 * (best['hbm_frac'] or 0):4.1f}%)")
+    write_result(args, t0, triton, rows, page_size=PAGE, Q=1, forms=LOOP_FORMS,
+                 timing="CUDA graph of 20 calls, each after a 256 MiB memset; memset-only graph subtracted; median "
+                        "of 10")
+
 
 if __name__ == "__main__":
     main()
