@@ -39,11 +39,12 @@ reference and the gathers wait on the host) and the max relative error against `
 benchmarks/results/mla_ragged_h200.json) and prints a table with the ragged / today and ragged / split ratios:
 ABSORBED_MAX_TAIL (tokenspeed/models/kimi/mla.py) belongs below the tails where `split` beats `ragged`.
 
---loops (alone) times the split kernel's key-loop forms (`prefetch`: the next key tile loaded into registers
-before the current tile's dots, num_stages 1; `pipelined`: Triton's pipeliner, num_stages 2 / 3) and their tiles
-(BLOCK_N 16 / 32 / 64) at min_chunk 64 / 128 / 256, split + combine as --policies, over batch 1 / 4 / 16 / 64 x
-4K / 32K and the mixed batch (16 x 64K/16K/4K/1K); HBM% = cache bytes / time / 4.27 TB/s. Every form's output
-is checked against the first (the default). Writes --out (default benchmarks/results/mla_loops_h200.json).
+--loops (alone) times the split kernel's key-loop forms (`rows`: scores [rows, keys], mma.sync at 32 rows;
+`keys`: scores [keys, rows], wgmma; `inpage`: rows-major key tiles addressed from one page-table entry; `fp8`:
+the same over an fp8 copy of the cache) and launch configs at min_chunk 64 / 128 / 256, split + combine as
+--policies, over batch 1 / 4 / 16 / 64 x 4K / 32K and the mixed batch (16 x 64K/16K/4K/1K); HBM% = cache bytes /
+time / 4.27 TB/s. Every form's output is checked against the first of its cache dtype. Writes --out (default
+benchmarks/results/mla_loops_h200.json).
 """
 
 from __future__ import annotations
@@ -508,13 +509,17 @@ def run_ragged(args, t0: float, triton) -> None:
                  timing="median of 10 calls, CUDA events (host gaps included), after 2 warm-up calls")
 
 
-# name -> mla_decode keywords of a key-loop form (the first is today's default launch)
+# name -> mla_decode keywords of a key-loop form (the first is today's default launch); "in_page": rows-major with
+# IN_PAGE_ROWS_MAJOR set (key tiles addressed from one page-table entry), "fp8": over an fp8 e4m3 copy of the cache
 LOOP_FORMS = {
-    "pipelined_n32_s2": {"prefetch": False, "BLOCK_N": 32, "num_stages": 2},
-    "pipelined_n32_s3": {"prefetch": False, "BLOCK_N": 32, "num_stages": 3},
-    "prefetch_n32": {"prefetch": True, "BLOCK_N": 32},
-    "prefetch_n16": {"prefetch": True, "BLOCK_N": 16},
-    "prefetch_n64": {"prefetch": True, "BLOCK_N": 64},
+    "rows_n32_w8_s2": {"keys_major": False, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+    "rows_n32_w8_s2_inpage": {"keys_major": False, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "in_page": True},
+    "keys_n64_w4_s2": {"keys_major": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    "keys_n64_w4_s3": {"keys_major": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    "keys_n64_w8_s2": {"keys_major": True, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+    "keys_n32_w4_s2": {"keys_major": True, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+    "rows_n32_w8_s2_fp8": {"keys_major": False, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "fp8": True},
+    "keys_n64_w4_s2_fp8": {"keys_major": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "fp8": True},
 }
 LOOP_MIN_CHUNKS = (64, 128, 256)
 
@@ -524,31 +529,41 @@ def loops_case(name: str, lens: list[int], args, rows: list[dict]) -> None:
     dev = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
     q, cache, table, kv = make_case(lens, 1, dtype, dev)
+    cache8 = None if args.smoke else cache.to(torch.float8_e4m3fn)
     scale = DL ** -0.5
-    base = None
-    cache_bytes = sum(lens) * DL * cache.element_size()
+    base = {}
     for form, kw in LOOP_FORMS.items():
+        kw = dict(kw)
+        in_page, fp8 = kw.pop("in_page", False), kw.pop("fp8", False)
+        if fp8 and cache8 is None:
+            continue
+        c = cache8 if fp8 else cache
+        cache_bytes = sum(lens) * DL * c.element_size()
         for mc in LOOP_MIN_CHUNKS:
             call = {**kw, "min_chunk": mc}
             if args.smoke:
                 call["BLOCK_N"] = 16
 
-            def fn(call=call):
-                return k_mla.mla_decode(q, cache, table, kv, scale, V, **call)
+            def fn(call=call, c=c):
+                return k_mla.mla_decode(q, c, table, kv, scale, V, **call)
 
+            k_mla.IN_PAGE_ROWS_MAJOR = in_page  # read at call (and capture) time
             try:
                 out = fn()
                 t = graph_us(fn, n=20, smoke=args.smoke)
             except Exception as e:  # noqa: BLE001 - a form that does not compile is reported, not fatal
-                print(f"{name:14s} {form:18s} mc {mc:4d} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                print(f"{name:14s} {form:24s} mc {mc:4d} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
-            base = out.clone() if base is None else base
+            finally:
+                k_mla.IN_PAGE_ROWS_MAJOR = False
+            base.setdefault(fp8, out.clone())
             row = {"case": name, "batch": len(lens), "ctx": max(lens), "form": form, "min_chunk": mc, **kw,
-                   "us": t, "hbm_frac": cache_bytes / (t * 1e-6) / HBM if math.isfinite(t) and t > 0 else None,
-                   "cache_bytes": cache_bytes, "max_rel_err_vs_default": rel(out, base)}
+                   "in_page": in_page, "cache_dtype": str(c.dtype), "us": t,
+                   "hbm_frac": cache_bytes / (t * 1e-6) / HBM if math.isfinite(t) and t > 0 else None,
+                   "cache_bytes": cache_bytes, "max_rel_err_vs_first_of_dtype": rel(out, base[fp8])}
             rows.append(row)
-            print(f"{name:14s} {form:18s} mc {mc:4d} {t:9.2f} us  HBM {100 * (row['hbm_frac'] or 0):5.1f}%  "
-                  f"err {row['max_rel_err_vs_default']:.2e}", flush=True)
+            print(f"{name:14s} {form:24s} mc {mc:4d} {t:9.2f} us  HBM {100 * (row['hbm_frac'] or 0):5.1f}%  "
+                  f"err {row['max_rel_err_vs_first_of_dtype']:.2e}", flush=True)
 
 
 def run_loops(args, t0: float, triton) -> None:

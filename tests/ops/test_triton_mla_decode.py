@@ -107,12 +107,12 @@ def test_interp(page_size, Q, balanced, max_splits):
 
 @cpu_interp
 @pytest.mark.parametrize("page_size,Q,max_splits", [(4, 1, 1), (16, 3, 8), (4, 3, 3)])
-def test_interp_prefetch_loop(page_size, Q, max_splits):
-    """The hand-pipelined key loop (next tile loaded before the current one's dots) == the reference, including
-    splits shorter than one tile and the masked prefetch past each split's end."""
+def test_interp_keys_major_loop(page_size, Q, max_splits):
+    """The keys-major dots ([keys, rows] scores, [v_dim, rows] output) == the reference, including splits shorter
+    than one tile and rows past the causal limit."""
     lens = [max(k, Q) if k else 0 for k in [1, 7, 100, 0, 33]]
     check(lens, Q, **SMALL, page_size=page_size, q_dtype=torch.float32, cache_dtype=torch.float32,
-          device="cpu", tol=1e-5, max_splits=max_splits, BLOCK_N=16, min_chunk=16, prefetch=True)
+          device="cpu", tol=1e-5, max_splits=max_splits, BLOCK_N=16, min_chunk=16, keys_major=True)
 
 
 @cpu_interp
@@ -225,10 +225,10 @@ MIXED = [65536, 16384, 4096, 1024]
 @pytest.mark.parametrize("Q", [1, 4])
 @pytest.mark.parametrize("kv_lens", [MIXED, [4096] * 4, [1, 0, 777, 3000, 65]])
 @pytest.mark.parametrize("balanced", [True, False])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_bf16_gpu(H, Q, kv_lens, balanced, prefetch):
+@pytest.mark.parametrize("keys_major", [False, True])
+def test_bf16_gpu(H, Q, kv_lens, balanced, keys_major):
     check(kv_lens, Q, H, **REAL, page_size=64, q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device="cuda",
-          tol=1e-2, balanced=balanced, prefetch=prefetch)
+          tol=1e-2, balanced=balanced, keys_major=keys_major)
 
 
 @pytest.mark.gpu
@@ -250,18 +250,18 @@ def test_fp32_gpu(Q):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("Q", [1, 4])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_fp8_cache_gpu(Q, prefetch):
+@pytest.mark.parametrize("keys_major", [False, True])
+def test_fp8_cache_gpu(Q, keys_major):
     check([8192, 1024, 0, 300], Q, 16, **REAL, page_size=64, q_dtype=torch.bfloat16,
-          cache_dtype=torch.float8_e4m3fn, device="cuda", tol=2e-2, kv_scale=0.25, prefetch=prefetch)
+          cache_dtype=torch.float8_e4m3fn, device="cuda", tol=2e-2, kv_scale=0.25, keys_major=keys_major)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("pdl_on", ["1", "0"])
 @pytest.mark.parametrize("balanced", [True, False])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_cuda_graph_replay_gpu(monkeypatch, balanced, pdl_on, prefetch):
+@pytest.mark.parametrize("keys_major", [False, True])
+def test_cuda_graph_replay_gpu(monkeypatch, balanced, pdl_on, keys_major):
     """Captured once (PDL launches or plain ones); new kv_lens / page table / q copied into the static tensors;
     replay == reference."""
     from tokenspeed.ops.triton.mla_decode import mla_decode
@@ -273,7 +273,7 @@ def test_cuda_graph_replay_gpu(monkeypatch, balanced, pdl_on, prefetch):
     first = make([3000, 100, 0, 13000], Q, H, 576, page_size=64, q_dtype=torch.bfloat16,
                  cache_dtype=torch.bfloat16, device="cuda", seed=1, spare_pages=200)
     static = {k: v.clone() for k, v in first.items()}
-    kw = {"max_splits": 8, "balanced": balanced, "prefetch": prefetch}
+    kw = {"max_splits": 8, "balanced": balanced, "keys_major": keys_major}
     mla_decode(static["q"], static["cache"], static["page_table"], static["kv_lens"], scale, 512, **kw)  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -493,12 +493,12 @@ RAGGED_GPU = [([1] * 15 + [200], [4096] * 15 + [16384]), ([1, 64, 0, 1, 9], [300
 @needs_cuda
 @pytest.mark.parametrize("case", RAGGED_GPU)
 @pytest.mark.parametrize("max_splits", [None, 1, 4])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_ragged_bf16_gpu(case, max_splits, prefetch):
+@pytest.mark.parametrize("keys_major", [False, True])
+def test_ragged_bf16_gpu(case, max_splits, keys_major):
     q_lens, kv = case
     inp = make_ragged(q_lens, [max(k, q) if k > 0 else k for q, k in zip(q_lens, kv)], 32, 576, 64,
                       q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device="cuda")
-    check_ragged(inp, 512, 1e-2, max_splits=max_splits, prefetch=prefetch)
+    check_ragged(inp, 512, 1e-2, max_splits=max_splits, keys_major=keys_major)
 
 
 @pytest.mark.gpu

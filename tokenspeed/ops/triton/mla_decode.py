@@ -138,23 +138,38 @@ MIN_CHUNK = 64
 # b1 4K / 32K (two waves: 20.4 / 114.9), 37.2 / 143.0 at b4 (51.9 / 156.9), 82.5 / 484.6 at b16, 269 / 1838 at
 # b64 (two waves within 2%).
 DEFAULT_WAVES = 1.0
-# The split kernel's key loop: True loads the next key tile into registers before the current tile's dots (a
-# hand-written one-ahead pipeline, launched with num_stages=1); False leaves the loop to Triton's pipeliner
-# (num_stages=2), which on sm_90 keeps one shared-memory buffer and waits for it at the top of every iteration.
-PREFETCH = False
+# The split kernel's dot orientation: False computes scores as [rows, keys] (rows = query heads, 32 at Kimi-Linear:
+# too few for a wgmma tile, so the dots run as mma.sync with every warp re-reading the queries from shared memory
+# each key tile); True computes them as [keys, rows] and the output as [v_dim, rows], so the key tile (BLOCK_N)
+# and v_dim are the dots' M dimension (wgmma on sm_90, operands straight from shared memory). Read at call time.
+KEYS_MAJOR = False
+# Rows-major key tiles addressed from one page-table entry when they fit a page (`_kv_tile`'s ROW; keys-major
+# always does). Read at call time.
+IN_PAGE_ROWS_MAJOR = False
+# Launch defaults of the keys-major loop (BLOCK_N, num_warps, num_stages).
+KEYS_MAJOR_LAUNCH = (64, 4, 2)
 
 
 @triton.jit
 def _kv_tile(CACHE, stride_cp, stride_cr, pt_row, k0, hi, dv, dv_ok, dr, dr_ok, PAGE: tl.constexpr, DV: tl.constexpr,
-             BLOCK_N: tl.constexpr):
+             BLOCK_N: tl.constexpr, ROW: tl.constexpr = 0):
     """The keys k0..k0+BLOCK_N-1 (masked at hi) of one sequence, gathered through its page-table row:
-    (latent part [BLOCK_N, BLOCK_DV], rope part [BLOCK_N, BLOCK_DR]) in the cache dtype; nothing read past hi."""
+    (latent part [BLOCK_N, BLOCK_DV], rope part [BLOCK_N, BLOCK_DR]) in the cache dtype; nothing read past hi.
+    ROW > 0 (the cache's row stride, when PAGE % BLOCK_N == 0 and k0 % BLOCK_N == 0): the tile lies in one page,
+    so one page-table entry and compile-time row offsets (one base address per thread, not one per row)."""
     pos = k0 + tl.arange(0, BLOCK_N)
     pos_ok = pos < hi
-    page = tl.load(pt_row + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
-    roff = page * stride_cp + (pos % PAGE) * stride_cr
-    kv = tl.load(CACHE + roff[:, None] + dv[None, :], mask=pos_ok[:, None] & dv_ok[None, :], other=0.0)
-    kr = tl.load(CACHE + roff[:, None] + DV + dr[None, :], mask=pos_ok[:, None] & dr_ok[None, :], other=0.0)
+    if ROW > 0:
+        page = tl.load(pt_row + k0 // PAGE).to(tl.int64)
+        base = CACHE + page * stride_cp + (k0 % PAGE) * ROW
+        r = tl.arange(0, BLOCK_N) * ROW
+        kv = tl.load(base + r[:, None] + dv[None, :], mask=pos_ok[:, None] & dv_ok[None, :], other=0.0)
+        kr = tl.load(base + r[:, None] + DV + dr[None, :], mask=pos_ok[:, None] & dr_ok[None, :], other=0.0)
+    else:
+        page = tl.load(pt_row + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
+        roff = page * stride_cp + (pos % PAGE) * stride_cr
+        kv = tl.load(CACHE + roff[:, None] + dv[None, :], mask=pos_ok[:, None] & dv_ok[None, :], other=0.0)
+        kr = tl.load(CACHE + roff[:, None] + DV + dr[None, :], mask=pos_ok[:, None] & dr_ok[None, :], other=0.0)
     return kv, kr
 
 
@@ -187,31 +202,56 @@ def _flash_step(q_v, q_r, kv, kr, pos, hi, lim, acc, m_i, l_i, sm_scale_log2, IE
 
 
 @triton.jit
+def _flash_step_t(q_v, q_r, kv, kr, pos, hi, lim, acc_t, m_i, l_i, sm_scale_log2, IEEE: tl.constexpr):
+    """`_flash_step` keys-major: scores [BLOCK_N, BLOCK_H] = kv q_v^T + kr q_r^T and the output acc_t
+    [BLOCK_DV, BLOCK_H] += kv^T p, so BLOCK_N and BLOCK_DV are the dots' M. Returns (acc_t, m_i, l_i)."""
+    CT = tl.float32 if IEEE else tl.bfloat16
+    kv = kv.to(CT)
+    kr = kr.to(CT)
+    if IEEE:
+        st = tl.dot(kv, tl.trans(q_v), input_precision="ieee")
+        st = tl.dot(kr, tl.trans(q_r), acc=st, input_precision="ieee")
+    else:
+        st = tl.dot(kv, tl.trans(q_v))
+        st = tl.dot(kr, tl.trans(q_r), acc=st)
+    st = st * sm_scale_log2
+    vis = (pos[:, None] <= lim[None, :]) & (pos < hi)[:, None]
+    st = tl.where(vis, st, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    pt = tl.exp2(st - m_safe[None, :])
+    l_i = l_i * alpha + tl.sum(pt, axis=0)
+    if IEEE:
+        acc_t = tl.dot(tl.trans(kv), pt, acc=acc_t * alpha[None, :], input_precision="ieee")
+    else:
+        acc_t = tl.dot(tl.trans(kv), pt.to(CT), acc=acc_t * alpha[None, :])
+    return acc_t, m_new, l_i
+
+
+@triton.jit
 def _flash_rows(q_v, q_r, lim, CACHE, stride_cp, stride_cr, pt_row, lo, hi, sm_scale_log2, dv, dv_ok, dr, dr_ok,
                 PAGE: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr = False):
+                BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, KEYS_MAJOR: tl.constexpr = False, ROW: tl.constexpr = 0):
     """Online softmax of BLOCK_H query rows (q_v [BLOCK_H, BLOCK_DV], q_r [BLOCK_H, BLOCK_DR] in the dot type)
     over the keys lo..hi-1 of one sequence (page-table row pt_row); row i sees keys <= lim[i].
     Returns (acc [BLOCK_H, BLOCK_DV] fp32 unnormalised, running max m_i and sum l_i [BLOCK_H], log2 domain).
-
-    PREFETCH: the next key tile is loaded into registers before the current one is used (a hand-written
-    one-ahead pipeline, for num_stages=1: Triton's pipeliner single-buffers this loop, so its loads never
-    overlap the dots)."""
+    KEYS_MAJOR: the dots keys-major (`_flash_step_t`), transposed back once at the end. ROW: `_kv_tile`'s."""
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    if PREFETCH:
-        kv, kr = _kv_tile(CACHE, stride_cp, stride_cr, pt_row, lo, hi, dv, dv_ok, dr, dr_ok, PAGE, DV, BLOCK_N)
+    if KEYS_MAJOR:
+        acc_t = tl.zeros([BLOCK_DV, BLOCK_H], dtype=tl.float32)
         for k0 in range(lo, hi, BLOCK_N):
-            kv_next, kr_next = _kv_tile(CACHE, stride_cp, stride_cr, pt_row, k0 + BLOCK_N, hi, dv, dv_ok, dr, dr_ok,
-                                        PAGE, DV, BLOCK_N)
-            acc, m_i, l_i = _flash_step(q_v, q_r, kv, kr, k0 + tl.arange(0, BLOCK_N), hi, lim, acc, m_i, l_i,
-                                        sm_scale_log2, IEEE)
-            kv = kv_next
-            kr = kr_next
+            kv, kr = _kv_tile(CACHE, stride_cp, stride_cr, pt_row, k0, hi, dv, dv_ok, dr, dr_ok, PAGE, DV, BLOCK_N,
+                              ROW)
+            acc_t, m_i, l_i = _flash_step_t(q_v, q_r, kv, kr, k0 + tl.arange(0, BLOCK_N), hi, lim, acc_t, m_i, l_i,
+                                            sm_scale_log2, IEEE)
+        acc = tl.trans(acc_t)
     else:
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
         for k0 in range(lo, hi, BLOCK_N):
-            kv, kr = _kv_tile(CACHE, stride_cp, stride_cr, pt_row, k0, hi, dv, dv_ok, dr, dr_ok, PAGE, DV, BLOCK_N)
+            kv, kr = _kv_tile(CACHE, stride_cp, stride_cr, pt_row, k0, hi, dv, dv_ok, dr, dr_ok, PAGE, DV, BLOCK_N,
+                              ROW)
             acc, m_i, l_i = _flash_step(q_v, q_r, kv, kr, k0 + tl.arange(0, BLOCK_N), hi, lim, acc, m_i, l_i,
                                         sm_scale_log2, IEEE)
     return acc, m_i, l_i
@@ -261,7 +301,8 @@ def _mla_split_kernel(
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
     ALL_PARTIAL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    KEYS_MAJOR: tl.constexpr = False,
+    ROW: tl.constexpr = 0,
 ):
     if PDL:  # everything this kernel reads may come from the kernels just before it: wait first, on every path
         gdc_wait()
@@ -343,7 +384,7 @@ def _mla_split_kernel(
     q_r = tl.load(r_ptr[:, None] + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0).to(CT)
     acc, m_i, l_i = _flash_rows(q_v, q_r, lim, CACHE, stride_cp, stride_cr, PT + n * stride_pt, lo, hi,
                                 sm_scale_log2, dv, dv_ok, dr, dr_ok, PAGE, DV, BLOCK_H, BLOCK_N, BLOCK_DV, IEEE,
-                                PREFETCH)
+                                KEYS_MAJOR, ROW)
     _store_rows(acc, m_i, l_i, kv_scale, (count == 1) & (not ALL_PARTIAL), O, o_base, rows, PART, LSE, p_base,
                 p_rows, row_ok, dv, dv_ok, DV)
 
@@ -462,6 +503,25 @@ def default_max_splits(num_seqs: int, q_rows: int, num_sms: int = 132, *, block_
     return max(1, min(1024, math.ceil(waves * num_sms / (max(num_seqs, 1) * hb))))
 
 
+def _in_page_row(cache: Tensor, block_n: int, keys_major: bool) -> int:
+    """The split kernel's ROW: the cache's row stride when its key tiles lie in one page (PAGE % BLOCK_N == 0;
+    the plans start every split at a multiple of BLOCK_N) and the loop is keys-major (IN_PAGE_ROWS_MAJOR: also
+    rows-major), else 0 (a page-table entry per row)."""
+    if cache.shape[1] % block_n or not (keys_major or IN_PAGE_ROWS_MAJOR):
+        return 0
+    return cache.stride(1)
+
+
+def _loop_launch(keys_major: bool, block_n: int | None, num_warps: int | None, num_stages: int | None
+                 ) -> tuple[int, int | None, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel: the given ones, else the loop form's defaults
+    (num_warps None: by BLOCK_H, as `_launch` picks)."""
+    if keys_major:
+        dn, dw, ds = KEYS_MAJOR_LAUNCH
+        return block_n or dn, num_warps or dw, num_stages or ds
+    return block_n or 32, num_warps, num_stages or 2
+
+
 def _check_queries(q: Tensor, q_rope: Tensor | None, v_dim: int, ragged: bool = False) -> int:
     """Validates q (and q_rope): [N, Q, H, D], or [T, H, D] when ragged; returns the latent row width Dl."""
     nd, form = (3, "[T, H, D]") if ragged else (4, "[N, Q, H, D]")
@@ -519,13 +579,13 @@ def mla_decode(
     max_splits: int | None = None,
     balanced: bool = True,
     BLOCK_H: int | None = None,
-    BLOCK_N: int = 32,
+    BLOCK_N: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_chunk: int | None = None,
     out: Tensor | None = None,
     w_uv: Tensor | None = None,
-    prefetch: bool | None = None,
+    keys_major: bool | None = None,
 ) -> Tensor:
     """Paged absorbed-MLA decode / verify (the contract of the module docstring). Returns [N, Q, H, v_dim], or
     [T, H, v_dim] for a ragged batch.
@@ -534,17 +594,17 @@ def mla_decode(
     [N+1] int32 / int64 device offsets of each sequence's tokens in a flat q [T, H, .] (the ragged form; max_q, a
     host int >= every sequence's token count, is then required); max_splits: split slots per sequence (default
     `default_max_splits`); balanced: the balanced plan (else uniform; the ragged plan is always balanced);
-    BLOCK_H / BLOCK_N / num_warps / num_stages: launch configuration (num_stages default: 1 with the prefetching
-    loop, else 2); prefetch: the key loop's form (default PREFETCH, read at call time); min_chunk: the shortest balanced split in
-    rows (default MIN_CHUNK); out: a contiguous output; w_uv: [H, v_head, v_dim] (kv_b_proj's W_UV view, unit last
-    stride): the output is then o_lat @ W_UV[h]^T per head, [..., H, v_head] (`mla_combine_uv`; the
-    composition `mla_decode(...)` then bmm, with o_lat rounded to q's dtype in between as there). Reads only;
-    writes `out` (and its own workspace)."""
-    pf = PREFETCH if prefetch is None else bool(prefetch)
-    num_stages = (1 if pf else 2) if num_stages is None else int(num_stages)
+    BLOCK_H / BLOCK_N / num_warps / num_stages: launch configuration (defaults: BLOCK_N 32, 2 stages, or
+    KEYS_MAJOR_LAUNCH keys-major); keys_major: the dots' orientation (default KEYS_MAJOR, read at call time);
+    min_chunk: the shortest balanced split in rows (default MIN_CHUNK); out: a contiguous output; w_uv:
+    [H, v_head, v_dim] (kv_b_proj's W_UV view, unit last stride): the output is then o_lat @ W_UV[h]^T per head,
+    [..., H, v_head] (`mla_combine_uv`; the composition `mla_decode(...)` then bmm, with o_lat rounded to q's dtype
+    in between as there). Reads only; writes `out` (and its own workspace)."""
+    km = KEYS_MAJOR if keys_major is None else bool(keys_major)
+    BLOCK_N, num_warps, num_stages = _loop_launch(km, BLOCK_N, num_warps, num_stages)
     if cu_seqlens_q is not None:
         return _mla_decode_ragged(q, cache, page_table, kv_lens, scale, v_dim, kv_scale, q_rope, cu_seqlens_q, max_q,
-                                  max_splits, BLOCK_H, BLOCK_N, num_warps, num_stages, min_chunk, out, w_uv, pf)
+                                  max_splits, BLOCK_H, BLOCK_N, num_warps, num_stages, min_chunk, out, w_uv, km)
     Dl = _check_queries(q, q_rope, v_dim)
     N, QN, H = q.shape[:3]
     _check_rest(N, Dl, cache, page_table, kv_lens, v_dim)
@@ -563,13 +623,13 @@ def mla_decode(
     mc = _check_launch(bh, BLOCK_N, ms, N, min_chunk)
     qr = q[..., v_dim:] if q_rope is None else q_rope
     _launch(q, qr, cache, page_table, kv_lens, out, scale, kv_scale, ms, mc, balanced, bh, BLOCK_N, num_warps,
-            num_stages, v_dim, w_uv, pf)
+            num_stages, v_dim, w_uv, km)
     return out
 
 
 def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, out: Tensor, scale: float,
             kv_scale: float, ms: int, min_chunk: int, balanced: bool, bh: int, block_n: int, num_warps: int | None,
-            num_stages: int, v_dim: int, w_uv: Tensor | None = None, prefetch: bool = False) -> None:
+            num_stages: int, v_dim: int, w_uv: Tensor | None = None, keys_major: bool = False) -> None:
     """The split kernel, then (max_splits > 1) the combine kernel, over validated arguments. With w_uv every
     split writes partials and the W_UV combine always runs (it also writes the padding sequences' zeros)."""
     N, QN, H = q.shape[:3]
@@ -595,8 +655,8 @@ def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: T
         QN=QN, H=H, PAGE=cache.shape[1], DV=v_dim, DR=Dl - v_dim,
         BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(Dl - v_dim)), BLOCK_H=bh, BLOCK_N=block_n,
         BLOCK_SEQ=block_seq, BALANCED=bool(balanced), RAGGED=False, IEEE=cache.dtype == torch.float32, PDL=use_pdl,
-        ALL_PARTIAL=uv, PREFETCH=prefetch, num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages,
-        **launch,
+        ALL_PARTIAL=uv, KEYS_MAJOR=keys_major, ROW=_in_page_row(cache, block_n, keys_major),
+        num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
     )
     if uv:
         _uv._combine_uv(w_uv, kv_lens, kv_lens, out, part, lse, N * QN, N, ms, min_chunk, 0, QN, v_dim, bh,
@@ -660,7 +720,7 @@ def _mla_decode_ragged(q: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Te
                        kv_scale: float, q_rope: Tensor | None, cu: Tensor, max_q: int | None,
                        max_splits: int | None, BLOCK_H: int | None, BLOCK_N: int, num_warps: int | None,
                        num_stages: int, min_chunk: int | None, out: Tensor | None, w_uv: Tensor | None = None,
-                       prefetch: bool = False) -> Tensor:
+                       keys_major: bool = False) -> Tensor:
     """`mla_decode` of a ragged batch: validates, then launches (`_launch_ragged`). Returns [T, H, v_dim]."""
     Dl = _check_queries(q, q_rope, v_dim, ragged=True)
     T, H = q.shape[:2]
@@ -686,14 +746,14 @@ def _mla_decode_ragged(q: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Te
     cu = cu if cu.is_contiguous() else cu.contiguous()
     qr = q[..., v_dim:] if q_rope is None else q_rope
     _launch_ragged(q, qr, cache, page_table, kv_lens, cu, int(max_q), out, scale, kv_scale, ms, mc, bh, BLOCK_N,
-                   num_warps, num_stages, v_dim, w_uv, prefetch)
+                   num_warps, num_stages, v_dim, w_uv, keys_major)
     return out
 
 
 def _launch_ragged(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, cu: Tensor,
                    max_q: int, out: Tensor, scale: float, kv_scale: float, ms: int, min_chunk: int, bh: int,
                    block_n: int, num_warps: int | None, num_stages: int, v_dim: int, w_uv: Tensor | None = None,
-                   prefetch: bool = False) -> None:
+                   keys_major: bool = False) -> None:
     """The ragged split kernel (a 1-D grid over the plan's items), then the ragged combine, over validated
     arguments (`ragged_grid` sizes both and the workspace). With w_uv every item writes partials (the workspace
     then holds one per split program) and the W_UV combine runs."""
@@ -723,8 +783,8 @@ def _launch_ragged(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_
         QN=1, H=H, PAGE=cache.shape[1], DV=v_dim, DR=Dl - v_dim,
         BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(Dl - v_dim)), BLOCK_H=bh, BLOCK_N=block_n,
         BLOCK_SEQ=block_seq, BALANCED=True, RAGGED=True, IEEE=cache.dtype == torch.float32, PDL=use_pdl,
-        ALL_PARTIAL=uv, PREFETCH=prefetch, num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages,
-        **launch,
+        ALL_PARTIAL=uv, KEYS_MAJOR=keys_major, ROW=_in_page_row(cache, block_n, keys_major),
+        num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
     )
     if uv:
         _uv._combine_uv(w_uv, kv_lens, cu, out, part, lse, T, N, ms, mc, mq, 1, v_dim, bh, block_seq, block_n, True,
