@@ -125,7 +125,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenspeed.ops.triton import mla_combine_uv as _uv
 from tokenspeed.ops.triton import pdl
-from tokenspeed.ops.triton._utils import next_pow2
+from tokenspeed.ops.triton._utils import l2_prefetch_bulk, next_pow2
 from tokenspeed.ops.triton.mla_split_plan import _pick, _plan_balanced, _plan_ragged, _ragged_item, _uniform_chunk
 
 LOG2E = 1.4426950408889634
@@ -141,11 +141,16 @@ DEFAULT_WAVES = 1.0
 # The split kernel's dot orientation: False computes scores as [rows, keys] (rows = query heads, 32 at Kimi-Linear:
 # too few for a wgmma tile, so the dots run as mma.sync with every warp re-reading the queries from shared memory
 # each key tile); True computes them as [keys, rows] and the output as [v_dim, rows], so the key tile (BLOCK_N)
-# and v_dim are the dots' M dimension (wgmma on sm_90, operands straight from shared memory). Read at call time.
-KEYS_MAJOR = False
+# and v_dim are the dots' M dimension (wgmma on sm_90, operands straight from shared memory). None: keys-major for
+# the cache dtypes of KEYS_MAJOR_DTYPES (an fp8 cache measured slower keys-major: its tiles are converted through
+# registers). Read at call time.
+KEYS_MAJOR: bool | None = None
+KEYS_MAJOR_DTYPES = (torch.bfloat16,)
 # Rows-major key tiles addressed from one page-table entry when they fit a page (`_kv_tile`'s ROW; keys-major
 # always does). Read at call time.
 IN_PAGE_ROWS_MAJOR = False
+# The keys-major loop's L2 prefetch of the key tile two ahead (`_flash_rows`). Read at call time.
+L2_PREFETCH = True
 # Launch defaults of the keys-major loop (BLOCK_N, num_warps, num_stages).
 KEYS_MAJOR_LAUNCH = (64, 4, 2)
 
@@ -202,6 +207,15 @@ def _flash_step(q_v, q_r, kv, kr, pos, hi, lim, acc, m_i, l_i, sm_scale_log2, IE
 
 
 @triton.jit
+def _prefetch_tile(CACHE, page, k0, hi, stride_cp, PAGE: tl.constexpr, ROW: tl.constexpr, BLOCK_N: tl.constexpr,
+                   ROW_BYTES: tl.constexpr):
+    """One L2 prefetch (`l2_prefetch_bulk`) of the rows k0..min(k0 + BLOCK_N, hi) - 1 of an in-page key tile
+    (`_kv_tile`'s ROW form; contiguous rows of ROW_BYTES, a multiple of 16); nothing past hi. A hint only."""
+    nbytes = tl.minimum(tl.maximum(hi - k0, 0), BLOCK_N) * ROW_BYTES
+    l2_prefetch_bulk(CACHE + page * stride_cp + (k0 % PAGE) * ROW, nbytes.to(tl.int32))
+
+
+@triton.jit
 def _flash_step_t(q_v, q_r, kv, kr, pos, hi, lim, acc_t, m_i, l_i, sm_scale_log2, IEEE: tl.constexpr):
     """`_flash_step` keys-major: scores [BLOCK_N, BLOCK_H] = kv q_v^T + kr q_r^T and the output acc_t
     [BLOCK_DV, BLOCK_H] += kv^T p, so BLOCK_N and BLOCK_DV are the dots' M. Returns (acc_t, m_i, l_i)."""
@@ -232,14 +246,45 @@ def _flash_step_t(q_v, q_r, kv, kr, pos, hi, lim, acc_t, m_i, l_i, sm_scale_log2
 @triton.jit
 def _flash_rows(q_v, q_r, lim, CACHE, stride_cp, stride_cr, pt_row, lo, hi, sm_scale_log2, dv, dv_ok, dr, dr_ok,
                 PAGE: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, KEYS_MAJOR: tl.constexpr = False, ROW: tl.constexpr = 0):
+                BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, KEYS_MAJOR: tl.constexpr = False, ROW: tl.constexpr = 0,
+                L2_ROW_BYTES: tl.constexpr = 0):
     """Online softmax of BLOCK_H query rows (q_v [BLOCK_H, BLOCK_DV], q_r [BLOCK_H, BLOCK_DR] in the dot type)
     over the keys lo..hi-1 of one sequence (page-table row pt_row); row i sees keys <= lim[i].
     Returns (acc [BLOCK_H, BLOCK_DV] fp32 unnormalised, running max m_i and sum l_i [BLOCK_H], log2 domain).
     KEYS_MAJOR: the dots keys-major (`_flash_step_t`), transposed back once at the end. ROW: `_kv_tile`'s."""
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if KEYS_MAJOR:
+    if KEYS_MAJOR and ROW > 0:
+        # The page of each tile is read one tile ahead (a loop-carried scalar), so no key load of the loop waits on
+        # a page-table read of the same iteration. With L2_ROW_BYTES > 0 (sm_90 only) the page of tile i+2 is read
+        # at the top of iteration i and that tile prefetched into L2 after tile i's dots, one iteration before
+        # the pipeliner's copy of it.
+        acc_t = tl.zeros([BLOCK_DV, BLOCK_H], dtype=tl.float32)
+        page = tl.load(pt_row + lo // PAGE, mask=lo < hi, other=0).to(tl.int64)
+        rows = tl.arange(0, BLOCK_N)
+        if L2_ROW_BYTES > 0:  # tile lo+1 (tile lo's copy is issued before the loop)
+            k1 = lo + BLOCK_N
+            page1 = tl.load(pt_row + k1 // PAGE, mask=k1 < hi, other=0).to(tl.int64)
+            _prefetch_tile(CACHE, page1, k1, hi, stride_cp, PAGE, ROW, BLOCK_N, L2_ROW_BYTES)
+        for k0 in range(lo, hi, BLOCK_N):
+            nxt = k0 + BLOCK_N
+            page_next = tl.load(pt_row + nxt // PAGE, mask=nxt < hi, other=0).to(tl.int64)
+            if L2_ROW_BYTES > 0:
+                k2 = k0 + 2 * BLOCK_N
+                page2 = tl.load(pt_row + k2 // PAGE, mask=k2 < hi, other=0).to(tl.int64)
+            pos = k0 + rows
+            pos_ok = pos < hi
+            base = CACHE + page * stride_cp + (k0 % PAGE) * ROW
+            kv = tl.load(base + (rows * ROW)[:, None] + dv[None, :], mask=pos_ok[:, None] & dv_ok[None, :],
+                         other=0.0)
+            kr = tl.load(base + (rows * ROW)[:, None] + DV + dr[None, :], mask=pos_ok[:, None] & dr_ok[None, :],
+                         other=0.0)
+            acc_t, m_i, l_i = _flash_step_t(q_v, q_r, kv, kr, pos, hi, lim, acc_t, m_i, l_i, sm_scale_log2, IEEE)
+            if L2_ROW_BYTES > 0:
+                _prefetch_tile(CACHE, page2, k2, hi, stride_cp, PAGE, ROW, BLOCK_N, L2_ROW_BYTES)
+            page = page_next
+        acc = tl.trans(acc_t)
+    elif KEYS_MAJOR:
         acc_t = tl.zeros([BLOCK_DV, BLOCK_H], dtype=tl.float32)
         for k0 in range(lo, hi, BLOCK_N):
             kv, kr = _kv_tile(CACHE, stride_cp, stride_cr, pt_row, k0, hi, dv, dv_ok, dr, dr_ok, PAGE, DV, BLOCK_N,
@@ -303,6 +348,7 @@ def _mla_split_kernel(
     ALL_PARTIAL: tl.constexpr = False,
     KEYS_MAJOR: tl.constexpr = False,
     ROW: tl.constexpr = 0,
+    L2_ROW_BYTES: tl.constexpr = 0,
 ):
     if PDL:  # everything this kernel reads may come from the kernels just before it: wait first, on every path
         gdc_wait()
@@ -384,7 +430,7 @@ def _mla_split_kernel(
     q_r = tl.load(r_ptr[:, None] + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0).to(CT)
     acc, m_i, l_i = _flash_rows(q_v, q_r, lim, CACHE, stride_cp, stride_cr, PT + n * stride_pt, lo, hi,
                                 sm_scale_log2, dv, dv_ok, dr, dr_ok, PAGE, DV, BLOCK_H, BLOCK_N, BLOCK_DV, IEEE,
-                                KEYS_MAJOR, ROW)
+                                KEYS_MAJOR, ROW, L2_ROW_BYTES)
     _store_rows(acc, m_i, l_i, kv_scale, (count == 1) & (not ALL_PARTIAL), O, o_base, rows, PART, LSE, p_base,
                 p_rows, row_ok, dv, dv_ok, DV)
 
@@ -512,6 +558,15 @@ def _in_page_row(cache: Tensor, block_n: int, keys_major: bool) -> int:
     return cache.stride(1)
 
 
+def _l2_row_bytes(cache: Tensor, block_n: int, keys_major: bool) -> int:
+    """The split kernel's L2_ROW_BYTES: a cache row's bytes when the keys-major loop prefetches its tiles into L2
+    (L2_PREFETCH, a CUDA cache, in-page tiles of contiguous 16-byte-aligned rows), else 0."""
+    row = _in_page_row(cache, block_n, keys_major)
+    nbytes = row * cache.element_size()
+    ok = L2_PREFETCH and keys_major and row > 0 and cache.is_cuda and nbytes % 16 == 0
+    return nbytes if ok else 0
+
+
 def _loop_launch(keys_major: bool, block_n: int | None, num_warps: int | None, num_stages: int | None
                  ) -> tuple[int, int | None, int]:
     """(BLOCK_N, num_warps, num_stages) of the split kernel: the given ones, else the loop form's defaults
@@ -600,7 +655,8 @@ def mla_decode(
     [H, v_head, v_dim] (kv_b_proj's W_UV view, unit last stride): the output is then o_lat @ W_UV[h]^T per head,
     [..., H, v_head] (`mla_combine_uv`; the composition `mla_decode(...)` then bmm, with o_lat rounded to q's dtype
     in between as there). Reads only; writes `out` (and its own workspace)."""
-    km = KEYS_MAJOR if keys_major is None else bool(keys_major)
+    choice = KEYS_MAJOR if keys_major is None else keys_major
+    km = cache.dtype in KEYS_MAJOR_DTYPES if choice is None else bool(choice)
     BLOCK_N, num_warps, num_stages = _loop_launch(km, BLOCK_N, num_warps, num_stages)
     if cu_seqlens_q is not None:
         return _mla_decode_ragged(q, cache, page_table, kv_lens, scale, v_dim, kv_scale, q_rope, cu_seqlens_q, max_q,
@@ -656,6 +712,7 @@ def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: T
         BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(Dl - v_dim)), BLOCK_H=bh, BLOCK_N=block_n,
         BLOCK_SEQ=block_seq, BALANCED=bool(balanced), RAGGED=False, IEEE=cache.dtype == torch.float32, PDL=use_pdl,
         ALL_PARTIAL=uv, KEYS_MAJOR=keys_major, ROW=_in_page_row(cache, block_n, keys_major),
+        L2_ROW_BYTES=_l2_row_bytes(cache, block_n, keys_major),
         num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
     )
     if uv:
@@ -784,6 +841,7 @@ def _launch_ragged(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_
         BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(Dl - v_dim)), BLOCK_H=bh, BLOCK_N=block_n,
         BLOCK_SEQ=block_seq, BALANCED=True, RAGGED=True, IEEE=cache.dtype == torch.float32, PDL=use_pdl,
         ALL_PARTIAL=uv, KEYS_MAJOR=keys_major, ROW=_in_page_row(cache, block_n, keys_major),
+        L2_ROW_BYTES=_l2_row_bytes(cache, block_n, keys_major),
         num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
     )
     if uv:
