@@ -40,8 +40,7 @@ benchmarks/results/mla_ragged_h200.json) and prints a table with the ragged / to
 ABSORBED_MAX_TAIL (tokenspeed/models/kimi/mla.py) belongs below the tails where `split` beats `ragged`.
 
 --loops (alone) times the split kernel's key-loop forms (`rows`: scores [rows, keys], mma.sync at 32 rows;
-`keys`: scores [keys, rows], wgmma, `nol2` without its L2 prefetch of the tile two ahead; `inpage`: rows-major
-key tiles addressed from one page-table entry; `fp8`:
+`keys`: scores [keys, rows], wgmma; `fp8`:
 the same over an fp8 copy of the cache) and launch configs at min_chunk 64 / 128 / 256, split + combine as
 --policies, over batch 1 / 4 / 16 / 64 x 4K / 32K and the mixed batch (16 x 64K/16K/4K/1K); HBM% = cache bytes /
 time / 4.27 TB/s. Every form's output is checked against the first of its cache dtype. Writes --out (default
@@ -510,17 +509,14 @@ def run_ragged(args, t0: float, triton) -> None:
                  timing="median of 10 calls, CUDA events (host gaps included), after 2 warm-up calls")
 
 
-# name -> mla_decode keywords of a key-loop form (the first is today's default launch); "in_page": rows-major with
-# IN_PAGE_ROWS_MAJOR set (key tiles addressed from one page-table entry), "fp8": over an fp8 e4m3 copy of the cache,
-# "l2": False: L2_PREFETCH off (the keys-major loop's L2 prefetch of the tile two ahead)
+# name -> mla_decode keywords of a key-loop form (the first: the rows-major launch, the default before keys-major);
+# "fp8": over an fp8 e4m3 copy of the cache
 LOOP_FORMS = {
     "rows_n32_w8_s2": {"keys_major": False, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
-    "keys_n64_w4_s2_nol2": {"keys_major": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "l2": False},
     "keys_n64_w4_s2": {"keys_major": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     "keys_n64_w8_s2": {"keys_major": True, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
     "rows_n32_w8_s2_fp8": {"keys_major": False, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "fp8": True},
-    "rows_n32_w8_s2_inpage_fp8": {"keys_major": False, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2,
-                                  "in_page": True, "fp8": True},
+    "keys_n64_w4_s2_fp8": {"keys_major": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "fp8": True},
 }
 LOOP_MIN_CHUNKS = (64, 128, 256)
 
@@ -535,7 +531,7 @@ def loops_case(name: str, lens: list[int], args, rows: list[dict]) -> None:
     base = {}
     for form, kw in LOOP_FORMS.items():
         kw = dict(kw)
-        in_page, fp8, l2 = kw.pop("in_page", False), kw.pop("fp8", False), kw.pop("l2", True)
+        fp8 = kw.pop("fp8", False)
         if fp8 and cache8 is None:
             continue
         c = cache8 if fp8 else cache
@@ -548,18 +544,15 @@ def loops_case(name: str, lens: list[int], args, rows: list[dict]) -> None:
             def fn(call=call, c=c):
                 return k_mla.mla_decode(q, c, table, kv, scale, V, **call)
 
-            k_mla.IN_PAGE_ROWS_MAJOR, k_mla.L2_PREFETCH = in_page, l2  # read at call (and capture) time
             try:
                 out = fn()
                 t = graph_us(fn, n=20, smoke=args.smoke)
             except Exception as e:  # noqa: BLE001 - a form that does not compile is reported, not fatal
                 print(f"{name:14s} {form:24s} mc {mc:4d} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
-            finally:
-                k_mla.IN_PAGE_ROWS_MAJOR, k_mla.L2_PREFETCH = False, True
             base.setdefault(fp8, out.clone())
             row = {"case": name, "batch": len(lens), "ctx": max(lens), "form": form, "min_chunk": mc, **kw,
-                   "in_page": in_page, "l2_prefetch": l2, "cache_dtype": str(c.dtype), "us": t,
+                   "cache_dtype": str(c.dtype), "us": t,
                    "hbm_frac": cache_bytes / (t * 1e-6) / HBM if math.isfinite(t) and t > 0 else None,
                    "cache_bytes": cache_bytes, "max_rel_err_vs_first_of_dtype": rel(out, base[fp8])}
             rows.append(row)

@@ -125,7 +125,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenspeed.ops.triton import mla_combine_uv as _uv
 from tokenspeed.ops.triton import pdl
-from tokenspeed.ops.triton._utils import l2_prefetch_bulk, next_pow2
+from tokenspeed.ops.triton._utils import next_pow2
 from tokenspeed.ops.triton.mla_split_plan import _pick, _plan_balanced, _plan_ragged, _ragged_item, _uniform_chunk
 
 LOG2E = 1.4426950408889634
@@ -146,11 +146,6 @@ DEFAULT_WAVES = 1.0
 # registers). Read at call time.
 KEYS_MAJOR: bool | None = None
 KEYS_MAJOR_DTYPES = (torch.bfloat16,)
-# Rows-major key tiles addressed from one page-table entry when they fit a page (`_kv_tile`'s ROW; keys-major
-# always does). Read at call time.
-IN_PAGE_ROWS_MAJOR = False
-# The keys-major loop's L2 prefetch of the key tile two ahead (`_flash_rows`). Read at call time.
-L2_PREFETCH = True
 # Launch defaults of the keys-major loop (BLOCK_N, num_warps, num_stages).
 KEYS_MAJOR_LAUNCH = (64, 4, 2)
 
@@ -207,15 +202,6 @@ def _flash_step(q_v, q_r, kv, kr, pos, hi, lim, acc, m_i, l_i, sm_scale_log2, IE
 
 
 @triton.jit
-def _prefetch_tile(CACHE, page, k0, hi, stride_cp, PAGE: tl.constexpr, ROW: tl.constexpr, BLOCK_N: tl.constexpr,
-                   ROW_BYTES: tl.constexpr):
-    """One L2 prefetch (`l2_prefetch_bulk`) of the rows k0..min(k0 + BLOCK_N, hi) - 1 of an in-page key tile
-    (`_kv_tile`'s ROW form; contiguous rows of ROW_BYTES, a multiple of 16); nothing past hi. A hint only."""
-    nbytes = tl.minimum(tl.maximum(hi - k0, 0), BLOCK_N) * ROW_BYTES
-    l2_prefetch_bulk(CACHE + page * stride_cp + (k0 % PAGE) * ROW, nbytes.to(tl.int32))
-
-
-@triton.jit
 def _flash_step_t(q_v, q_r, kv, kr, pos, hi, lim, acc_t, m_i, l_i, sm_scale_log2, IEEE: tl.constexpr):
     """`_flash_step` keys-major: scores [BLOCK_N, BLOCK_H] = kv q_v^T + kr q_r^T and the output acc_t
     [BLOCK_DV, BLOCK_H] += kv^T p, so BLOCK_N and BLOCK_DV are the dots' M. Returns (acc_t, m_i, l_i)."""
@@ -246,8 +232,7 @@ def _flash_step_t(q_v, q_r, kv, kr, pos, hi, lim, acc_t, m_i, l_i, sm_scale_log2
 @triton.jit
 def _flash_rows(q_v, q_r, lim, CACHE, stride_cp, stride_cr, pt_row, lo, hi, sm_scale_log2, dv, dv_ok, dr, dr_ok,
                 PAGE: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, KEYS_MAJOR: tl.constexpr = False, ROW: tl.constexpr = 0,
-                L2_ROW_BYTES: tl.constexpr = 0):
+                BLOCK_DV: tl.constexpr, IEEE: tl.constexpr, KEYS_MAJOR: tl.constexpr = False, ROW: tl.constexpr = 0):
     """Online softmax of BLOCK_H query rows (q_v [BLOCK_H, BLOCK_DV], q_r [BLOCK_H, BLOCK_DR] in the dot type)
     over the keys lo..hi-1 of one sequence (page-table row pt_row); row i sees keys <= lim[i].
     Returns (acc [BLOCK_H, BLOCK_DV] fp32 unnormalised, running max m_i and sum l_i [BLOCK_H], log2 domain).
@@ -255,23 +240,15 @@ def _flash_rows(q_v, q_r, lim, CACHE, stride_cp, stride_cr, pt_row, lo, hi, sm_s
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     if KEYS_MAJOR and ROW > 0:
-        # The page of each tile is read one tile ahead (a loop-carried scalar), so no key load of the loop waits on
-        # a page-table read of the same iteration. With L2_ROW_BYTES > 0 (sm_90 only) the page of tile i+2 is read
-        # at the top of iteration i and that tile prefetched into L2 after tile i's dots, one iteration before
-        # the pipeliner's copy of it.
+        # The page of each tile is read one tile ahead (a loop-carried scalar): no key load of the loop then waits
+        # on a page-table read of the same iteration, and Triton's pipeliner double-buffers the tiles (with the
+        # page read in the same iteration it kept one buffer, waited for at the top of every iteration).
         acc_t = tl.zeros([BLOCK_DV, BLOCK_H], dtype=tl.float32)
         page = tl.load(pt_row + lo // PAGE, mask=lo < hi, other=0).to(tl.int64)
         rows = tl.arange(0, BLOCK_N)
-        if L2_ROW_BYTES > 0:  # tile lo+1 (tile lo's copy is issued before the loop)
-            k1 = lo + BLOCK_N
-            page1 = tl.load(pt_row + k1 // PAGE, mask=k1 < hi, other=0).to(tl.int64)
-            _prefetch_tile(CACHE, page1, k1, hi, stride_cp, PAGE, ROW, BLOCK_N, L2_ROW_BYTES)
         for k0 in range(lo, hi, BLOCK_N):
             nxt = k0 + BLOCK_N
             page_next = tl.load(pt_row + nxt // PAGE, mask=nxt < hi, other=0).to(tl.int64)
-            if L2_ROW_BYTES > 0:
-                k2 = k0 + 2 * BLOCK_N
-                page2 = tl.load(pt_row + k2 // PAGE, mask=k2 < hi, other=0).to(tl.int64)
             pos = k0 + rows
             pos_ok = pos < hi
             base = CACHE + page * stride_cp + (k0 % PAGE) * ROW
@@ -280,8 +257,6 @@ def _flash_rows(q_v, q_r, lim, CACHE, stride_cp, stride_cr, pt_row, lo, hi, sm_s
             kr = tl.load(base + (rows * ROW)[:, None] + DV + dr[None, :], mask=pos_ok[:, None] & dr_ok[None, :],
                          other=0.0)
             acc_t, m_i, l_i = _flash_step_t(q_v, q_r, kv, kr, pos, hi, lim, acc_t, m_i, l_i, sm_scale_log2, IEEE)
-            if L2_ROW_BYTES > 0:
-                _prefetch_tile(CACHE, page2, k2, hi, stride_cp, PAGE, ROW, BLOCK_N, L2_ROW_BYTES)
             page = page_next
         acc = tl.trans(acc_t)
     elif KEYS_MAJOR:
@@ -348,7 +323,6 @@ def _mla_split_kernel(
     ALL_PARTIAL: tl.constexpr = False,
     KEYS_MAJOR: tl.constexpr = False,
     ROW: tl.constexpr = 0,
-    L2_ROW_BYTES: tl.constexpr = 0,
 ):
     if PDL:  # everything this kernel reads may come from the kernels just before it: wait first, on every path
         gdc_wait()
@@ -430,7 +404,7 @@ def _mla_split_kernel(
     q_r = tl.load(r_ptr[:, None] + dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0).to(CT)
     acc, m_i, l_i = _flash_rows(q_v, q_r, lim, CACHE, stride_cp, stride_cr, PT + n * stride_pt, lo, hi,
                                 sm_scale_log2, dv, dv_ok, dr, dr_ok, PAGE, DV, BLOCK_H, BLOCK_N, BLOCK_DV, IEEE,
-                                KEYS_MAJOR, ROW, L2_ROW_BYTES)
+                                KEYS_MAJOR, ROW)
     _store_rows(acc, m_i, l_i, kv_scale, (count == 1) & (not ALL_PARTIAL), O, o_base, rows, PART, LSE, p_base,
                 p_rows, row_ok, dv, dv_ok, DV)
 
@@ -549,22 +523,10 @@ def default_max_splits(num_seqs: int, q_rows: int, num_sms: int = 132, *, block_
     return max(1, min(1024, math.ceil(waves * num_sms / (max(num_seqs, 1) * hb))))
 
 
-def _in_page_row(cache: Tensor, block_n: int, keys_major: bool) -> int:
+def _in_page_row(cache: Tensor, block_n: int) -> int:
     """The split kernel's ROW: the cache's row stride when its key tiles lie in one page (PAGE % BLOCK_N == 0;
-    the plans start every split at a multiple of BLOCK_N) and the loop is keys-major (IN_PAGE_ROWS_MAJOR: also
-    rows-major), else 0 (a page-table entry per row)."""
-    if cache.shape[1] % block_n or not (keys_major or IN_PAGE_ROWS_MAJOR):
-        return 0
-    return cache.stride(1)
-
-
-def _l2_row_bytes(cache: Tensor, block_n: int, keys_major: bool) -> int:
-    """The split kernel's L2_ROW_BYTES: a cache row's bytes when the keys-major loop prefetches its tiles into L2
-    (L2_PREFETCH, a CUDA cache, in-page tiles of contiguous 16-byte-aligned rows), else 0."""
-    row = _in_page_row(cache, block_n, keys_major)
-    nbytes = row * cache.element_size()
-    ok = L2_PREFETCH and keys_major and row > 0 and cache.is_cuda and nbytes % 16 == 0
-    return nbytes if ok else 0
+    the plans start every split at a multiple of BLOCK_N), else 0 (a page-table entry per row)."""
+    return 0 if cache.shape[1] % block_n else cache.stride(1)
 
 
 def _loop_launch(keys_major: bool, block_n: int | None, num_warps: int | None, num_stages: int | None
@@ -711,8 +673,7 @@ def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: T
         QN=QN, H=H, PAGE=cache.shape[1], DV=v_dim, DR=Dl - v_dim,
         BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(Dl - v_dim)), BLOCK_H=bh, BLOCK_N=block_n,
         BLOCK_SEQ=block_seq, BALANCED=bool(balanced), RAGGED=False, IEEE=cache.dtype == torch.float32, PDL=use_pdl,
-        ALL_PARTIAL=uv, KEYS_MAJOR=keys_major, ROW=_in_page_row(cache, block_n, keys_major),
-        L2_ROW_BYTES=_l2_row_bytes(cache, block_n, keys_major),
+        ALL_PARTIAL=uv, KEYS_MAJOR=keys_major, ROW=_in_page_row(cache, block_n),
         num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
     )
     if uv:
@@ -840,8 +801,7 @@ def _launch_ragged(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_
         QN=1, H=H, PAGE=cache.shape[1], DV=v_dim, DR=Dl - v_dim,
         BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(Dl - v_dim)), BLOCK_H=bh, BLOCK_N=block_n,
         BLOCK_SEQ=block_seq, BALANCED=True, RAGGED=True, IEEE=cache.dtype == torch.float32, PDL=use_pdl,
-        ALL_PARTIAL=uv, KEYS_MAJOR=keys_major, ROW=_in_page_row(cache, block_n, keys_major),
-        L2_ROW_BYTES=_l2_row_bytes(cache, block_n, keys_major),
+        ALL_PARTIAL=uv, KEYS_MAJOR=keys_major, ROW=_in_page_row(cache, block_n),
         num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
     )
     if uv:
