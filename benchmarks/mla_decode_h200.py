@@ -40,7 +40,7 @@ benchmarks/results/mla_ragged_h200.json) and prints a table with the ragged / to
 ABSORBED_MAX_TAIL (tokenspeed/models/kimi/mla.py) belongs below the tails where `split` beats `ragged`.
 
 --loops (alone) times the split kernel's key-loop forms (`rows`: scores [rows, keys], mma.sync at 32 rows;
-`keys`: scores [keys, rows], wgmma; `fp8`:
+`keys`: scores [keys, rows], wgmma; `uniform_plan`: with UNIFORM_PLAN; `fp8`:
 the same over an fp8 copy of the cache) and launch configs at min_chunk 64 / 128 / 256, split + combine as
 --policies, over batch 1 / 4 / 16 / 64 x 4K / 32K and the mixed batch (16 x 64K/16K/4K/1K); HBM% = cache bytes /
 time / 4.27 TB/s. Every form's output is checked against the first of its cache dtype. Writes --out (default
@@ -306,6 +306,7 @@ def main():
     ap.add_argument("--policies", action="store_true", help="only the split-policy sweep (batch x context)")
     ap.add_argument("--ragged", action="store_true", help="only the mixed-batch layer attention forms (ragged)")
     ap.add_argument("--loops", action="store_true", help="only the split kernel's key-loop forms and tiles")
+    ap.add_argument("--uniform-plan", action="store_true", help="set mla_decode.UNIFORM_PLAN for the whole run")
     args = ap.parse_args()
     if args.loops and args.out == ap.get_default("out"):
         args.out = "benchmarks/results/mla_loops_h200.json"
@@ -319,6 +320,7 @@ def main():
         H, DL, V, PAGE = 4, 40, 32, 8
         os.environ["TRITON_INTERPRET"] = "1"  # before the first triton import
     k_mla = importlib.import_module("tokenspeed.ops.triton.mla_decode")
+    k_mla.UNIFORM_PLAN = k_mla.UNIFORM_PLAN or args.uniform_plan
     import triton
     if args.smoke:
         cases = [("mixed", [300, 80, 20, 5] * 2), ("equal", [100] * 4)]
@@ -365,7 +367,8 @@ def write_result(args, t0: float, triton, rows: list[dict], **extra) -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)",
         "torch": torch.__version__, "triton": triton.__version__,
         "commit": os.environ.get("BENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
-        "H": H, "Dl": DL, "v_dim": V, **extra, "wall_s": time.time() - t0, "smoke": args.smoke,
+        "H": H, "Dl": DL, "v_dim": V, "keys_major_default": str(k_mla.KEYS_MAJOR),
+        "uniform_plan": k_mla.UNIFORM_PLAN, **extra, "wall_s": time.time() - t0, "smoke": args.smoke,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -510,10 +513,12 @@ def run_ragged(args, t0: float, triton) -> None:
 
 
 # name -> mla_decode keywords of a key-loop form (the first: the rows-major launch, the default before keys-major);
-# "fp8": over an fp8 e4m3 copy of the cache
+# "fp8": over an fp8 e4m3 copy of the cache; "uniform_plan": with UNIFORM_PLAN set
 LOOP_FORMS = {
     "rows_n32_w8_s2": {"keys_major": False, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
     "keys_n64_w4_s2": {"keys_major": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    "keys_n64_w4_s2_uniform_plan": {"keys_major": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
+                                    "uniform_plan": True},
     "keys_n64_w8_s2": {"keys_major": True, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
     "rows_n32_w8_s2_fp8": {"keys_major": False, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "fp8": True},
     "keys_n64_w4_s2_fp8": {"keys_major": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "fp8": True},
@@ -531,7 +536,7 @@ def loops_case(name: str, lens: list[int], args, rows: list[dict]) -> None:
     base = {}
     for form, kw in LOOP_FORMS.items():
         kw = dict(kw)
-        fp8 = kw.pop("fp8", False)
+        fp8, uniform_plan = kw.pop("fp8", False), kw.pop("uniform_plan", False)
         if fp8 and cache8 is None:
             continue
         c = cache8 if fp8 else cache
@@ -544,15 +549,18 @@ def loops_case(name: str, lens: list[int], args, rows: list[dict]) -> None:
             def fn(call=call, c=c):
                 return k_mla.mla_decode(q, c, table, kv, scale, V, **call)
 
+            saved, k_mla.UNIFORM_PLAN = k_mla.UNIFORM_PLAN, uniform_plan  # read at call (and capture) time
             try:
                 out = fn()
                 t = graph_us(fn, n=20, smoke=args.smoke)
             except Exception as e:  # noqa: BLE001 - a form that does not compile is reported, not fatal
                 print(f"{name:14s} {form:24s} mc {mc:4d} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
+            finally:
+                k_mla.UNIFORM_PLAN = saved
             base.setdefault(fp8, out.clone())
             row = {"case": name, "batch": len(lens), "ctx": max(lens), "form": form, "min_chunk": mc, **kw,
-                   "cache_dtype": str(c.dtype), "us": t,
+                   "uniform_plan": uniform_plan, "cache_dtype": str(c.dtype), "us": t,
                    "hbm_frac": cache_bytes / (t * 1e-6) / HBM if math.isfinite(t) and t > 0 else None,
                    "cache_bytes": cache_bytes, "max_rel_err_vs_first_of_dtype": rel(out, base[fp8])}
             rows.append(row)

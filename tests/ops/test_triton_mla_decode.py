@@ -242,6 +242,36 @@ def test_bf16_configs_gpu(max_splits, cfg):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("balanced", [True, False])
+def test_uniform_plan_bitwise_equal_gpu(monkeypatch, balanced):
+    """UNIFORM_PLAN only re-reads the plan's scalars from lane 0 (they are the same in every thread): outputs are
+    bit-identical with it on and off, uniform-batch and ragged, with and without the W_UV combine."""
+    import tokenspeed.ops.triton.mla_decode as mod
+
+    inp = make(MIXED + [0, 300], 2, 32, **REAL, page_size=64, q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16,
+               device="cuda", seed=5)
+    rag = make_ragged([1, 33, 1, 0], [8192, 1024, 300, 0], 32, 576, 64, q_dtype=torch.bfloat16,
+                      cache_dtype=torch.bfloat16, device="cuda")
+    w_uv = torch.randn(32, 128, 512, dtype=torch.bfloat16, device="cuda") / 16
+
+    def calls():
+        uv = mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], 0.05, 512, balanced=balanced,
+                            w_uv=w_uv)
+        uv_rag = mod.mla_decode(rag["q"], rag["cache"], rag["page_table"], rag["kv_lens"], 0.05, 512,
+                                cu_seqlens_q=rag["cu"], max_q=33, w_uv=w_uv)
+        return run(inp, 0.05, 512, balanced=balanced), uv, run_ragged(rag, 0.05, 512), uv_rag
+
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(mod, "UNIFORM_PLAN", on)
+        outs[on] = calls()
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
+    assert rel_err(outs[True][0], reference(inp, 0.05, 512)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("Q", [1, 3])
 def test_fp32_gpu(Q):
     check([1, 7, 1000, 0, 333], Q, 4, 40, 32, 16, torch.float32, torch.float32, "cuda", 1e-5, max_splits=4)

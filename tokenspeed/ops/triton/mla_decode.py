@@ -126,7 +126,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from tokenspeed.ops.triton import mla_combine_uv as _uv
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
-from tokenspeed.ops.triton.mla_split_plan import _pick, _plan_balanced, _plan_ragged, _ragged_item, _uniform_chunk
+from tokenspeed.ops.triton.mla_split_plan import (
+    _pick,
+    _plan_balanced,
+    _plan_ragged,
+    _ragged_item,
+    _uniform_chunk,
+    _warp_uniform,
+)
 
 LOG2E = 1.4426950408889634
 # The shortest balanced split (rows). Partials cost Q*H*v_dim*8 bytes per split (written, then read back), so at
@@ -146,6 +153,10 @@ DEFAULT_WAVES = 1.0
 # registers). Read at call time.
 KEYS_MAJOR: bool | None = None
 KEYS_MAJOR_DTYPES = (torch.bfloat16,)
+# The split plan's scalars through `mla_split_plan._warp_uniform` (CUDA only): the keys-major kernel with the
+# balanced / ragged plan then compiles without spills for sm_90 (256 B and 33 reloads in its loop without; the
+# uniform plan, whose scalars come from loads, has none). Off until timed on the H200. Read at call time.
+UNIFORM_PLAN = False
 # Launch defaults of the keys-major loop (BLOCK_N, num_warps, num_stages).
 KEYS_MAJOR_LAUNCH = (64, 4, 2)
 
@@ -323,6 +334,7 @@ def _mla_split_kernel(
     ALL_PARTIAL: tl.constexpr = False,
     KEYS_MAJOR: tl.constexpr = False,
     ROW: tl.constexpr = 0,
+    UNIFORM: tl.constexpr = False,
 ):
     if PDL:  # everything this kernel reads may come from the kernels just before it: wait first, on every path
         gdc_wait()
@@ -331,7 +343,7 @@ def _mla_split_kernel(
     if RAGGED:  # a 1-D grid over the plan's work items; q [T, H, .] (stride_qj / stride_rj: per token)
         n, count, rows, row_ok, first, lo, hi, lim, base = _ragged_item(CU, KV_LENS, N, MAX_SPLITS, min_chunk,
                                                                         max_q, H, BLOCK_H, BLOCK_SEQ, BLOCK_N,
-                                                                        ALL_PARTIAL)
+                                                                        ALL_PARTIAL, UNIFORM)
         if count == 0:  # past the last item
             return
         dv = tl.arange(0, BLOCK_DV)
@@ -373,9 +385,11 @@ def _mla_split_kernel(
                                                               BLOCK_N)
             n = tl.sum((starts + counts <= p).to(tl.int64), axis=0)  # first sequence whose splits end after p
             n = tl.minimum(n, N - 1)
-            kv_len = _pick(idx, lens, n)
-            count = _pick(idx, counts, n)
-            start = _pick(idx, starts, n)
+            kv_len = _warp_uniform(_pick(idx, lens, n), UNIFORM).to(tl.int64)
+            count = _warp_uniform(_pick(idx, counts, n), UNIFORM).to(tl.int64)
+            start = _warp_uniform(_pick(idx, starts, n), UNIFORM).to(tl.int64)
+            chunk = _warp_uniform(chunk, UNIFORM).to(tl.int64)
+            n = _warp_uniform(n, UNIFORM).to(tl.int64)
             s = p - start
         else:
             n = pid_n
@@ -529,6 +543,11 @@ def _in_page_row(cache: Tensor, block_n: int) -> int:
     return 0 if cache.shape[1] % block_n else cache.stride(1)
 
 
+def _uniform_plan(q: Tensor) -> bool:
+    """The split kernel's UNIFORM: UNIFORM_PLAN on a CUDA device (the shuffle is inline PTX)."""
+    return UNIFORM_PLAN and q.is_cuda
+
+
 def _loop_launch(keys_major: bool, block_n: int | None, num_warps: int | None, num_stages: int | None
                  ) -> tuple[int, int | None, int]:
     """(BLOCK_N, num_warps, num_stages) of the split kernel: the given ones, else the loop form's defaults
@@ -673,7 +692,7 @@ def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: T
         QN=QN, H=H, PAGE=cache.shape[1], DV=v_dim, DR=Dl - v_dim,
         BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(Dl - v_dim)), BLOCK_H=bh, BLOCK_N=block_n,
         BLOCK_SEQ=block_seq, BALANCED=bool(balanced), RAGGED=False, IEEE=cache.dtype == torch.float32, PDL=use_pdl,
-        ALL_PARTIAL=uv, KEYS_MAJOR=keys_major, ROW=_in_page_row(cache, block_n),
+        ALL_PARTIAL=uv, KEYS_MAJOR=keys_major, ROW=_in_page_row(cache, block_n), UNIFORM=_uniform_plan(q),
         num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
     )
     if uv:
@@ -801,7 +820,7 @@ def _launch_ragged(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_
         QN=1, H=H, PAGE=cache.shape[1], DV=v_dim, DR=Dl - v_dim,
         BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_DR=max(16, next_pow2(Dl - v_dim)), BLOCK_H=bh, BLOCK_N=block_n,
         BLOCK_SEQ=block_seq, BALANCED=True, RAGGED=True, IEEE=cache.dtype == torch.float32, PDL=use_pdl,
-        ALL_PARTIAL=uv, KEYS_MAJOR=keys_major, ROW=_in_page_row(cache, block_n),
+        ALL_PARTIAL=uv, KEYS_MAJOR=keys_major, ROW=_in_page_row(cache, block_n), UNIFORM=_uniform_plan(q),
         num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
     )
     if uv:

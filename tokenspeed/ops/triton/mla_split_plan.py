@@ -8,7 +8,8 @@ synchronisation), so a split kernel's partials are found again by whichever comb
 * `_uniform_chunk`: the uniform plan's split length of one sequence (balanced=False);
 * `_plan_ragged`: the ragged plan (row blocks, splits, item / partial-item / combine-block starts, chunk);
 * `_ragged_item`: the ragged work item of one split program under that plan;
-* `_pick`: one lane of a per-sequence vector as a scalar.
+* `_pick`: one lane of a per-sequence vector as a scalar;
+* `_warp_uniform`: a plan scalar re-read from lane 0 of its warp (so ptxas sees it as warp-uniform).
 
 The plans' contracts (budgets, bounds) are `mla_decode`'s module docstring; its host mirrors (`plan_splits`,
 `plan_ragged`, `ragged_grid`) and the policy constants they read (MIN_CHUNK, DEFAULT_WAVES) stay in `mla_decode`,
@@ -40,6 +41,20 @@ def _plan_balanced(KV_LENS, N, G, min_chunk, BLOCK_SEQ: tl.constexpr, BLOCK_N: t
 def _pick(idx, vec, n):
     """vec[n] as a scalar (vec a [BLOCK_SEQ] vector)."""
     return tl.sum(tl.where(idx == n, vec, 0), axis=0)
+
+
+@triton.jit
+def _warp_uniform(x, ON: tl.constexpr):
+    """x, an integer scalar every thread holds the same value of (a plan value: reductions leave it replicated);
+    ON: read from lane 0 of the warp as int32 (the plans' positions, rows and slots fit; `shfl.sync.idx`, sm_90
+    inline PTX: compiled code only, not the interpreter), else x unchanged. Values out of reductions are not provably uniform to
+    ptxas, which then keeps the flash loop's bounds and addresses in vector registers; through the shuffle they
+    stay in uniform ones (the keys-major split kernel: 0 spills instead of ~260 B, benchmarks/mla_compile_sm90.py)."""
+    if ON:
+        return tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r", [x.to(tl.int32)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return x
 
 
 @triton.jit
@@ -83,14 +98,15 @@ def _plan_ragged(CU, KV_LENS, N, max_q, budget, min_chunk, H: tl.constexpr, BLOC
 
 @triton.jit
 def _ragged_item(CU, KV_LENS, N, MAX_SPLITS, min_chunk, max_q, H: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_SEQ: tl.constexpr, BLOCK_N: tl.constexpr, ALL_PARTIAL: tl.constexpr = False):
+                 BLOCK_SEQ: tl.constexpr, BLOCK_N: tl.constexpr, ALL_PARTIAL: tl.constexpr = False,
+                 UNIFORM: tl.constexpr = False):
     """The work item of split program p = program_id(0) under the ragged plan: (sequence n, its number of splits
     (0: p is past the last item), rows [BLOCK_H] (sequence-local r = j * H + h), row_ok, first token, key range
     lo..hi, causal limit per row, and the row base of its stores). Row r goes to output row base + r (first * H +
     r) when the sequence has one split, else to partial row base + r (item * BLOCK_H + r - hb * BLOCK_H): one int32
     scalar live across the flash loop, not two (T * H and the workspace's rows fit in int32). The per-sequence
     values are picked inline, not through `_pick`: each helper call costs the interpreter milliseconds, and every
-    program of the grid runs this."""
+    program of the grid runs this. UNIFORM: the scalars through `_warp_uniform`."""
     p = tl.program_id(0).to(tl.int64)
     idx, first, q_len, kv, blocks, splits, starts, part_starts, _, chunk = _plan_ragged(
         CU, KV_LENS, N, max_q, N * MAX_SPLITS, min_chunk, H, BLOCK_H, BLOCK_SEQ, BLOCK_N, ALL_PARTIAL)
@@ -112,4 +128,6 @@ def _ragged_item(CU, KV_LENS, N, MAX_SPLITS, min_chunk, max_q, H: tl.constexpr, 
     tok0 = tl.sum(tl.where(sel, first, 0), axis=0)
     base = tl.where((count == 1) & (not ALL_PARTIAL), tok0 * H,
                     (tl.sum(tl.where(sel, part_starts, 0), axis=0) + local - hb) * BLOCK_H)
-    return n, count, rows, rows < ql * H, tok0, lo.to(tl.int32), hi.to(tl.int32), lim, base.to(tl.int32)
+    return (_warp_uniform(n, UNIFORM).to(tl.int64), _warp_uniform(count, UNIFORM).to(tl.int64), rows,
+            rows < ql * H, _warp_uniform(tok0, UNIFORM).to(tl.int64), _warp_uniform(lo.to(tl.int32), UNIFORM),
+            _warp_uniform(hi.to(tl.int32), UNIFORM), lim, _warp_uniform(base.to(tl.int32), UNIFORM))
