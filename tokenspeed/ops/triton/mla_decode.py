@@ -42,9 +42,14 @@ A sequence with a single split writes its output directly (no partials); otherwi
 normalised partial output [v_dim] fp32 and log-sum-exp (log2) per row into a workspace [G, Q*H, ...] and a
 combine kernel merges the splits of every sequence with more than one (the weights exp2(lse_i - max)). Padding
 rows are zeroed by the split kernel's programs (hb, 0, n) of that sequence. With max_splits == 1 there is no
-combine launch. Default launch: BLOCK_N 32, 2 stages; BLOCK_H 32 with 8 warps when Q*H is a multiple of 32, else
-16 with 4 warps (sm_90 offline compile with Triton 3.6, benchmarks/mla_compile_sm90.py: 184 / 210 registers for
-a bf16 cache, 255 for fp8, no spills, cp.async-pipelined KV loads).
+combine launch. BLOCK_H 32 when Q*H is a multiple of 32, else 16. Two orientations of the flash loop
+(`KEYS_MAJOR`, docs/kernels.md has the H200 numbers): keys-major (the default for a bf16 cache: scores [BLOCK_N,
+BLOCK_H] and the output [v_dim, BLOCK_H], so the key tile and v_dim are the wgmma M; BLOCK_N 64, 4 warps, 2
+stages; the page of each key tile read one tile ahead so the pipeliner double-buffers the tiles) and rows-major
+(fp8 / fp32 caches: [BLOCK_H, BLOCK_N] scores, BLOCK_N 32, 8 warps at BLOCK_H 32 else 4, 2 stages). A key tile
+that fits a page (PAGE % BLOCK_N == 0; splits start at multiples of BLOCK_N) is addressed from one page-table
+entry with compile-time row offsets (`_kv_tile`'s ROW). benchmarks/mla_compile_sm90.py compiles every variant
+for sm_90 offline.
 
 Split policy (the two knobs; module constants read at call time, keyword arguments per call): max_splits
 defaults to `default_max_splits` (a grid of DEFAULT_WAVES x 132 programs) and min_chunk to MIN_CHUNK. Every split
