@@ -1,7 +1,7 @@
 """Compile the MLA decode-path kernels for sm_90 on a host without a GPU, with PDL on, and report each one's shared
 memory, registers per thread and spill stack (Triton's own ptxas and cuobjdump), or its error.
 
-    PYTHONPATH=DIR:. python benchmarks/mla_compile_sm90.py      # DIR: the Triton the GPU runs (pip --target)
+    PYTHONPATH=DIR:. python benchmarks/mla_compile_sm90.py [--uniform-plan]   # DIR: the Triton the GPU runs
 
 Kernels: `mla_decode`'s split and combine kernels (Kimi-Linear's shapes: H 32, Dl 576 = 512 + 64, page 64; bf16
 queries over bf16 / fp8 caches; Q 1 and 4; the q / q_rope views of the model's decode; the default and the
@@ -122,6 +122,8 @@ def store_variants() -> dict:
 
 
 def main() -> int:
+    if "--uniform-plan" in sys.argv[1:]:  # the split kernels as with mla_decode.UNIFORM_PLAN on a CUDA device
+        k_dec._uniform_plan = lambda q: True
     print(f"triton {triton.__version__}, target {TARGET}", flush=True)
     failed = 0
     groups = ((k_dec, DECODE_KERNELS, decode_variants()), (k_dec, DECODE_KERNELS, uv_variants()),

@@ -52,7 +52,7 @@ def _warp_uniform(x, ON: tl.constexpr):
     stay in uniform ones (the keys-major split kernel: 0 spills instead of ~260 B, benchmarks/mla_compile_sm90.py)."""
     if ON:
         return tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r", [x.to(tl.int32)],
-                                         dtype=tl.int32, is_pure=True, pack=1)
+                                         dtype=tl.int32, is_pure=False, pack=1)
     else:
         return x
 
