@@ -195,7 +195,8 @@ def bench_case(name, kv_lens, Q, args, rows, configs=None):
                 print(f"{name} {cfg_name} {plan}: {type(e).__name__}: {str(e)[:200]}")
                 continue
             ms = kw.get("max_splits") or k_mla.default_max_splits(len(kv_lens), qh, block_h=kw.get("BLOCK_H"))
-            _, counts = k_mla.plan_splits(kv_lens, ms, kw["balanced"], kw.get("BLOCK_N", 32),
+            bn = k_mla.launch_block_n(cache.dtype, kw.get("keys_major"), kw.get("BLOCK_N"))
+            _, counts = k_mla.plan_splits(kv_lens, ms, kw["balanced"], bn,
                                           kw.get("min_chunk", k_mla.MIN_CHUNK))
             times[plan] = t
             row = {
@@ -262,7 +263,8 @@ def policy_case(batch: int, ctx: int, args, rows: list[dict]) -> None:
                 os.environ.pop("TOKENSPEED_PDL", None)
             else:
                 os.environ["TOKENSPEED_PDL"] = saved
-        chunks, counts = k_mla.plan_splits(lens, ms, True, kw.get("BLOCK_N", 32), mc)
+        chunks, counts = k_mla.plan_splits(lens, ms, True, k_mla.launch_block_n(cache.dtype, None, kw.get("BLOCK_N")),
+                                           mc)
         part_bytes = (sum(counts) if counts[0] > 1 else 0) * H * V * 4
         row = {"batch": batch, "ctx": ctx, "policy": f"mc{mc}_{kind}" + ("" if pdl_on else "_nopdl"),
                "min_chunk": mc, "max_splits": ms, "splits_per_seq": counts[0], "chunk": chunks[0],

@@ -548,6 +548,18 @@ def _in_page_row(cache: Tensor, block_n: int) -> int:
     return 0 if cache.shape[1] % block_n else cache.stride(1)
 
 
+def uses_keys_major(cache_dtype: torch.dtype, keys_major: bool | None = None) -> bool:
+    """Whether `mla_decode` runs keys-major over a cache of `cache_dtype`: `keys_major`, else KEYS_MAJOR, else
+    (both None) whether the dtype is in KEYS_MAJOR_DTYPES."""
+    choice = KEYS_MAJOR if keys_major is None else keys_major
+    return cache_dtype in KEYS_MAJOR_DTYPES if choice is None else bool(choice)
+
+
+def launch_block_n(cache_dtype: torch.dtype, keys_major: bool | None = None, block_n: int | None = None) -> int:
+    """The key tile `mla_decode` launches with (what its split plans round chunks to; `plan_splits`' block_n)."""
+    return _loop_launch(uses_keys_major(cache_dtype, keys_major), block_n, None, None)[0]
+
+
 def _uniform_plan(q: Tensor) -> bool:
     """The split kernel's UNIFORM: UNIFORM_PLAN on a CUDA device (the shuffle is inline PTX)."""
     return UNIFORM_PLAN and q.is_cuda
@@ -641,8 +653,7 @@ def mla_decode(
     [H, v_head, v_dim] (kv_b_proj's W_UV view, unit last stride): the output is then o_lat @ W_UV[h]^T per head,
     [..., H, v_head] (`mla_combine_uv`; the composition `mla_decode(...)` then bmm, with o_lat rounded to q's dtype
     in between as there). Reads only; writes `out` (and its own workspace)."""
-    choice = KEYS_MAJOR if keys_major is None else keys_major
-    km = cache.dtype in KEYS_MAJOR_DTYPES if choice is None else bool(choice)
+    km = uses_keys_major(cache.dtype, keys_major)
     BLOCK_N, num_warps, num_stages = _loop_launch(km, BLOCK_N, num_warps, num_stages)
     if cu_seqlens_q is not None:
         return _mla_decode_ragged(q, cache, page_table, kv_lens, scale, v_dim, kv_scale, q_rope, cu_seqlens_q, max_q,
