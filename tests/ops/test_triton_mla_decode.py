@@ -115,6 +115,22 @@ def test_interp_keys_major_loop(page_size, Q, max_splits):
           device="cpu", tol=1e-5, max_splits=max_splits, BLOCK_N=16, min_chunk=16, keys_major=True)
 
 
+def test_orientation_defaults(monkeypatch):
+    """Keys-major by default for a bf16 cache only (64-key tiles); rows-major (32-key tiles) for fp8 / fp32;
+    the keyword beats KEYS_MAJOR, which beats the dtype default; an explicit BLOCK_N is kept."""
+    import tokenspeed.ops.triton.mla_decode as mod
+
+    assert mod.uses_keys_major(torch.bfloat16) and mod.launch_block_n(torch.bfloat16) == 64
+    assert not mod.uses_keys_major(torch.float8_e4m3fn) and mod.launch_block_n(torch.float8_e4m3fn) == 32
+    assert not mod.uses_keys_major(torch.float32)
+    assert mod.uses_keys_major(torch.float8_e4m3fn, keys_major=True)
+    assert mod.launch_block_n(torch.bfloat16, block_n=32) == 32
+    monkeypatch.setattr(mod, "KEYS_MAJOR", False)
+    assert not mod.uses_keys_major(torch.bfloat16) and mod.uses_keys_major(torch.bfloat16, keys_major=True)
+    monkeypatch.setattr(mod, "KEYS_MAJOR", True)
+    assert mod.uses_keys_major(torch.float32)
+
+
 @cpu_interp
 def test_interp_odd_widths_and_heads():
     """Dl - v_dim and v_dim not powers of two (masked tiles), 3 heads x Q 2 = 6 rows in a 16-row tile."""
