@@ -86,6 +86,8 @@ class EngineCore:
         lengths = sorted({min(chunk, n) for n in (chunk, 1024, 100, 17)}, reverse=True)
         max_seqs = self.config.scheduler.max_num_seqs
         mixed = [q for q in WARM_UP_MIXED if len(q) <= max_seqs and sum(q) <= chunk]
+        logger.info("warming up kernels (on a machine without a Triton cache this compiles every kernel: about "
+                    "2-3 minutes on an H200; later starts reuse the on-disk cache)")
         self.runner.warm_up([n for n in lengths if n <= self.max_model_len], mixed)
         logger.info("warmed up prefill kernels for %s-token prompts and mixed steps %s in %.1f s", lengths, mixed,
                     time.perf_counter() - start)
