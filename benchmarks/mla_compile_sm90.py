@@ -1,5 +1,6 @@
 """Compile the MLA decode-path kernels for sm_90 on a host without a GPU, with PDL on, and report each one's shared
-memory, registers per thread and spill stack (Triton's own ptxas and cuobjdump), or its error.
+memory, registers per thread, spill stack and main loop (instructions, spill reloads; Triton's own ptxas and
+cuobjdump), or its error.
 
     PYTHONPATH=DIR:. python benchmarks/mla_compile_sm90.py [--uniform-plan]   # DIR: the Triton the GPU runs
 
@@ -17,7 +18,7 @@ import sys
 
 import torch
 import triton
-from sm90_compile import TARGET, Launch, catch_launches, compile_launch, cubin_usage, failure_line
+from sm90_compile import TARGET, Launch, catch_launches, compile_launch, cubin_usage, failure_line, loop_usage
 
 from tokenspeed.ops.triton import mla_decode as k_dec
 from tokenspeed.ops.triton import mla_prep as k_prep
@@ -35,7 +36,8 @@ def compile_sm90(launch: Launch) -> dict:
     """Compile one caught launch: shared memory, registers, stack, and whether the PTX has the PDL wait."""
     kernel = compile_launch(launch)
     ptx = kernel.asm["ptx"]
-    return {"shared": kernel.metadata.shared, **cubin_usage(kernel), "griddep": "griddepcontrol.wait" in ptx}
+    return {"shared": kernel.metadata.shared, **cubin_usage(kernel), **loop_usage(kernel),
+            "griddep": "griddepcontrol.wait" in ptx}
 
 
 def report(tag: str, width: int, launch: Launch, name_width: int) -> bool:
@@ -47,8 +49,8 @@ def report(tag: str, width: int, launch: Launch, name_width: int) -> bool:
     except Exception as e:  # noqa: BLE001 - report every variant that does not compile, then go on
         print(failure_line(head, e, 300), flush=True)
         return False
-    print(f"{head}smem {r['shared']:6d} B  regs {r['regs']}  stack {r['stack']}  griddepcontrol {r['griddep']}",
-          flush=True)
+    print(f"{head}smem {r['shared']:6d} B  regs {r['regs']}  stack {r['stack']}  loop {r['loop_ins']} ins "
+          f"{r['loop_reloads']} reloads  griddepcontrol {r['griddep']}", flush=True)
     return r["griddep"]
 
 

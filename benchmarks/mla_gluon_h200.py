@@ -1,8 +1,10 @@
 """Candidate MLA split kernel in Gluon (explicit cp.async) against `mla_decode`'s Triton keys-major kernel, on one
-H200. A prototype: compiled for sm_90 offline (Triton 3.6: 188.9 KB shared memory, 895 instructions per 64-key
-iteration, no spills in the loop), NOT YET RUN on a GPU; this script checks it before timing it.
+H200. A prototype: compiled for sm_90 offline (--compile-sm90, Triton 3.6: 188,928 B shared memory, 901
+instructions per 64-key iteration, no spill reloads in the loop), NOT YET RUN on a GPU; this script checks it
+before timing it.
 
     PYTHONPATH=.:benchmarks python benchmarks/mla_gluon_h200.py [--out JSON]
+    PYTHONPATH=DIR:.:benchmarks python benchmarks/mla_gluon_h200.py --compile-sm90   # no GPU; DIR: Triton 3.6
 
 Why. Triton's pipeliner issues the keys-major loop's copy of tile i+1 after tile i's dots and waits for it at the
 top of the next iteration, so no copy overlaps a dot (~40% of HBM at best, docs/kernels.md). Here the copy of tile
@@ -225,10 +227,35 @@ CASES = [(f"b{b}_{c // 1024}k", [c] * b) for c in (4096, 32768) for b in (1, 4, 
 CASES += [("mixed_b16", [65536, 16384, 4096, 1024] * 4), ("equal_1x64k", [65536]), ("ragged_ends", [4097, 100, 64, 1])]
 
 
+def compile_sm90(block_seq: int = 16) -> dict:
+    """Compile the kernel for sm_90 without a GPU (`sm90_compile`'s target and Triton's own ptxas / cuobjdump):
+    shared memory, registers, spill stack and main-loop instructions / spill reloads."""
+    from sm90_compile import TARGET, cubin_usage, loop_usage
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = mla_split_gluon_kernel
+    ptrs = {"Qp": "*bf16", "QR": "*bf16", "CACHE": "*bf16", "PT": "*i32", "KV_LENS": "*i64", "O": "*bf16",
+            "PART": "*fp32", "LSE": "*fp32"}
+    strides = ("stride_qn", "stride_qh", "stride_rn", "stride_rh", "stride_cp", "stride_pt")
+    consts = {"H": H, "PAGE": PAGE, "DV": V, "ROW": DL, "BLOCK_N": BLOCK_N, "BLOCK_SEQ": block_seq}
+    sig = {**ptrs, **dict.fromkeys(strides, "i64"), "N": "i32", "MAX_SPLITS": "i32", "min_chunk": "i32",
+           "sm_scale_log2": "fp32", "kv_scale": "fp32", **dict.fromkeys(consts, "constexpr")}
+    sig = {name: sig[name] for name in fn.arg_names}
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in (*ptrs, *strides)}  # as the JIT derives
+    constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
+    kernel = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=TARGET, options={"num_warps": 4})
+    return {"shared": kernel.metadata.shared, **cubin_usage(kernel), **loop_usage(kernel)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/mla_gluon_h200.json")
+    ap.add_argument("--compile-sm90", action="store_true", help="only compile for sm_90 (no GPU) and report")
     args = ap.parse_args()
+    if args.compile_sm90:
+        for block_seq in (16, 64):
+            print(f"BLOCK_SEQ {block_seq}: {compile_sm90(block_seq)}")
+        return
     t0, rows = time.time(), []
     for name, lens in CASES:
         q, cache, table, kv = make_case(lens, 1, torch.bfloat16, "cuda")

@@ -143,6 +143,23 @@ def sass_hash(kernel: Any) -> str:
     return hashlib.sha1(sass.encode()).hexdigest()[:12]
 
 
+def loop_usage(kernel: Any) -> dict[str, int]:
+    """The largest backward-branch loop of the kernel's SASS (its main loop): {"loop_ins": instructions in it,
+    "loop_reloads": local-memory loads (LDL, spill reloads) in it}; zeros when the SASS has no loop."""
+    ins = []
+    for line in _cuobjdump(kernel, "-sass").splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    best: list[str] = []
+    for addr, text in ins:
+        target = re.search(r"BRA\s+(0x[0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            body = [t for a, t in ins if int(target.group(1), 16) <= a <= addr]
+            best = body if len(body) > len(best) else best
+    return {"loop_ins": len(best), "loop_reloads": sum("LDL" in t for t in best)}
+
+
 def ptxas_usage(ptx: str) -> dict[str, int | None]:
     """{"regs": registers per thread (None if ptxas does not say), "spill_bytes": spill stores + loads bytes} from
     Triton's `ptxas -v` run again on the PTX for the arch of its `.target`."""

@@ -47,9 +47,10 @@ def _pick(idx, vec, n):
 def _warp_uniform(x, ON: tl.constexpr):
     """x, an integer scalar every thread holds the same value of (a plan value: reductions leave it replicated);
     ON: read from lane 0 of the warp as int32 (the plans' positions, rows and slots fit; `shfl.sync.idx`, sm_90
-    inline PTX: compiled code only, not the interpreter), else x unchanged. Values out of reductions are not provably uniform to
-    ptxas, which then keeps the flash loop's bounds and addresses in vector registers; through the shuffle they
-    stay in uniform ones (the keys-major split kernel: 0 spills instead of ~260 B, benchmarks/mla_compile_sm90.py)."""
+    inline PTX: compiled code only, not the interpreter), else x unchanged. Values out of reductions are not
+    provably uniform to ptxas, which then keeps the flash loop's bounds and addresses in vector registers; through
+    the shuffle they stay in uniform ones (the keys-major split kernel's loop: 0 spill reloads instead of 33,
+    `benchmarks/mla_compile_sm90.py [--uniform-plan]`)."""
     if ON:
         return tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r", [x.to(tl.int32)],
                                          dtype=tl.int32, is_pure=False, pack=1)
