@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device call for the MLA decode round (issue 7): the Gluon candidate kernel checked and timed against
-# mla_decode, balanced vs uniform splits with UNIFORM_PLAN off / on, the key-loop forms, the MLA GPU tests (both
-# orientations, UNIFORM_PLAN bit-equality), the decode sweep. Expects $OUT; logs each part there.
-#   bash benchmarks/mla_round_h200.sh "gluon plan loops tests decode"      (any subset)
+# One device call for an MLA decode round (issues 7 / 8): the Gluon split kernel against the Triton one through
+# mla_decode, balanced vs uniform splits with UNIFORM_PLAN off / on, the key-loop forms, the MLA GPU tests (kernel
+# parity, Gluon == Triton, UNIFORM_PLAN bit-equality, CUDA graphs), the model's CUDA-graph tests, the decode sweep
+# with the Gluon kernel off then on. Expects $OUT; logs each part there (at most 8 files come back).
+#   bash benchmarks/mla_round_h200.sh "gluon plan loops tests models decode"      (any subset)
 set -u
 parts=" ${1:-gluon plan loops tests} "
 source benchmarks/gpu_env.sh
@@ -24,10 +25,20 @@ if has loops; then
 fi
 if has tests; then
   timeout -s INT ${TESTS_TIMEOUT:-200} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
-    tests/ops/test_triton_mla_decode.py tests/ops/test_triton_mla_fused.py -k gpu > "$OUT/gpu_tests.log" 2>&1
+    tests/ops/test_triton_mla_decode.py tests/ops/test_triton_mla_fused.py tests/ops/test_triton_mla_gluon.py \
+    -k gpu > "$OUT/gpu_tests.log" 2>&1
   tail -8 "$OUT/gpu_tests.log"
 fi
-if has decode; then
-  timeout 120 python3 benchmarks/serving_h200.py --out "$OUT" --geometries kimi-linear-48b-a3b \
-    --skip tiny,transformers,engine,prefill,profile,parity ${SERVING_ARGS:-} 2>&1 | grep "ctx\|errors"
+if has models; then
+  timeout -s INT ${MODELS_TIMEOUT:-240} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+    tests/executor/test_cuda_graphs.py -k "graphs or gpu" >> "$OUT/gpu_tests.log" 2>&1
+  tail -4 "$OUT/gpu_tests.log"
+fi
+if has decode; then  # the Triton split kernel, then the Gluon one where it applies (the default)
+  for g in 0 1; do
+    mkdir -p "$OUT/gluon$g"
+    TOKENSPEED_MLA_GLUON=$g timeout 150 python3 benchmarks/serving_h200.py --out "$OUT/gluon$g" \
+      --geometries kimi-linear-48b-a3b --skip tiny,transformers,engine,prefill,profile,parity ${SERVING_ARGS:-} 2>&1 \
+      | grep "ctx\|errors"
+  done
 fi

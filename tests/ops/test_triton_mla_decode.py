@@ -264,7 +264,7 @@ def test_uniform_plan_bitwise_equal_gpu(monkeypatch, balanced):
     bit-identical with it on and off, uniform-batch and ragged, with and without the W_UV combine."""
     import tokenspeed.ops.triton.mla_decode as mod
 
-    inp = make(MIXED + [0, 300], 2, 32, **REAL, page_size=64, q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16,
+    inp = make(MIXED + [0, 300], 2, 32, REAL["Dl"], page_size=64, q_dtype=torch.bfloat16, cache_dtype=torch.bfloat16,
                device="cuda", seed=5)
     rag = make_ragged([1, 33, 1, 0], [8192, 1024, 300, 0], 32, 576, 64, q_dtype=torch.bfloat16,
                       cache_dtype=torch.bfloat16, device="cuda")

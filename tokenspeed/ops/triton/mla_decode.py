@@ -131,6 +131,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenspeed.ops.triton import mla_combine_uv as _uv
+from tokenspeed.ops.triton import mla_gluon as _gluon
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
 from tokenspeed.ops.triton.mla_flash import _flash_rows, _store_rows
@@ -163,8 +164,10 @@ KEYS_MAJOR: bool | None = None
 KEYS_MAJOR_DTYPES = (torch.bfloat16,)
 # The split plan's scalars through `mla_split_plan._warp_uniform` (CUDA only): the keys-major kernel with the
 # balanced / ragged plan then compiles without spills for sm_90 (256 B and 33 reloads in its loop without; the
-# uniform plan, whose scalars come from loads, has none). Off until timed on the H200. Read at call time.
-UNIFORM_PLAN = False
+# uniform plan, whose scalars come from loads, has none). H200, split + combine, cold L2, graph (ea93670,
+# results/mla_decode_h200{,_uniform_plan}_ea93670.json): balanced 16 mixed histories 230.5 -> 194.4 us, 16 x 16K
+# 176.9 -> 149.6, 64 x 4K 219.9 -> 183.0, 1 x 64K 77.7 -> 69.1 (= the uniform plan's 69.2). Read at call time.
+UNIFORM_PLAN = True
 # Launch defaults of the keys-major loop (BLOCK_N, num_warps, num_stages).
 KEYS_MAJOR_LAUNCH = (64, 4, 2)
 
@@ -545,7 +548,7 @@ def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: T
     """The split kernel, then (max_splits > 1) the combine kernel, over validated arguments. With w_uv every
     split writes partials and the W_UV combine always runs (it also writes the padding sequences' zeros)."""
     N, QN, H = q.shape[:3]
-    qh, Dl = QN * H, cache.shape[-1]
+    qh = QN * H
     uv = w_uv is not None
     if ms > 1 or uv:
         part = torch.empty(N * ms, qh, v_dim, dtype=torch.float32, device=q.device)
@@ -555,6 +558,35 @@ def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: T
     block_seq = plan_block_seq(N) if balanced else 1  # the uniform plan reads only its own kv_len
     use_pdl = pdl.enabled(q.device, "mla")
     launch = pdl.launch_kwargs(q.device, "mla")
+    if keys_major and _gluon.usable(q, qr, cache, v_dim, block_n, balanced):  # Hopper: explicit async copies
+        _gluon.launch(q, qr, cache, page_table, kv_lens, out, part, lse, ms, min_chunk,
+                      float(scale) * float(kv_scale) * LOG2E, float(kv_scale), block_seq, uv,
+                      pdl.kernel_kwargs(q.device, "mla"))
+    else:
+        _split(q, qr, cache, page_table, kv_lens, out, part, lse, scale, kv_scale, ms, min_chunk, balanced, bh,
+               block_n, num_warps, num_stages, v_dim, uv, keys_major, block_seq, use_pdl, launch)
+    if uv:
+        _uv._combine_uv(w_uv, kv_lens, kv_lens, out, part, lse, N * QN, N, ms, min_chunk, 0, QN, v_dim, bh,
+                        block_seq, block_n, bool(balanced), False)
+    elif ms > 1:
+        block_vc = min(next_pow2(v_dim), 128)
+        _mla_combine_kernel[(triton.cdiv(v_dim, block_vc), qh, N)](
+            kv_lens, out, part, lse,
+            N, ms, min_chunk,
+            kv_lens, 0,
+            QH=qh, DV=v_dim, BLOCK_VC=block_vc, BLOCK_S=16, BLOCK_SEQ=block_seq, BLOCK_N=block_n,
+            BALANCED=bool(balanced), PDL=use_pdl,
+            num_warps=4, **launch,
+        )
+
+
+def _split(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, out: Tensor, part: Tensor,
+           lse: Tensor, scale: float, kv_scale: float, ms: int, min_chunk: int, balanced: bool, bh: int,
+           block_n: int, num_warps: int | None, num_stages: int, v_dim: int, uv: bool, keys_major: bool,
+           block_seq: int, use_pdl: bool, launch: dict) -> None:
+    """The Triton split kernel of a uniform batch (`_launch`'s arguments)."""
+    N, QN, H = q.shape[:3]
+    qh, Dl = QN * H, cache.shape[-1]
     _mla_split_kernel[(triton.cdiv(qh, bh), ms, N)](
         q, q.stride(0), q.stride(1), q.stride(2),
         qr, qr.stride(0), qr.stride(1), qr.stride(2),
@@ -570,19 +602,6 @@ def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: T
         ALL_PARTIAL=uv, KEYS_MAJOR=keys_major, ROW=_in_page_row(cache, block_n), UNIFORM=_uniform_plan(q),
         num_warps=num_warps or (4 if bh <= 16 else 8), num_stages=num_stages, **launch,
     )
-    if uv:
-        _uv._combine_uv(w_uv, kv_lens, kv_lens, out, part, lse, N * QN, N, ms, min_chunk, 0, QN, v_dim, bh,
-                        block_seq, block_n, bool(balanced), False)
-    elif ms > 1:
-        block_vc = min(next_pow2(v_dim), 128)
-        _mla_combine_kernel[(triton.cdiv(v_dim, block_vc), qh, N)](
-            kv_lens, out, part, lse,
-            N, ms, min_chunk,
-            kv_lens, 0,
-            QH=qh, DV=v_dim, BLOCK_VC=block_vc, BLOCK_S=16, BLOCK_SEQ=block_seq, BLOCK_N=block_n,
-            BALANCED=bool(balanced), PDL=use_pdl,
-            num_warps=4, **launch,
-        )
 
 
 _SM_COUNTS: dict[int, int] = {}

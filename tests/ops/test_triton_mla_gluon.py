@@ -1,0 +1,149 @@
+"""`mla_decode`'s Gluon split kernel (tokenspeed/ops/triton/mla_gluon.py, Hopper) against its Triton split kernel
+and the torch reference.
+
+Checked on an sm_90 GPU with the Triton of `mla_gluon.TRITON_VERSIONS`: that the Gluon kernel is the one launched
+where `usable` allows; outputs bit-identical to the Triton keys-major kernel (the same plan, tile order and
+roundings) and within bf16 tolerance of `mla_attention_paged`, over mixed histories, padding sequences, lengths
+that end mid-tile (the cache rows past them are NaN: masked copies must zero-fill), one and many splits, 16 and 32
+heads, kv_scale, the W_UV combine (every split writes partials) and CUDA-graph replay on new inputs with PDL on
+and off. On the CPU: the switch and the conditions under which mla_decode keeps its Triton kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ops.test_triton_mla_decode import MIXED, REAL, make, reference
+from tests.ops.triton_env import needs_cuda, rel_err
+from tokenspeed.ops.triton import mla_decode as mod
+from tokenspeed.ops.triton import mla_gluon
+
+
+def _hopper_gluon() -> bool:
+    if not torch.cuda.is_available() or mla_gluon.gluon is None:
+        return False
+    return (torch.cuda.get_device_capability() == (9, 0)
+            and mla_gluon.triton.__version__.rsplit(".", 1)[0] in mla_gluon.TRITON_VERSIONS)
+
+
+needs_hopper_gluon = pytest.mark.skipif(not _hopper_gluon(), reason="needs an sm_90 GPU and Gluon of TRITON_VERSIONS")
+
+
+def test_switch_env_and_errors(monkeypatch):
+    monkeypatch.delenv(mla_gluon.ENV, raising=False)
+    assert mla_gluon.enabled() is mla_gluon.ENABLED
+    monkeypatch.setenv(mla_gluon.ENV, "0")
+    assert not mla_gluon.enabled()
+    monkeypatch.setenv(mla_gluon.ENV, "1")
+    assert mla_gluon.enabled()
+    monkeypatch.setenv(mla_gluon.ENV, "yes")
+    with pytest.raises(ValueError, match="TOKENSPEED_MLA_GLUON must be 0 or 1"):
+        mla_gluon.enabled()
+
+
+def test_not_usable_off_cuda():
+    """CPU tensors (the interpreter's) never take the Gluon kernel, whatever the shapes."""
+    inp = make([300, 64], 1, 32, 576, 64, torch.bfloat16, torch.bfloat16, "cpu")
+    q = inp["q"]
+    assert not mla_gluon.usable(q, q[..., 512:], inp["cache"], 512, 64, True)
+
+
+class _Spy:
+    """Counts `mla_gluon.launch` calls (and forwards them)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = mla_gluon.launch
+
+        def launch(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(mla_gluon, "launch", launch)
+
+
+def _both(monkeypatch, fn):
+    """fn() with the Gluon kernel off, then on (asserting it launched): (triton_out, gluon_out)."""
+    spy = _Spy(monkeypatch)
+    monkeypatch.setattr(mla_gluon, "ENABLED", False)
+    want = fn()
+    assert spy.calls == 0
+    monkeypatch.setattr(mla_gluon, "ENABLED", True)
+    got = fn()
+    assert spy.calls > 0, "mla_decode did not take the Gluon kernel"
+    return want, got
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_hopper_gluon
+@pytest.mark.parametrize("H", [32, 16])
+@pytest.mark.parametrize("kv_lens", [MIXED * 4, [4096] * 64, [1, 0, 777, 3000, 65, 4097, 0], [65536]])
+@pytest.mark.parametrize("max_splits", [None, 1, 7])
+def test_equals_triton_kernel_gpu(monkeypatch, H, kv_lens, max_splits):
+    inp = make(kv_lens, 1, H, REAL["Dl"], 64, torch.bfloat16, torch.bfloat16, "cuda", seed=len(kv_lens) + H)
+    scale = 576 ** -0.5
+
+    def run():
+        out = torch.full((len(kv_lens), 1, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        return mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, out=out,
+                              max_splits=max_splits)
+
+    want, got = _both(monkeypatch, run)
+    assert torch.equal(got, want)
+    assert rel_err(got, reference(inp, scale, 512)) < 1e-2
+    for n, k in enumerate(kv_lens):
+        if k <= 0:
+            assert torch.equal(got[n], torch.zeros_like(got[n]))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_hopper_gluon
+def test_kv_scale_strided_queries_and_w_uv_gpu(monkeypatch):
+    """kv_scale folded in; q_lat and q_rope as strided views (the model's layouts); the W_UV combine, for which
+    every split writes partials (single-split and padding sequences too)."""
+    kv_lens = [5000, 0, 64, 1, 20000]
+    inp = make(kv_lens, 1, 32, 576, 64, torch.bfloat16, torch.bfloat16, "cuda", kv_scale=0.5, seed=9)
+    scale = 576 ** -0.5
+    q_lat = inp["q"][..., :512].transpose(0, 2).contiguous().transpose(0, 2)  # [N, 1, H, 512], head-major storage
+    q_rope = inp["q"][..., 512:]
+    w_uv = torch.randn(32, 128, 512, dtype=torch.bfloat16, device="cuda") / 16
+    for kw in ({}, {"w_uv": w_uv}):
+        want, got = _both(monkeypatch, lambda kw=kw: mod.mla_decode(
+            q_lat, inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, 0.5, q_rope=q_rope, **kw))
+        assert torch.equal(got, want)
+    plain = mod.mla_decode(q_lat, inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, 0.5, q_rope=q_rope)
+    assert rel_err(plain, reference(inp, scale, 512, 0.5)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_hopper_gluon
+@pytest.mark.parametrize("pdl_on", ["1", "0"])
+def test_cuda_graph_replay_gpu(monkeypatch, pdl_on):
+    """Captured once with the Gluon kernel (PDL launch or plain); new kv_lens / page table / q copied into the
+    static tensors; replay == reference."""
+    monkeypatch.setenv("TOKENSPEED_PDL", pdl_on)
+    spy = _Spy(monkeypatch)
+    scale = 576 ** -0.5
+    static = make([3000, 100, 0, 13000], 1, 32, 576, 64, torch.bfloat16, torch.bfloat16, "cuda", seed=1,
+                  spare_pages=200)
+    args = (static["q"], static["cache"], static["page_table"], static["kv_lens"], scale, 512)
+    mod.mla_decode(*args, max_splits=16)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mod.mla_decode(*args, max_splits=16)
+    assert spy.calls == 2
+    for seed, lens in ((2, [3100, 5, 700, 9001]), (3, [1, 0, 12000, 64])):
+        new = make(lens, 1, 32, 576, 64, torch.bfloat16, torch.bfloat16, "cuda", seed=seed)
+        static["cache"][: new["cache"].shape[0]].copy_(new["cache"])
+        static["page_table"].zero_()
+        static["page_table"][:, : new["page_table"].shape[1]].copy_(new["page_table"])
+        static["q"].copy_(new["q"])
+        static["kv_lens"].copy_(new["kv_lens"])
+        out.fill_(float("nan"))
+        graph.replay()
+        assert rel_err(out, reference(static, scale, 512)) < 1e-2

@@ -1,0 +1,272 @@
+"""The MLA split kernel in Gluon for Hopper (sm_90): `mla_decode`'s decode path over a bf16 cache.
+
+Same outputs as `mla_decode._mla_split_kernel` for the cases `usable` accepts (uniform decode, one query token per
+sequence, the balanced plan, 64-key tiles inside one page): single-split sequences write their normalised output
+rows to O directly, the others fp32 partials and log2 LSEs at the plan's workspace rows, so `mla_decode`'s
+combine kernels (plain or W_UV) merge them unchanged. Bit-identical to the Triton keys-major kernel on the H200
+(`benchmarks/mla_gluon_h200.py`, tests/ops/test_triton_mla_gluon.py).
+
+Why a second kernel. Triton's pipeliner issues the keys-major loop's copy of tile i+1 after tile i's dots and
+waits for it at the top of the next iteration, so no copy overlaps a dot: about 40% of HBM at best. Here, with
+Gluon's explicit async copies, the copy of tile i+1 is issued at the top of iteration i into the other of two
+shared-memory buffers and `wait_group(1)` waits only for tile i. The dots are wgmma, keys-major (the 64-key tile
+and v_dim are the M dimension, the H query heads N). The page of tile i+1 is read one iteration ahead; the plan's
+scalars go through a lane-0 shuffle (`mla_split_plan._warp_uniform`) so the loop bounds stay in uniform registers.
+H200: split + combine at batch 64 / 32K 632 us (89.5% of HBM) against 1363 us for the Triton kernel; 16 mixed
+histories 125 vs 231 us (docs/kernels.md).
+
+Contract (per program of the grid (1, MAX_SPLITS, N)): reads Q [N, 1, H, DV] and QR [N, 1, H, DR] (bf16, unit
+last stride), the cache [pages, PAGE, DV + DR] (bf16, contiguous rows), the page table (int32) and KV_LENS;
+writes O rows of single-split sequences (and zeros for padding sequences, kv_len <= 0, unless ALL_PARTIAL) or
+its PART [N * MAX_SPLITS, H, DV] / LSE [N * MAX_SPLITS, H] rows. ALL_PARTIAL: every split writes partials (the
+W_UV combine reads them all). PDL: the protocol of `pdl.py` (wait first, then trigger; reads nothing before).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from torch import Tensor
+
+try:  # Gluon's API changes between Triton releases: `usable` is False outside TRITON_VERSIONS (and off CUDA)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+except ImportError as e:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+    IMPORT_ERROR: str | None = f"{type(e).__name__}: {e}"
+else:
+    IMPORT_ERROR = None
+
+# Whether `mla_decode` takes this kernel where `usable` allows (read at call time). The environment variable
+# TOKENSPEED_MLA_GLUON ("0" off, "1" on) overrides it at each call, so a benchmark can A/B the two kernels between
+# CUDA-graph captures in one process.
+ENABLED = True
+ENV = "TOKENSPEED_MLA_GLUON"
+# Triton releases this kernel was built and measured with (major.minor): the GPU machine's 3.6, torch 2.11's pin.
+# Triton 3.9 renamed `thread_barrier` and removed `async_copy_global_to_shared`; elsewhere mla_decode stays on its
+# Triton kernel.
+TRITON_VERSIONS = ("3.6",)
+BLOCK_N = 64  # keys per tile (the wgmma M); the plan rounds its chunks to it, so tiles never straddle a page
+HEADS = (16, 32)  # query heads per sequence (the wgmma N): the accumulator [DV, H] fp32 is 128 registers at 32
+DV, DR = 512, 64  # latent (kv_lora_rank) and rope widths: Kimi-Linear's and K3's
+
+
+def enabled() -> bool:
+    """ENABLED, or TOKENSPEED_MLA_GLUON when set. Raises ValueError on a value other than 0 / 1."""
+    v = os.environ.get(ENV, "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1; got {v!r}")
+    return v == "1" if v else ENABLED
+
+
+def usable(q: Tensor, qr: Tensor, cache: Tensor, v_dim: int, block_n: int, balanced: bool) -> bool:
+    """Whether `launch` serves this `mla_decode` call: Gluon of TRITON_VERSIONS and `enabled()`, an sm_90 GPU,
+    q [N, 1, H, v_dim] / qr [N, 1, H, DR] / cache bf16 with unit last strides and contiguous cache rows, H in
+    HEADS, v_dim == DV, cache rows DV + DR wide, pages a multiple of BLOCK_N, the balanced plan with BLOCK_N keys."""
+    if gluon is None or not q.is_cuda or not enabled() or triton.__version__.rsplit(".", 1)[0] not in TRITON_VERSIONS:
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):  # wgmma + this layout: Hopper only
+        return False
+    bf16 = q.dtype == qr.dtype == cache.dtype == torch.bfloat16
+    shapes = (q.shape[1] == 1 and q.shape[2] in HEADS and v_dim == DV and q.shape[3] >= DV
+              and qr.shape[-1] == DR and cache.shape[-1] == DV + DR and cache.shape[1] % BLOCK_N == 0)
+    strides = q.stride(-1) == 1 and qr.stride(-1) == 1 and cache.stride(2) == 1 and cache.stride(1) == DV + DR
+    return bool(bf16 and shapes and strides and balanced and block_n == BLOCK_N)
+
+
+def launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, out: Tensor, part: Tensor,
+           lse: Tensor, max_splits: int, min_chunk: int, sm_scale_log2: float, kv_scale: float, block_seq: int,
+           all_partial: bool, pdl_kwargs: dict) -> None:
+    """The split grid (1, max_splits, N) over validated arguments (`usable` True; shapes as `mla_decode._launch`
+    allocates them). pdl_kwargs: `pdl.kernel_kwargs` ({"PDL": bool[, "launch_pdl": True]})."""
+    N, H = q.shape[0], q.shape[2]
+    _mla_split_gluon_kernel[(1, max_splits, N)](
+        q, q.stride(0), q.stride(2), qr, qr.stride(0), qr.stride(2),
+        cache, cache.stride(0), page_table, page_table.stride(0), kv_lens,
+        out, part, lse, N, max_splits, min_chunk, sm_scale_log2, kv_scale,
+        H=H, PAGE=cache.shape[1], DV=DV, ROW=DV + DR, BLOCK_N=BLOCK_N, BLOCK_SEQ=block_seq,
+        ALL_PARTIAL=all_partial, num_warps=4, **pdl_kwargs)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _uniform(x):
+        """x (an integer scalar the same in every thread) read from lane 0 as int32: ptxas then keeps it in a
+        uniform register (`mla_split_plan._warp_uniform`)."""
+        return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r",
+                                         [x.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _grid_dependency(x):
+        """PDL (pdl.py): griddepcontrol.wait, then launch_dependents (x: any scalar, the asm's dummy operand)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r", [x], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r", [x], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _issue_tile(kv_bufs, kr_bufs, buf, CACHE, page, stride_cp, k0, hi, PAGE: gl.constexpr, DV: gl.constexpr,
+                    ROW: gl.constexpr, BLOCK_N: gl.constexpr, LKV: gl.constexpr, LKR: gl.constexpr):
+        """cp.async of keys k0 .. k0 + BLOCK_N - 1 of page `page` into buffer `buf` (rows from hi on zero-filled);
+        one commit group."""
+        r_kv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LKV))
+        c_kv = gl.arange(0, DV, layout=gl.SliceLayout(0, LKV))
+        base = CACHE + page * stride_cp + (k0 % PAGE) * ROW
+        cp.async_copy_global_to_shared(kv_bufs.index(buf), base + (r_kv * ROW)[:, None] + c_kv[None, :],
+                                       mask=(k0 + r_kv < hi)[:, None])
+        r_kr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LKR))
+        c_kr = gl.arange(0, ROW - DV, layout=gl.SliceLayout(0, LKR))
+        cp.async_copy_global_to_shared(kr_bufs.index(buf), base + DV + (r_kr * ROW)[:, None] + c_kr[None, :],
+                                       mask=(k0 + r_kr < hi)[:, None])
+        cp.commit_group()
+
+    @gluon.jit
+    def _plan(KV_LENS, N, MAX_SPLITS, min_chunk, pid_n, pid_s, BLOCK_SEQ: gl.constexpr, BLOCK_N: gl.constexpr,
+              LSEQ: gl.constexpr):
+        """(n, kv_len, count, start, chunk, s) of slot (pid_n, pid_s) in the balanced plan of
+        `mla_split_plan._plan_balanced` (the same integer arithmetic), warp-uniform."""
+        idx = gl.arange(0, BLOCK_SEQ, layout=LSEQ)
+        lens = gl.maximum(gl.load(KV_LENS + idx, mask=idx < N, other=0).to(gl.int64), 0)
+        total = gl.sum(lens, axis=0)
+        denom = gl.maximum(N * MAX_SPLITS - N, 1)
+        chunk = gl.maximum((total + denom - 1) // denom, min_chunk)
+        chunk = (chunk + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        counts = (lens + chunk - 1) // chunk
+        starts = gl.associative_scan(counts, 0, _add) - counts
+        p = pid_n * MAX_SPLITS + pid_s
+        n = gl.minimum(gl.sum((starts + counts <= p).to(gl.int64), axis=0), N - 1)
+        kv_len = _uniform(gl.sum(gl.where(idx == n, lens, 0), axis=0)).to(gl.int64)
+        count = _uniform(gl.sum(gl.where(idx == n, counts, 0), axis=0)).to(gl.int64)
+        start = _uniform(gl.sum(gl.where(idx == n, starts, 0), axis=0)).to(gl.int64)
+        chunk = _uniform(chunk).to(gl.int64)
+        n = _uniform(n).to(gl.int64)
+        return n, kv_len, count, start, chunk, p - start
+
+    @gluon.jit
+    def _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, p_s, CACHE, stride_cp, pt_row, lo, hi, sm_scale_log2,
+                     H: gl.constexpr, PAGE: gl.constexpr, DV: gl.constexpr, ROW: gl.constexpr,
+                     BLOCK_N: gl.constexpr, LKV: gl.constexpr, LKR: gl.constexpr, MMA: gl.constexpr):
+        """Online softmax over keys lo .. hi - 1: (acc [DV, H] fp32 unnormalised, m [H], l [H]) in log2 units.
+        Tile i+1's copy is issued before tile i's dots; each buffer is refilled only after every warp left it."""
+        m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
+        l_i = gl.zeros([H], gl.float32, gl.SliceLayout(0, MMA))
+        acc_t = gl.zeros([DV, H], gl.float32, MMA)
+        page = gl.load(pt_row + lo // PAGE).to(gl.int64)
+        _issue_tile(kv_bufs, kr_bufs, 0, CACHE, page, stride_cp, lo, hi, PAGE, DV, ROW, BLOCK_N, LKV, LKR)
+        page_next = gl.load(pt_row + (lo + BLOCK_N) // PAGE, mask=lo + BLOCK_N < hi, other=0).to(gl.int64)
+        for i in range((hi - lo + BLOCK_N - 1) // BLOCK_N):
+            k0 = lo + i * BLOCK_N
+            nxt = k0 + BLOCK_N
+            if nxt < hi:  # the next tile's copy starts before this tile's dots (its buffer was freed last time)
+                _issue_tile(kv_bufs, kr_bufs, (i + 1) % 2, CACHE, page_next, stride_cp, nxt, hi, PAGE, DV, ROW,
+                            BLOCK_N, LKV, LKR)
+                cp.wait_group(1)
+            else:
+                cp.wait_group(0)
+            nxt2 = nxt + BLOCK_N
+            page_next = gl.load(pt_row + nxt2 // PAGE, mask=nxt2 < hi, other=0).to(gl.int64)
+            fence_async_shared()  # this thread's cp.async writes, visible to wgmma's async proxy ...
+            gl.thread_barrier()  # ... and every thread's
+            kv_s = kv_bufs.index(i % 2)
+            st = gl.zeros([BLOCK_N, H], gl.float32, MMA)
+            st = warpgroup_mma(kv_s, qv_s.permute((1, 0)), st, is_async=True)
+            st = warpgroup_mma(kr_bufs.index(i % 2), qr_s.permute((1, 0)), st, is_async=True)
+            st = warpgroup_mma_wait(0, deps=[st])
+            pos = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+            st = gl.where((pos < hi)[:, None], st * sm_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(st, axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            pt = gl.exp2(st - m_safe[None, :])
+            l_i = l_i * alpha + gl.sum(pt, axis=0)
+            m_i = m_new
+            p_s.store(pt.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()  # every warp's rows of p before the warpgroup's wgmma reads them
+            acc_t = warpgroup_mma(kv_s.permute((1, 0)), p_s, acc_t * alpha[None, :], is_async=True)
+            acc_t = warpgroup_mma_wait(0, deps=[acc_t])
+            gl.thread_barrier()  # every warp is done with buffer i % 2 before iteration i + 1 refills it
+        return acc_t, m_i, l_i
+
+    @gluon.jit
+    def _store_partial(PART, LSE, prow, o, m_i, l_i, d, h, H: gl.constexpr, DV: gl.constexpr, MMA: gl.constexpr):
+        """A split's normalised rows o [DV, H] fp32 at PART rows prow .. prow + H - 1, its log2 LSE at LSE."""
+        gl.store(PART + (prow + h[None, :]) * DV + d[:, None], o)
+        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        gl.store(LSE + prow + gl.arange(0, H, layout=gl.SliceLayout(0, MMA)), lse)
+
+    @gluon.jit(do_not_specialize=["N", "MAX_SPLITS", "min_chunk", "stride_pt"])
+    def _mla_split_gluon_kernel(
+        Qp, stride_qn, stride_qh,
+        QR, stride_rn, stride_rh,
+        CACHE, stride_cp,
+        PT, stride_pt,
+        KV_LENS,
+        O, PART, LSE,
+        N, MAX_SPLITS, min_chunk, sm_scale_log2, kv_scale,
+        H: gl.constexpr, PAGE: gl.constexpr, DV: gl.constexpr, ROW: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_SEQ: gl.constexpr, ALL_PARTIAL: gl.constexpr, PDL: gl.constexpr,
+    ):
+        DR: gl.constexpr = ROW - DV
+        # 4 warps = one warpgroup
+        LKV: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])      # [BLOCK_N, DV] tile copies
+        LKR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])       # [BLOCK_N, DR]
+        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])       # [H, DV] / [H, DR] query loads
+        LSEQ: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])                 # the plan's [BLOCK_SEQ] vectors
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
+        SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        SH_P: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
+        LOUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])     # [DV, H] fp32, d fastest
+
+        pid_s = gl.program_id(1)
+        pid_n = gl.program_id(2).to(gl.int64)
+        if PDL:  # everything read below may come from the kernels just before this one
+            _grid_dependency(pid_s)
+        n, kv_len, count, start, chunk, s = _plan(KV_LENS, N, MAX_SPLITS, min_chunk, pid_n, pid_s, BLOCK_SEQ,
+                                                  BLOCK_N, LSEQ)
+        d = gl.arange(0, DV, layout=gl.SliceLayout(1, LOUT))
+        h = gl.arange(0, H, layout=gl.SliceLayout(0, LOUT))
+        if not ALL_PARTIAL:  # with ALL_PARTIAL the W_UV combine writes the padding sequences' zeros
+            own_len = gl.load(KV_LENS + pid_n).to(gl.int64)
+            if (pid_s == 0) & (own_len <= 0):  # a padding sequence: zeros
+                gl.store(O + (pid_n * H + h[None, :]) * DV + d[:, None],
+                         gl.zeros([DV, H], O.dtype.element_ty, LOUT))
+        if s < count:
+            lo = (s * chunk).to(gl.int32)
+            hi = gl.minimum(lo + chunk, kv_len).to(gl.int32)
+            hq = gl.arange(0, H, layout=gl.SliceLayout(1, LQ))
+            q_v = gl.load(Qp + n * stride_qn + hq[:, None] * stride_qh
+                          + gl.arange(0, DV, layout=gl.SliceLayout(0, LQ))[None, :])
+            q_r = gl.load(QR + n * stride_rn + hq[:, None] * stride_rh
+                          + gl.arange(0, DR, layout=gl.SliceLayout(0, LQ))[None, :])
+            qv_s = gl.allocate_shared_memory(gl.bfloat16, [H, DV], SH, q_v)
+            qr_s = gl.allocate_shared_memory(gl.bfloat16, [H, DR], SH, q_r)
+            kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DV], SH)
+            kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], SH)
+            p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, H], SH_P)
+            fence_async_shared()  # the queries' stores, before wgmma reads them (async proxy) ...
+            gl.thread_barrier()  # ... from every warp
+            acc_t, m_i, l_i = _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, p_s, CACHE, stride_cp, PT + n * stride_pt,
+                                           lo, hi, sm_scale_log2, H, PAGE, DV, ROW, BLOCK_N, LKV, LKR, MMA)
+            # the epilogue of `mla_flash._store_rows`: normalised rows, direct when the sequence has one split
+            inv = gl.where(l_i > 0, kv_scale / gl.where(l_i > 0, l_i, 1.0), 0.0)
+            o = gl.convert_layout(acc_t * inv[None, :], LOUT)
+            if ALL_PARTIAL:
+                _store_partial(PART, LSE, (start + s) * H, o, m_i, l_i, d, h, H, DV, MMA)
+            elif count == 1:
+                gl.store(O + (n * H + h[None, :]) * DV + d[:, None], o.to(O.dtype.element_ty))
+            else:
+                _store_partial(PART, LSE, (start + s) * H, o, m_i, l_i, d, h, H, DV, MMA)
