@@ -24,13 +24,13 @@ if has loops; then
     | tee "$OUT/mla_loops.log" | grep -v "^b\|^mixed" | tail -14
 fi
 if has tests; then
-  timeout -s INT ${TESTS_TIMEOUT:-200} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+  timeout -s INT ${TESTS_TIMEOUT:-200} python3 -m pytest -rfE --tb=short -p no:cacheprovider \
     tests/ops/test_triton_mla_decode.py tests/ops/test_triton_mla_fused.py tests/ops/test_triton_mla_gluon.py \
     -k gpu > "$OUT/gpu_tests.log" 2>&1
   tail -8 "$OUT/gpu_tests.log"
 fi
 if has models; then
-  timeout -s INT ${MODELS_TIMEOUT:-240} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+  timeout -s INT ${MODELS_TIMEOUT:-240} python3 -m pytest -rfE --tb=short -p no:cacheprovider \
     tests/executor/test_cuda_graphs.py -k "graphs or gpu" >> "$OUT/gpu_tests.log" 2>&1
   tail -4 "$OUT/gpu_tests.log"
 fi
