@@ -29,7 +29,7 @@ from tokenspeed.ops.triton import mla_gluon
 
 def gluon_decode(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                  on: bool) -> torch.Tensor:
-    """`mla_decode` (split + combine) with its Gluon split kernel on or off; q [N, 1, H, 576] bf16."""
+    """`mla_decode` (split + combine) with its Gluon split kernel on or off; q [N, Q, H, 576] bf16."""
     prev = mla_gluon.ENABLED
     mla_gluon.ENABLED = on
     try:
@@ -40,9 +40,15 @@ def gluon_decode(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, kv_l
 
 CASES = [(f"b{b}_{c // 1024}k", [c] * b) for c in (4096, 32768) for b in (1, 4, 16, 64)]
 CASES += [("mixed_b16", [65536, 16384, 4096, 1024] * 4), ("equal_1x64k", [65536]), ("ragged_ends", [4097, 100, 64, 1])]
+CASES = [(name, lens, 1, H) for name, lens in CASES]
+# verify steps (4 query tokens: EAGLE3 with 3 drafts) and K3's head counts (12 a rank at TP8, 96 attention-DP)
+CASES += [("verify4_b16_32k", [32768] * 16, 4, H), ("verify4_b1_4k", [4096], 4, H),
+          ("k3tp8_b64_32k", [32768] * 64, 1, 12), ("k3tp8_verify4_b16_32k", [32768] * 16, 4, 12),
+          ("k3dp_b16_32k", [32768] * 16, 1, 96)]
 
 
-def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False, use_pdl: bool = True) -> dict:
+def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False, use_pdl: bool = True, qn: int = 1,
+                 block_h: int = 32) -> dict:
     """Compile the Gluon split kernel for sm_90 without a GPU (`sm90_compile`'s target and Triton's own ptxas /
     cuobjdump): shared memory, registers, spill stack and main-loop instructions / spill reloads."""
     from sm90_compile import TARGET, cubin_usage, loop_usage
@@ -51,10 +57,10 @@ def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False,
     fn = mla_gluon._mla_split_gluon_kernel
     ptrs = {"Qp": "*bf16", "QR": "*bf16", "CACHE": "*bf16", "PT": "*i32", "KV_LENS": "*i64", "O": "*bf16",
             "PART": "*fp32", "LSE": "*fp32"}
-    strides = ("stride_qn", "stride_qh", "stride_rn", "stride_rh", "stride_cp", "stride_pt")
-    consts = {"H": heads, "PAGE": PAGE, "DV": V, "ROW": DL, "BLOCK_N": mla_gluon.BLOCK_N, "BLOCK_SEQ": block_seq,
-              "ALL_PARTIAL": all_partial, "PDL": use_pdl}
-    sig = {**ptrs, **dict.fromkeys(strides, "i64"), "N": "i32", "MAX_SPLITS": "i32", "min_chunk": "i32",
+    strides = ("stride_qn", "stride_qj", "stride_qh", "stride_rn", "stride_rj", "stride_rh", "stride_cp")
+    consts = {"QN": qn, "H": heads, "PAGE": PAGE, "DV": V, "ROW": DL, "BLOCK_H": block_h, "BLOCK_N": mla_gluon.BLOCK_N,
+              "BLOCK_SEQ": block_seq, "ALL_PARTIAL": all_partial, "PDL": use_pdl}
+    sig = {**ptrs, **dict.fromkeys(strides, "i64"), "stride_pt": "i64", "N": "i32", "MAX_SPLITS": "i32", "min_chunk": "i32",
            "sm_scale_log2": "fp32", "kv_scale": "fp32", **dict.fromkeys(consts, "constexpr")}
     sig = {name: sig[name] for name in fn.arg_names}
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in (*ptrs, *strides)}  # as the JIT derives
@@ -69,15 +75,18 @@ def main() -> None:
     ap.add_argument("--compile-sm90", action="store_true", help="only compile for sm_90 (no GPU) and report")
     args = ap.parse_args()
     if args.compile_sm90:
-        for block_seq, heads, all_partial in ((16, 32, False), (64, 32, False), (16, 32, True), (16, 16, False)):
-            print(f"BLOCK_SEQ {block_seq} H {heads} ALL_PARTIAL {all_partial}: "
-                  f"{compile_sm90(block_seq, heads, all_partial)}")
+        variants = {"decode H32": {}, "decode H32 BLOCK_SEQ 64": {"block_seq": 64},
+                    "decode H32 ALL_PARTIAL": {"all_partial": True}, "decode H16": {"heads": 16, "block_h": 16},
+                    "decode H12 (K3 TP8)": {"heads": 12, "block_h": 16}, "decode H96 (K3)": {"heads": 96},
+                    "verify Q4 H32": {"qn": 4}, "verify Q4 H12": {"qn": 4, "heads": 12, "block_h": 16}}
+        for name, kw in variants.items():
+            print(f"{name}: {compile_sm90(**kw)}")
         return
     t0, rows = time.time(), []
-    for name, lens in CASES:
-        q, cache, table, kv = make_case(lens, 1, torch.bfloat16, "cuda")
+    for name, lens, qn, heads in CASES:
+        q, cache, table, kv = make_case(lens, qn, torch.bfloat16, "cuda", heads=heads)
         scale = DL ** -0.5
-        row = {"case": name, "batch": len(lens), "ctx": max(lens)}
+        row = {"case": name, "batch": len(lens), "ctx": max(lens), "q_len": qn, "heads": heads}
         try:
             got = gluon_decode(q, cache, table, kv, scale, True)
         except Exception as e:  # noqa: BLE001 - the prototype failing to build or launch is a result
@@ -95,7 +104,7 @@ def main() -> None:
             row[f"{form}_us"] = t
             row[f"{form}_hbm"] = nbytes / (t * 1e-6) / HBM if math.isfinite(t) and t > 0 else None
         rows.append(row)
-        print(f"{name:12s} err {row['max_rel_err_vs_triton']:.2e}  triton {row['triton_us']:8.2f} us "
+        print(f"{name:22s} err {row['max_rel_err_vs_triton']:.2e}  triton {row['triton_us']:8.2f} us "
               f"({100 * (row['triton_hbm'] or 0):4.1f}%)  gluon {row['gluon_us']:8.2f} us "
               f"({100 * (row['gluon_hbm'] or 0):4.1f}%)", flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

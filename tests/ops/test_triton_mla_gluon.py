@@ -2,11 +2,11 @@
 and the torch reference.
 
 Checked on an sm_90 GPU with the Triton of `mla_gluon.TRITON_VERSIONS`: that the Gluon kernel is the one launched
-where `usable` allows; outputs bit-identical to the Triton keys-major kernel (the same plan, tile order and
-roundings) and within bf16 tolerance of `mla_attention_paged`, over mixed histories, padding sequences, lengths
-that end mid-tile (the cache rows past them are NaN: masked copies must zero-fill), one and many splits, 16 and 32
-heads, kv_scale, the W_UV combine (every split writes partials) and CUDA-graph replay on new inputs with PDL on
-and off. On the CPU: the switch and the conditions under which mla_decode keeps its Triton kernel.
+where `usable` allows; outputs bit-identical to the Triton keys-major kernel (the same plan, row tiles, tile order
+and roundings) and within bf16 tolerance of `mla_attention_paged`, over decode and verify (causal), 12 / 16 / 32 /
+96 heads (masked row tiles), mixed histories, padding sequences, lengths that end mid-tile (the cache rows past
+them are NaN: masked copies must zero-fill), one and many splits, kv_scale, the W_UV combine (every split writes
+partials) and CUDA-graph replay on new inputs with PDL on and off. On the CPU: the switch and the conditions under which mla_decode keeps its Triton kernel.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_not_usable_off_cuda():
     """CPU tensors (the interpreter's) never take the Gluon kernel, whatever the shapes."""
     inp = make([300, 64], 1, 32, 576, 64, torch.bfloat16, torch.bfloat16, "cpu")
     q = inp["q"]
-    assert not mla_gluon.usable(q, q[..., 512:], inp["cache"], 512, 64, True)
+    assert not mla_gluon.usable(q, q[..., 512:], inp["cache"], 512, 32, 64, True)
 
 
 class _Spy:
@@ -78,21 +78,23 @@ def _both(monkeypatch, fn):
 @pytest.mark.gpu
 @needs_cuda
 @needs_hopper_gluon
-@pytest.mark.parametrize("H", [32, 16])
+@pytest.mark.parametrize("Q, H", [(1, 32), (1, 16), (1, 12), (1, 96), (4, 32), (2, 12)])
 @pytest.mark.parametrize("kv_lens", [MIXED * 4, [4096] * 64, [1, 0, 777, 3000, 65, 4097, 0], [65536]])
 @pytest.mark.parametrize("max_splits", [None, 1, 7])
-def test_equals_triton_kernel_gpu(monkeypatch, H, kv_lens, max_splits):
-    inp = make(kv_lens, 1, H, REAL["Dl"], 64, torch.bfloat16, torch.bfloat16, "cuda", seed=len(kv_lens) + H)
+def test_equals_triton_kernel_gpu(monkeypatch, Q, H, kv_lens, max_splits):
+    """Decode (Q 1) and verify (Q > 1, causal), Kimi-Linear's 32 heads, 16, and K3's 12 (a TP8 rank: a 16-row
+    tile with 4 masked rows) and 96 (3 tiles); Q 2 x H 12 = 24 rows: a masked second tile."""
+    inp = make(kv_lens, Q, H, REAL["Dl"], 64, torch.bfloat16, torch.bfloat16, "cuda", seed=len(kv_lens) + H)
     scale = 576 ** -0.5
 
     def run():
-        out = torch.full((len(kv_lens), 1, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = torch.full((len(kv_lens), Q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
         return mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, out=out,
                               max_splits=max_splits)
 
     want, got = _both(monkeypatch, run)
-    assert torch.equal(got, want)
     assert rel_err(got, reference(inp, scale, 512)) < 1e-2
+    assert torch.equal(got, want)
     for n, k in enumerate(kv_lens):
         if k <= 0:
             assert torch.equal(got[n], torch.zeros_like(got[n]))

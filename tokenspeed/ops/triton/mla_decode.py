@@ -558,9 +558,9 @@ def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: T
     block_seq = plan_block_seq(N) if balanced else 1  # the uniform plan reads only its own kv_len
     use_pdl = pdl.enabled(q.device, "mla")
     launch = pdl.launch_kwargs(q.device, "mla")
-    if keys_major and _gluon.usable(q, qr, cache, v_dim, block_n, balanced):  # Hopper: explicit async copies
+    if keys_major and _gluon.usable(q, qr, cache, v_dim, bh, block_n, balanced):  # Hopper: explicit async copies
         _gluon.launch(q, qr, cache, page_table, kv_lens, out, part, lse, ms, min_chunk,
-                      float(scale) * float(kv_scale) * LOG2E, float(kv_scale), block_seq, uv,
+                      float(scale) * float(kv_scale) * LOG2E, float(kv_scale), bh, block_seq, uv,
                       pdl.kernel_kwargs(q.device, "mla"))
     else:
         _split(q, qr, cache, page_table, kv_lens, out, part, lse, scale, kv_scale, ms, min_chunk, balanced, bh,

@@ -1,10 +1,10 @@
 """The MLA split kernel in Gluon for Hopper (sm_90): `mla_decode`'s decode path over a bf16 cache.
 
-Same outputs as `mla_decode._mla_split_kernel` for the cases `usable` accepts (uniform decode, one query token per
-sequence, the balanced plan, 64-key tiles inside one page): single-split sequences write their normalised output
-rows to O directly, the others fp32 partials and log2 LSEs at the plan's workspace rows, so `mla_decode`'s
-combine kernels (plain or W_UV) merge them unchanged. Bit-identical to the Triton keys-major kernel on the H200
-(`benchmarks/mla_gluon_h200.py`, tests/ops/test_triton_mla_gluon.py).
+Same outputs as `mla_decode._mla_split_kernel` for the cases `usable` accepts (uniform decode or verify, the
+balanced plan, 64-key tiles inside one page, 16- or 32-row query tiles): single-split sequences write their
+normalised output rows to O directly, the others fp32 partials and log2 LSEs at the plan's workspace rows, so
+`mla_decode`'s combine kernels (plain or W_UV) merge them unchanged. Bit-identical to the Triton keys-major kernel
+on the H200 at one query token (`benchmarks/mla_gluon_h200.py`, tests/ops/test_triton_mla_gluon.py).
 
 Why a second kernel. Triton's pipeliner issues the keys-major loop's copy of tile i+1 after tile i's dots and
 waits for it at the top of the next iteration, so no copy overlaps a dot: about 40% of HBM at best. Here, with
@@ -15,11 +15,13 @@ scalars go through a lane-0 shuffle (`mla_split_plan._warp_uniform`) so the loop
 H200: split + combine at batch 64 / 32K 632 us (89.5% of HBM) against 1363 us for the Triton kernel; 16 mixed
 histories 125 vs 231 us (docs/kernels.md).
 
-Contract (per program of the grid (1, MAX_SPLITS, N)): reads Q [N, 1, H, DV] and QR [N, 1, H, DR] (bf16, unit
-last stride), the cache [pages, PAGE, DV + DR] (bf16, contiguous rows), the page table (int32) and KV_LENS;
-writes O rows of single-split sequences (and zeros for padding sequences, kv_len <= 0, unless ALL_PARTIAL) or
-its PART [N * MAX_SPLITS, H, DV] / LSE [N * MAX_SPLITS, H] rows. ALL_PARTIAL: every split writes partials (the
-W_UV combine reads them all). PDL: the protocol of `pdl.py` (wait first, then trigger; reads nothing before).
+Contract (per program of the grid (ceil(QN * H / BLOCK_H), MAX_SPLITS, N); row r = j * H + h of a sequence is
+query token j's head h, which sees keys up to kv_len - QN + j): reads Q [N, QN, H, DV] and QR [N, QN, H, DR]
+(bf16, unit last stride), the cache [pages, PAGE, DV + DR] (bf16, contiguous rows), the page table (int32) and
+KV_LENS; writes its BLOCK_H rows of O for single-split sequences (and zeros for padding sequences, kv_len <= 0,
+unless ALL_PARTIAL), else of PART [N * MAX_SPLITS, QN * H, DV] / LSE [N * MAX_SPLITS, QN * H]. ALL_PARTIAL: every
+split writes partials (the W_UV combine reads them all). PDL: the protocol of `pdl.py` (wait first, then trigger;
+nothing read before).
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ ENV = "TOKENSPEED_MLA_GLUON"
 # Triton kernel.
 TRITON_VERSIONS = ("3.6",)
 BLOCK_N = 64  # keys per tile (the wgmma M); the plan rounds its chunks to it, so tiles never straddle a page
-HEADS = (16, 32)  # query heads per sequence (the wgmma N): the accumulator [DV, H] fp32 is 128 registers at 32
+BLOCK_HS = (16, 32)  # query rows per program (the wgmma N): the accumulator [DV, 32] fp32 is 128 registers a thread
+# Verify steps (several query tokens per sequence) too; decode (one) always.
+VERIFY = True
 DV, DR = 512, 64  # latent (kv_lora_rank) and rope widths: Kimi-Linear's and K3's
 
 
@@ -67,32 +71,33 @@ def enabled() -> bool:
     return v == "1" if v else ENABLED
 
 
-def usable(q: Tensor, qr: Tensor, cache: Tensor, v_dim: int, block_n: int, balanced: bool) -> bool:
+def usable(q: Tensor, qr: Tensor, cache: Tensor, v_dim: int, block_h: int, block_n: int, balanced: bool) -> bool:
     """Whether `launch` serves this `mla_decode` call: Gluon of TRITON_VERSIONS and `enabled()`, an sm_90 GPU,
-    q [N, 1, H, v_dim] / qr [N, 1, H, DR] / cache bf16 with unit last strides and contiguous cache rows, H in
-    HEADS, v_dim == DV, cache rows DV + DR wide, pages a multiple of BLOCK_N, the balanced plan with BLOCK_N keys."""
+    q [N, Q, H, >= v_dim] / qr [N, Q, H, DR] / cache bf16 with unit last strides and contiguous cache rows, Q 1
+    (or VERIFY), v_dim == DV, cache rows DV + DR wide, pages a multiple of BLOCK_N, block_h in BLOCK_HS, the
+    balanced plan with BLOCK_N keys."""
     if gluon is None or not q.is_cuda or not enabled() or triton.__version__.rsplit(".", 1)[0] not in TRITON_VERSIONS:
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):  # wgmma + this layout: Hopper only
         return False
     bf16 = q.dtype == qr.dtype == cache.dtype == torch.bfloat16
-    shapes = (q.shape[1] == 1 and q.shape[2] in HEADS and v_dim == DV and q.shape[3] >= DV
-              and qr.shape[-1] == DR and cache.shape[-1] == DV + DR and cache.shape[1] % BLOCK_N == 0)
+    shapes = ((q.shape[1] == 1 or VERIFY) and v_dim == DV and q.shape[3] >= DV and qr.shape[-1] == DR
+              and cache.shape[-1] == DV + DR and cache.shape[1] % BLOCK_N == 0)
     strides = q.stride(-1) == 1 and qr.stride(-1) == 1 and cache.stride(2) == 1 and cache.stride(1) == DV + DR
-    return bool(bf16 and shapes and strides and balanced and block_n == BLOCK_N)
+    return bool(bf16 and shapes and strides and balanced and block_n == BLOCK_N and block_h in BLOCK_HS)
 
 
 def launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, out: Tensor, part: Tensor,
-           lse: Tensor, max_splits: int, min_chunk: int, sm_scale_log2: float, kv_scale: float, block_seq: int,
-           all_partial: bool, pdl_kwargs: dict) -> None:
-    """The split grid (1, max_splits, N) over validated arguments (`usable` True; shapes as `mla_decode._launch`
-    allocates them). pdl_kwargs: `pdl.kernel_kwargs` ({"PDL": bool[, "launch_pdl": True]})."""
-    N, H = q.shape[0], q.shape[2]
-    _mla_split_gluon_kernel[(1, max_splits, N)](
-        q, q.stride(0), q.stride(2), qr, qr.stride(0), qr.stride(2),
+           lse: Tensor, max_splits: int, min_chunk: int, sm_scale_log2: float, kv_scale: float, block_h: int,
+           block_seq: int, all_partial: bool, pdl_kwargs: dict) -> None:
+    """The split grid (ceil(Q * H / block_h), max_splits, N) over validated arguments (`usable` True; shapes as
+    `mla_decode._launch` allocates them). pdl_kwargs: `pdl.kernel_kwargs` ({"PDL": bool[, "launch_pdl": True]})."""
+    N, QN, H = q.shape[:3]
+    _mla_split_gluon_kernel[(triton.cdiv(QN * H, block_h), max_splits, N)](
+        q, q.stride(0), q.stride(1), q.stride(2), qr, qr.stride(0), qr.stride(1), qr.stride(2),
         cache, cache.stride(0), page_table, page_table.stride(0), kv_lens,
         out, part, lse, N, max_splits, min_chunk, sm_scale_log2, kv_scale,
-        H=H, PAGE=cache.shape[1], DV=DV, ROW=DV + DR, BLOCK_N=BLOCK_N, BLOCK_SEQ=block_seq,
+        QN=QN, H=H, PAGE=cache.shape[1], DV=DV, ROW=DV + DR, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_SEQ=block_seq,
         ALL_PARTIAL=all_partial, num_warps=4, **pdl_kwargs)
 
 
@@ -156,14 +161,16 @@ if gluon is not None:
         return n, kv_len, count, start, chunk, p - start
 
     @gluon.jit
-    def _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, p_s, CACHE, stride_cp, pt_row, lo, hi, sm_scale_log2,
-                     H: gl.constexpr, PAGE: gl.constexpr, DV: gl.constexpr, ROW: gl.constexpr,
-                     BLOCK_N: gl.constexpr, LKV: gl.constexpr, LKR: gl.constexpr, MMA: gl.constexpr):
-        """Online softmax over keys lo .. hi - 1: (acc [DV, H] fp32 unnormalised, m [H], l [H]) in log2 units.
-        Tile i+1's copy is issued before tile i's dots; each buffer is refilled only after every warp left it."""
-        m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
-        l_i = gl.zeros([H], gl.float32, gl.SliceLayout(0, MMA))
-        acc_t = gl.zeros([DV, H], gl.float32, MMA)
+    def _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, p_s, CACHE, stride_cp, pt_row, lo, hi, lim, sm_scale_log2,
+                     BLOCK_H: gl.constexpr, PAGE: gl.constexpr, DV: gl.constexpr, ROW: gl.constexpr,
+                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LKV: gl.constexpr, LKR: gl.constexpr,
+                     MMA: gl.constexpr):
+        """Online softmax over keys lo .. hi - 1 (CAUSAL: row r sees keys <= lim[r]): (acc [DV, BLOCK_H] fp32
+        unnormalised, m [BLOCK_H], l [BLOCK_H]) in log2 units. Tile i+1's copy is issued before tile i's dots;
+        each buffer is refilled only after every warp left it."""
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
+        l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, MMA))
+        acc_t = gl.zeros([DV, BLOCK_H], gl.float32, MMA)
         page = gl.load(pt_row + lo // PAGE).to(gl.int64)
         _issue_tile(kv_bufs, kr_bufs, 0, CACHE, page, stride_cp, lo, hi, PAGE, DV, ROW, BLOCK_N, LKV, LKR)
         page_next = gl.load(pt_row + (lo + BLOCK_N) // PAGE, mask=lo + BLOCK_N < hi, other=0).to(gl.int64)
@@ -181,12 +188,16 @@ if gluon is not None:
             fence_async_shared()  # this thread's cp.async writes, visible to wgmma's async proxy ...
             gl.thread_barrier()  # ... and every thread's
             kv_s = kv_bufs.index(i % 2)
-            st = gl.zeros([BLOCK_N, H], gl.float32, MMA)
+            st = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, MMA)
             st = warpgroup_mma(kv_s, qv_s.permute((1, 0)), st, is_async=True)
             st = warpgroup_mma(kr_bufs.index(i % 2), qr_s.permute((1, 0)), st, is_async=True)
             st = warpgroup_mma_wait(0, deps=[st])
             pos = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-            st = gl.where((pos < hi)[:, None], st * sm_scale_log2, float("-inf"))
+            if CAUSAL:
+                seen = (pos < hi)[:, None] & (pos[:, None] <= lim[None, :])
+            else:
+                seen = (pos < hi)[:, None]
+            st = gl.where(seen, st * sm_scale_log2, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(st, axis=0))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = gl.exp2(m_i - m_safe)
@@ -202,35 +213,67 @@ if gluon is not None:
         return acc_t, m_i, l_i
 
     @gluon.jit
-    def _store_partial(PART, LSE, prow, o, m_i, l_i, d, h, H: gl.constexpr, DV: gl.constexpr, MMA: gl.constexpr):
-        """A split's normalised rows o [DV, H] fp32 at PART rows prow .. prow + H - 1, its log2 LSE at LSE."""
-        gl.store(PART + (prow + h[None, :]) * DV + d[:, None], o)
+    def _store_rows(PTR, base, o, rows, d, QH: gl.constexpr, DV: gl.constexpr, EVEN: gl.constexpr):
+        """o [DV, BLOCK_H] at rows base + rows (those < QH unless EVEN) of a [., DV] buffer, cast to its dtype."""
+        ptr = PTR + (base + rows[None, :]) * DV + d[:, None]
+        if EVEN:
+            gl.store(ptr, o.to(PTR.dtype.element_ty))
+        else:
+            gl.store(ptr, o.to(PTR.dtype.element_ty), mask=(rows < QH)[None, :])
+
+    @gluon.jit
+    def _store_partial(PART, LSE, prow, o, m_i, l_i, rows, d, row0, QH: gl.constexpr, DV: gl.constexpr,
+                       BLOCK_H: gl.constexpr, EVEN: gl.constexpr, MMA: gl.constexpr):
+        """A split's normalised rows o [DV, BLOCK_H] fp32 at PART rows prow + rows, its log2 LSE at LSE."""
+        _store_rows(PART, prow, o, rows, d, QH, DV, EVEN)
         lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        gl.store(LSE + prow + gl.arange(0, H, layout=gl.SliceLayout(0, MMA)), lse)
+        r = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MMA))
+        if EVEN:
+            gl.store(LSE + prow + r, lse)
+        else:
+            gl.store(LSE + prow + r, lse, mask=r < QH)
+
+    @gluon.jit
+    def _load_queries(Qp, stride_qn, stride_qj, stride_qh, n, row0, QH: gl.constexpr, H: gl.constexpr,
+                      WIDTH: gl.constexpr, BLOCK_H: gl.constexpr, EVEN: gl.constexpr, LQ: gl.constexpr):
+        """Rows row0 .. row0 + BLOCK_H - 1 of sequence n's [QN * H, WIDTH] queries (row = j * H + h; rows past QH
+        zero unless EVEN)."""
+        r = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LQ))
+        ptr = (Qp + n * stride_qn + ((r // H) * stride_qj + (r % H) * stride_qh)[:, None]
+               + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, LQ))[None, :])
+        if EVEN:
+            return gl.load(ptr)
+        else:
+            return gl.load(ptr, mask=(r < QH)[:, None], other=0.0)
 
     @gluon.jit(do_not_specialize=["N", "MAX_SPLITS", "min_chunk", "stride_pt"])
     def _mla_split_gluon_kernel(
-        Qp, stride_qn, stride_qh,
-        QR, stride_rn, stride_rh,
+        Qp, stride_qn, stride_qj, stride_qh,
+        QR, stride_rn, stride_rj, stride_rh,
         CACHE, stride_cp,
         PT, stride_pt,
         KV_LENS,
         O, PART, LSE,
         N, MAX_SPLITS, min_chunk, sm_scale_log2, kv_scale,
-        H: gl.constexpr, PAGE: gl.constexpr, DV: gl.constexpr, ROW: gl.constexpr,
-        BLOCK_N: gl.constexpr, BLOCK_SEQ: gl.constexpr, ALL_PARTIAL: gl.constexpr, PDL: gl.constexpr,
+        QN: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr, DV: gl.constexpr, ROW: gl.constexpr,
+        BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SEQ: gl.constexpr, ALL_PARTIAL: gl.constexpr,
+        PDL: gl.constexpr,
     ):
         DR: gl.constexpr = ROW - DV
+        QH: gl.constexpr = QN * H
+        EVEN: gl.constexpr = QH % BLOCK_H == 0
         # 4 warps = one warpgroup
         LKV: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])      # [BLOCK_N, DV] tile copies
         LKR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])       # [BLOCK_N, DR]
-        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])       # [H, DV] / [H, DR] query loads
+        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])       # [BLOCK_H, DV] / [., DR] queries
         LSEQ: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])                 # the plan's [BLOCK_SEQ] vectors
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_H, 16])
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        SH_P: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * H, element_bitwidth=16, rank=2)
-        LOUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])     # [DV, H] fp32, d fastest
+        SH_P: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BLOCK_H, element_bitwidth=16, rank=2)
+        LOUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])     # [DV, BLOCK_H] fp32, d fastest
 
+        row0 = gl.program_id(0) * BLOCK_H
         pid_s = gl.program_id(1)
         pid_n = gl.program_id(2).to(gl.int64)
         if PDL:  # everything read below may come from the kernels just before this one
@@ -238,35 +281,34 @@ if gluon is not None:
         n, kv_len, count, start, chunk, s = _plan(KV_LENS, N, MAX_SPLITS, min_chunk, pid_n, pid_s, BLOCK_SEQ,
                                                   BLOCK_N, LSEQ)
         d = gl.arange(0, DV, layout=gl.SliceLayout(1, LOUT))
-        h = gl.arange(0, H, layout=gl.SliceLayout(0, LOUT))
+        rows = row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, LOUT))
         if not ALL_PARTIAL:  # with ALL_PARTIAL the W_UV combine writes the padding sequences' zeros
             own_len = gl.load(KV_LENS + pid_n).to(gl.int64)
             if (pid_s == 0) & (own_len <= 0):  # a padding sequence: zeros
-                gl.store(O + (pid_n * H + h[None, :]) * DV + d[:, None],
-                         gl.zeros([DV, H], O.dtype.element_ty, LOUT))
+                _store_rows(O, pid_n * QH, gl.zeros([DV, BLOCK_H], gl.float32, LOUT), rows, d, QH, DV, EVEN)
         if s < count:
             lo = (s * chunk).to(gl.int32)
             hi = gl.minimum(lo + chunk, kv_len).to(gl.int32)
-            hq = gl.arange(0, H, layout=gl.SliceLayout(1, LQ))
-            q_v = gl.load(Qp + n * stride_qn + hq[:, None] * stride_qh
-                          + gl.arange(0, DV, layout=gl.SliceLayout(0, LQ))[None, :])
-            q_r = gl.load(QR + n * stride_rn + hq[:, None] * stride_rh
-                          + gl.arange(0, DR, layout=gl.SliceLayout(0, LQ))[None, :])
-            qv_s = gl.allocate_shared_memory(gl.bfloat16, [H, DV], SH, q_v)
-            qr_s = gl.allocate_shared_memory(gl.bfloat16, [H, DR], SH, q_r)
+            q_v = _load_queries(Qp, stride_qn, stride_qj, stride_qh, n, row0, QH, H, DV, BLOCK_H, EVEN, LQ)
+            q_r = _load_queries(QR, stride_rn, stride_rj, stride_rh, n, row0, QH, H, DR, BLOCK_H, EVEN, LQ)
+            qv_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DV], SH, q_v)
+            qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], SH, q_r)
             kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DV], SH)
             kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], SH)
-            p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, H], SH_P)
+            p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], SH_P)
             fence_async_shared()  # the queries' stores, before wgmma reads them (async proxy) ...
             gl.thread_barrier()  # ... from every warp
+            # the last key row r = j * H + h sees (verify: token j of QN sees the keys up to its own position)
+            lim = kv_len - QN + (row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MMA))) // H
             acc_t, m_i, l_i = _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, p_s, CACHE, stride_cp, PT + n * stride_pt,
-                                           lo, hi, sm_scale_log2, H, PAGE, DV, ROW, BLOCK_N, LKV, LKR, MMA)
+                                           lo, hi, lim, sm_scale_log2, BLOCK_H, PAGE, DV, ROW, BLOCK_N, QN > 1,
+                                           LKV, LKR, MMA)
             # the epilogue of `mla_flash._store_rows`: normalised rows, direct when the sequence has one split
             inv = gl.where(l_i > 0, kv_scale / gl.where(l_i > 0, l_i, 1.0), 0.0)
             o = gl.convert_layout(acc_t * inv[None, :], LOUT)
             if ALL_PARTIAL:
-                _store_partial(PART, LSE, (start + s) * H, o, m_i, l_i, d, h, H, DV, MMA)
+                _store_partial(PART, LSE, (start + s) * QH, o, m_i, l_i, rows, d, row0, QH, DV, BLOCK_H, EVEN, MMA)
             elif count == 1:
-                gl.store(O + (n * H + h[None, :]) * DV + d[:, None], o.to(O.dtype.element_ty))
+                _store_rows(O, n * QH, o, rows, d, QH, DV, EVEN)
             else:
-                _store_partial(PART, LSE, (start + s) * H, o, m_i, l_i, d, h, H, DV, MMA)
+                _store_partial(PART, LSE, (start + s) * QH, o, m_i, l_i, rows, d, row0, QH, DV, BLOCK_H, EVEN, MMA)
