@@ -28,14 +28,15 @@ from tokenspeed.ops.triton import mla_gluon
 
 
 def gluon_decode(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
-                 on: bool) -> torch.Tensor:
-    """`mla_decode` (split + combine) with its Gluon split kernel on or off; q [N, Q, H, 576] bf16."""
-    prev = mla_gluon.ENABLED
-    mla_gluon.ENABLED = on
+                 on: bool, wide: bool = True) -> torch.Tensor:
+    """`mla_decode` (split + combine, each path's default split count) with its Gluon split kernel on or off (and
+    its 64-row tiles on or off); q [N, Q, H, 576] bf16."""
+    prev = mla_gluon.ENABLED, mla_gluon.WIDE_ROWS
+    mla_gluon.ENABLED, mla_gluon.WIDE_ROWS = on, wide
     try:
         return k_mla.mla_decode(q, cache, table, kv_lens, scale, V)
     finally:
-        mla_gluon.ENABLED = prev
+        mla_gluon.ENABLED, mla_gluon.WIDE_ROWS = prev
 
 
 CASES = [(f"b{b}_{c // 1024}k", [c] * b) for c in (4096, 32768) for b in (1, 4, 16, 64)]
@@ -44,7 +45,8 @@ CASES = [(name, lens, 1, H) for name, lens in CASES]
 # verify steps (4 query tokens: EAGLE3 with 3 drafts) and K3's head counts (12 a rank at TP8, 96 attention-DP)
 CASES += [("verify4_b16_32k", [32768] * 16, 4, H), ("verify4_b1_4k", [4096], 4, H),
           ("k3tp8_b64_32k", [32768] * 64, 1, 12), ("k3tp8_verify4_b16_32k", [32768] * 16, 4, 12),
-          ("k3dp_b16_32k", [32768] * 16, 1, 96)]
+          ("k3dp_b16_32k", [32768] * 16, 1, 96), ("k3dp_b64_4k", [4096] * 64, 1, 96),
+          ("verify4_b64_4k", [4096] * 64, 4, H)]
 
 
 def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False, use_pdl: bool = True, qn: int = 1,
@@ -65,7 +67,8 @@ def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False,
     sig = {name: sig[name] for name in fn.arg_names}
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in (*ptrs, *strides)}  # as the JIT derives
     constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
-    kernel = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=TARGET, options={"num_warps": 4})
+    kernel = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=TARGET,
+                            options={"num_warps": 4 * triton.cdiv(block_h, 32)})
     return {"shared": kernel.metadata.shared, **cubin_usage(kernel), **loop_usage(kernel)}
 
 
@@ -73,17 +76,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/mla_gluon_h200.json")
     ap.add_argument("--compile-sm90", action="store_true", help="only compile for sm_90 (no GPU) and report")
+    ap.add_argument("--cases", default="", help="comma list of substrings: only the cases whose name has one")
     args = ap.parse_args()
     if args.compile_sm90:
         variants = {"decode H32": {}, "decode H32 BLOCK_SEQ 64": {"block_seq": 64},
                     "decode H32 ALL_PARTIAL": {"all_partial": True}, "decode H16": {"heads": 16, "block_h": 16},
                     "decode H12 (K3 TP8)": {"heads": 12, "block_h": 16}, "decode H96 (K3)": {"heads": 96},
-                    "verify Q4 H32": {"qn": 4}, "verify Q4 H12": {"qn": 4, "heads": 12, "block_h": 16}}
+                    "verify Q4 H32": {"qn": 4}, "verify Q4 H12": {"qn": 4, "heads": 12, "block_h": 16},
+                    "verify Q4 H32, 64 rows": {"qn": 4, "block_h": 64}, "decode H96, 64 rows": {"heads": 96, "block_h": 64},
+                    "decode H64, 64 rows": {"heads": 64, "block_h": 64}}
         for name, kw in variants.items():
             print(f"{name}: {compile_sm90(**kw)}")
         return
     t0, rows = time.time(), []
+    picks = [c for c in args.cases.split(",") if c]
     for name, lens, qn, heads in CASES:
+        if picks and not any(p in name for p in picks):
+            continue
         q, cache, table, kv = make_case(lens, qn, torch.bfloat16, "cuda", heads=heads)
         scale = DL ** -0.5
         row = {"case": name, "batch": len(lens), "ctx": max(lens), "q_len": qn, "heads": heads}
@@ -98,15 +107,18 @@ def main() -> None:
         row["max_rel_err_vs_triton"] = rel(got, want)
         nbytes = sum(lens) * DL * 2
         args_ = (q, cache, table, kv, scale)
-        for form, fn in (("triton", lambda a=args_: gluon_decode(*a, False)),
-                         ("gluon", lambda a=args_: gluon_decode(*a, True))):
+        forms = [("triton", lambda a=args_: gluon_decode(*a, False)), ("gluon", lambda a=args_: gluon_decode(*a, True))]
+        if qn * heads > 32:  # the 64-row tiles against 32-row ones
+            forms.append(("gluon32", lambda a=args_: gluon_decode(*a, True, False)))
+        for form, fn in forms:
             t = graph_us(fn, n=20)
             row[f"{form}_us"] = t
             row[f"{form}_hbm"] = nbytes / (t * 1e-6) / HBM if math.isfinite(t) and t > 0 else None
         rows.append(row)
         print(f"{name:22s} err {row['max_rel_err_vs_triton']:.2e}  triton {row['triton_us']:8.2f} us "
               f"({100 * (row['triton_hbm'] or 0):4.1f}%)  gluon {row['gluon_us']:8.2f} us "
-              f"({100 * (row['gluon_hbm'] or 0):4.1f}%)", flush=True)
+              f"({100 * (row['gluon_hbm'] or 0):4.1f}%)"
+              + (f"  gluon 32-row tiles {row['gluon32_us']:8.2f} us" if "gluon32_us" in row else ""), flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": os.environ.get("BENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
             "timing": "CUDA graph of 20 calls after 256 MiB memsets, memsets subtracted, median of 10",

@@ -4,7 +4,7 @@ and the torch reference.
 Checked on an sm_90 GPU with the Triton of `mla_gluon.TRITON_VERSIONS`: that the Gluon kernel is the one launched
 where `usable` allows; outputs bit-identical to the Triton keys-major kernel (the same plan, row tiles, tile order
 and roundings) and within bf16 tolerance of `mla_attention_paged`, over decode and verify (causal), 12 / 16 / 32 /
-96 heads (masked row tiles), mixed histories, padding sequences, lengths that end mid-tile (the cache rows past
+64 / 96 heads (masked row tiles; 64-row tiles of two warpgroups), mixed histories, padding sequences, lengths that end mid-tile (the cache rows past
 them are NaN: masked copies must zero-fill), one and many splits, kv_scale, the W_UV combine (every split writes
 partials) and CUDA-graph replay on new inputs with PDL on and off. On the CPU: the switch and the conditions under which mla_decode keeps its Triton kernel.
 """
@@ -46,7 +46,16 @@ def test_not_usable_off_cuda():
     """CPU tensors (the interpreter's) never take the Gluon kernel, whatever the shapes."""
     inp = make([300, 64], 1, 32, 576, 64, torch.bfloat16, torch.bfloat16, "cpu")
     q = inp["q"]
-    assert not mla_gluon.usable(q, q[..., 512:], inp["cache"], 512, 32, 64, True)
+    assert not mla_gluon.usable(q, q[..., 512:], inp["cache"], 512, 64, True)
+
+
+def test_default_row_tiles(monkeypatch):
+    """The fewest row tiles of BLOCK_HS for a sequence's Q * H query rows: 16 / 32 when they fit, else 64 (two
+    warpgroups), or 32 with WIDE_ROWS off."""
+    assert [mla_gluon.default_block_h(r) for r in (1, 12, 16, 17, 24, 32, 33, 64, 96, 128)] == [
+        16, 16, 16, 32, 32, 32, 64, 64, 64, 64]
+    monkeypatch.setattr(mla_gluon, "WIDE_ROWS", False)
+    assert [mla_gluon.default_block_h(r) for r in (12, 32, 96)] == [16, 32, 32]
 
 
 class _Spy:
@@ -78,19 +87,22 @@ def _both(monkeypatch, fn):
 @pytest.mark.gpu
 @needs_cuda
 @needs_hopper_gluon
-@pytest.mark.parametrize("Q, H", [(1, 32), (1, 16), (1, 12), (1, 96), (4, 32), (2, 12)])
+@pytest.mark.parametrize("Q, H", [(1, 32), (1, 16), (1, 12), (1, 96), (1, 64), (4, 32), (2, 12)])
 @pytest.mark.parametrize("kv_lens", [MIXED * 4, [4096] * 64, [1, 0, 777, 3000, 65, 4097, 0], [65536]])
 @pytest.mark.parametrize("max_splits", [None, 1, 7])
 def test_equals_triton_kernel_gpu(monkeypatch, Q, H, kv_lens, max_splits):
     """Decode (Q 1) and verify (Q > 1, causal), Kimi-Linear's 32 heads, 16, and K3's 12 (a TP8 rank: a 16-row
-    tile with 4 masked rows) and 96 (3 tiles); Q 2 x H 12 = 24 rows: a masked second tile."""
+    tile with 4 masked rows) and 96 (two 64-row tiles of two warpgroups, the second half masked); Q 2 x H 12 = 24
+    rows: a masked 32-row tile; 4 x 32 and 64: 64-row tiles. Both kernels get the same split count (the Gluon
+    kernel's default row tile can be wider, which changes the default), so the same plan: outputs bit-equal."""
     inp = make(kv_lens, Q, H, REAL["Dl"], 64, torch.bfloat16, torch.bfloat16, "cuda", seed=len(kv_lens) + H)
     scale = 576 ** -0.5
+    ms = max_splits or mod.default_max_splits(len(kv_lens), Q * H, block_h=mla_gluon.default_block_h(Q * H))
 
     def run():
         out = torch.full((len(kv_lens), Q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
         return mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, out=out,
-                              max_splits=max_splits)
+                              max_splits=ms)
 
     want, got = _both(monkeypatch, run)
     assert rel_err(got, reference(inp, scale, 512)) < 1e-2

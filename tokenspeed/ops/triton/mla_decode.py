@@ -533,20 +533,24 @@ def mla_decode(
     if N == 0 or QN * H == 0:
         return out
     qh = QN * H
-    bh = BLOCK_H or default_block_h(qh)
+    qr = q[..., v_dim:] if q_rope is None else q_rope
+    gluon = km and _gluon.usable(q, qr, cache, v_dim, BLOCK_N, balanced)  # Hopper: explicit async copies
+    bh = BLOCK_H or (_gluon.default_block_h(qh) if gluon else default_block_h(qh))
+    gluon = gluon and bh in _gluon.BLOCK_HS
     ms = int(max_splits) if max_splits is not None else default_max_splits(N, qh, block_h=bh)
     mc = _check_launch(bh, BLOCK_N, ms, N, min_chunk)
-    qr = q[..., v_dim:] if q_rope is None else q_rope
     _launch(q, qr, cache, page_table, kv_lens, out, scale, kv_scale, ms, mc, balanced, bh, BLOCK_N, num_warps,
-            num_stages, v_dim, w_uv, km)
+            num_stages, v_dim, w_uv, km, gluon)
     return out
 
 
 def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, out: Tensor, scale: float,
             kv_scale: float, ms: int, min_chunk: int, balanced: bool, bh: int, block_n: int, num_warps: int | None,
-            num_stages: int, v_dim: int, w_uv: Tensor | None = None, keys_major: bool = False) -> None:
-    """The split kernel, then (max_splits > 1) the combine kernel, over validated arguments. With w_uv every
-    split writes partials and the W_UV combine always runs (it also writes the padding sequences' zeros)."""
+            num_stages: int, v_dim: int, w_uv: Tensor | None = None, keys_major: bool = False,
+            gluon: bool = False) -> None:
+    """The split kernel (gluon: `mla_gluon`'s), then (max_splits > 1) the combine kernel, over validated
+    arguments. With w_uv every split writes partials and the W_UV combine always runs (it also writes the padding
+    sequences' zeros)."""
     N, QN, H = q.shape[:3]
     qh = QN * H
     uv = w_uv is not None
@@ -558,7 +562,7 @@ def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: T
     block_seq = plan_block_seq(N) if balanced else 1  # the uniform plan reads only its own kv_len
     use_pdl = pdl.enabled(q.device, "mla")
     launch = pdl.launch_kwargs(q.device, "mla")
-    if keys_major and _gluon.usable(q, qr, cache, v_dim, bh, block_n, balanced):  # Hopper: explicit async copies
+    if gluon:
         _gluon.launch(q, qr, cache, page_table, kv_lens, out, part, lse, ms, min_chunk,
                       float(scale) * float(kv_scale) * LOG2E, float(kv_scale), bh, block_seq, uv,
                       pdl.kernel_kwargs(q.device, "mla"))

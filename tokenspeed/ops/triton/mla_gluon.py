@@ -1,7 +1,7 @@
 """The MLA split kernel in Gluon for Hopper (sm_90): `mla_decode`'s decode path over a bf16 cache.
 
 Same outputs as `mla_decode._mla_split_kernel` for the cases `usable` accepts (uniform decode or verify, the
-balanced plan, 64-key tiles inside one page, 16- or 32-row query tiles): single-split sequences write their
+balanced plan, 64-key tiles inside one page, 16-, 32- or 64-row query tiles): single-split sequences write their
 normalised output rows to O directly, the others fp32 partials and log2 LSEs at the plan's workspace rows, so
 `mla_decode`'s combine kernels (plain or W_UV) merge them unchanged. Bit-identical to the Triton keys-major kernel
 on the H200 at one query token (`benchmarks/mla_gluon_h200.py`, tests/ops/test_triton_mla_gluon.py).
@@ -57,7 +57,12 @@ ENV = "TOKENSPEED_MLA_GLUON"
 # Triton kernel.
 TRITON_VERSIONS = ("3.6",)
 BLOCK_N = 64  # keys per tile (the wgmma M); the plan rounds its chunks to it, so tiles never straddle a page
-BLOCK_HS = (16, 32)  # query rows per program (the wgmma N): the accumulator [DV, 32] fp32 is 128 registers a thread
+# Query rows per program (the wgmma N): one warpgroup (4 warps) up to 32 rows (the accumulator [DV, 32] fp32 is 128
+# registers a thread), two for 64 (each owning 32 rows; shared memory 230,400 B of 232,448).
+BLOCK_HS = (16, 32, 64)
+# Whether `default_block_h` takes 64-row tiles for more than 32 query rows per sequence (verify, 64+ heads): one
+# program per SM fits beside the key buffers, so fewer, wider row tiles mean fewer waves. Else 32-row tiles.
+WIDE_ROWS = True
 # Verify steps (several query tokens per sequence) too; decode (one) always.
 VERIFY = True
 DV, DR = 512, 64  # latent (kv_lora_rank) and rope widths: Kimi-Linear's and K3's
@@ -71,11 +76,19 @@ def enabled() -> bool:
     return v == "1" if v else ENABLED
 
 
-def usable(q: Tensor, qr: Tensor, cache: Tensor, v_dim: int, block_h: int, block_n: int, balanced: bool) -> bool:
-    """Whether `launch` serves this `mla_decode` call: Gluon of TRITON_VERSIONS and `enabled()`, an sm_90 GPU,
-    q [N, Q, H, >= v_dim] / qr [N, Q, H, DR] / cache bf16 with unit last strides and contiguous cache rows, Q 1
-    (or VERIFY), v_dim == DV, cache rows DV + DR wide, pages a multiple of BLOCK_N, block_h in BLOCK_HS, the
-    balanced plan with BLOCK_N keys."""
+def default_block_h(q_rows: int) -> int:
+    """Query rows per program for q_rows = Q * H rows a sequence: 16 or 32 when they fit, else 64 (WIDE_ROWS) or
+    32."""
+    if q_rows <= 32:
+        return 16 if q_rows <= 16 else 32
+    return 64 if WIDE_ROWS else 32
+
+
+def usable(q: Tensor, qr: Tensor, cache: Tensor, v_dim: int, block_n: int, balanced: bool) -> bool:
+    """Whether `launch` can serve this `mla_decode` call (with a row tile of BLOCK_HS): Gluon of TRITON_VERSIONS
+    and `enabled()`, an sm_90 GPU, q [N, Q, H, >= v_dim] / qr [N, Q, H, DR] / cache bf16 with unit last strides
+    and contiguous cache rows, Q 1 (or VERIFY), v_dim == DV, cache rows DV + DR wide, pages a multiple of
+    BLOCK_N, the balanced plan with BLOCK_N keys."""
     if gluon is None or not q.is_cuda or not enabled() or triton.__version__.rsplit(".", 1)[0] not in TRITON_VERSIONS:
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):  # wgmma + this layout: Hopper only
@@ -84,7 +97,7 @@ def usable(q: Tensor, qr: Tensor, cache: Tensor, v_dim: int, block_h: int, block
     shapes = ((q.shape[1] == 1 or VERIFY) and v_dim == DV and q.shape[3] >= DV and qr.shape[-1] == DR
               and cache.shape[-1] == DV + DR and cache.shape[1] % BLOCK_N == 0)
     strides = q.stride(-1) == 1 and qr.stride(-1) == 1 and cache.stride(2) == 1 and cache.stride(1) == DV + DR
-    return bool(bf16 and shapes and strides and balanced and block_n == BLOCK_N and block_h in BLOCK_HS)
+    return bool(bf16 and shapes and strides and balanced and block_n == BLOCK_N)
 
 
 def launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, out: Tensor, part: Tensor,
@@ -98,7 +111,7 @@ def launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Te
         cache, cache.stride(0), page_table, page_table.stride(0), kv_lens,
         out, part, lse, N, max_splits, min_chunk, sm_scale_log2, kv_scale,
         QN=QN, H=H, PAGE=cache.shape[1], DV=DV, ROW=DV + DR, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_SEQ=block_seq,
-        ALL_PARTIAL=all_partial, num_warps=4, **pdl_kwargs)
+        ALL_PARTIAL=all_partial, num_warps=4 * triton.cdiv(block_h, 32), **pdl_kwargs)
 
 
 if gluon is not None:
@@ -262,16 +275,19 @@ if gluon is not None:
         DR: gl.constexpr = ROW - DV
         QH: gl.constexpr = QN * H
         EVEN: gl.constexpr = QH % BLOCK_H == 0
-        # 4 warps = one warpgroup
-        LKV: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])      # [BLOCK_N, DV] tile copies
-        LKR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])       # [BLOCK_N, DR]
-        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])       # [BLOCK_H, DV] / [., DR] queries
-        LSEQ: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])                 # the plan's [BLOCK_SEQ] vectors
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BLOCK_H, 16])
+        # One warpgroup (4 warps) per 32 rows, at least one: with two, each owns half of the rows (the dots' N) and
+        # both read the same key buffers.
+        WG: gl.constexpr = (BLOCK_H + 31) // 32
+        NW: gl.constexpr = 4 * WG
+        LKV: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])     # [BLOCK_N, DV] tile copies
+        LKR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])      # [BLOCK_N, DR]
+        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])      # [BLOCK_H, DV] / [., DR] queries
+        LSEQ: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])                # the plan's [BLOCK_SEQ] vectors
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, BLOCK_H // WG, 16])
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         SH_P: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BLOCK_H, element_bitwidth=16, rank=2)
-        LOUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])     # [DV, BLOCK_H] fp32, d fastest
+        LOUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, NW], [0, 1])    # [DV, BLOCK_H] fp32, d fastest
 
         row0 = gl.program_id(0) * BLOCK_H
         pid_s = gl.program_id(1)
