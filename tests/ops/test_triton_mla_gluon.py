@@ -4,7 +4,7 @@ and the torch reference.
 Checked on an sm_90 GPU with the Triton of `mla_gluon.TRITON_VERSIONS`: that the Gluon kernel is the one launched
 where `usable` allows; outputs bit-identical to the Triton keys-major kernel (the same plan, row tiles, tile order
 and roundings) and within bf16 tolerance of `mla_attention_paged`, over decode and verify (causal), 12 / 16 / 32 /
-64 / 96 heads (masked row tiles; 64-row tiles of two warpgroups), mixed histories, padding sequences, lengths that end mid-tile (the cache rows past
+64 / 96 heads (masked row tiles; 64-row tiles of two warpgroups from 16 sequences on), mixed histories, padding sequences, lengths that end mid-tile (the cache rows past
 them are NaN: masked copies must zero-fill), one and many splits, kv_scale, the W_UV combine (every split writes
 partials) and CUDA-graph replay on new inputs with PDL on and off. On the CPU: the switch and the conditions under which mla_decode keeps its Triton kernel.
 """
@@ -50,12 +50,14 @@ def test_not_usable_off_cuda():
 
 
 def test_default_row_tiles(monkeypatch):
-    """The fewest row tiles of BLOCK_HS for a sequence's Q * H query rows: 16 / 32 when they fit, else 64 (two
-    warpgroups), or 32 with WIDE_ROWS off."""
-    assert [mla_gluon.default_block_h(r) for r in (1, 12, 16, 17, 24, 32, 33, 64, 96, 128)] == [
+    """A sequence's Q * H query rows: 16 / 32-row tiles when they fit, else 64 (two warpgroups) from WIDE_MIN_SEQS
+    sequences on, 32 below that or with WIDE_ROWS off."""
+    n = mla_gluon.WIDE_MIN_SEQS
+    assert [mla_gluon.default_block_h(r, n) for r in (1, 12, 16, 17, 24, 32, 33, 64, 96, 128)] == [
         16, 16, 16, 32, 32, 32, 64, 64, 64, 64]
+    assert [mla_gluon.default_block_h(r, n - 1) for r in (12, 32, 96, 128)] == [16, 32, 32, 32]
     monkeypatch.setattr(mla_gluon, "WIDE_ROWS", False)
-    assert [mla_gluon.default_block_h(r) for r in (12, 32, 96)] == [16, 32, 32]
+    assert [mla_gluon.default_block_h(r, 4 * n) for r in (12, 32, 96)] == [16, 32, 32]
 
 
 class _Spy:
@@ -92,12 +94,14 @@ def _both(monkeypatch, fn):
 @pytest.mark.parametrize("max_splits", [None, 1, 7])
 def test_equals_triton_kernel_gpu(monkeypatch, Q, H, kv_lens, max_splits):
     """Decode (Q 1) and verify (Q > 1, causal), Kimi-Linear's 32 heads, 16, and K3's 12 (a TP8 rank: a 16-row
-    tile with 4 masked rows) and 96 (two 64-row tiles of two warpgroups, the second half masked); Q 2 x H 12 = 24
-    rows: a masked 32-row tile; 4 x 32 and 64: 64-row tiles. Both kernels get the same split count (the Gluon
+    tile with 4 masked rows) and 96 (from 16 sequences, two 64-row tiles of two warpgroups, the second half masked;
+    else three of 32); Q 2 x H 12 = 24 rows: a masked 32-row tile; 4 x 32 and 64: 64-row tiles from 16 sequences.
+    Both kernels get the same split count (the Gluon
     kernel's default row tile can be wider, which changes the default), so the same plan: outputs bit-equal."""
     inp = make(kv_lens, Q, H, REAL["Dl"], 64, torch.bfloat16, torch.bfloat16, "cuda", seed=len(kv_lens) + H)
     scale = 576 ** -0.5
-    ms = max_splits or mod.default_max_splits(len(kv_lens), Q * H, block_h=mla_gluon.default_block_h(Q * H))
+    n = len(kv_lens)
+    ms = max_splits or mod.default_max_splits(n, Q * H, block_h=mla_gluon.default_block_h(Q * H, n))
 
     def run():
         out = torch.full((len(kv_lens), Q, H, 512), float("nan"), dtype=torch.bfloat16, device="cuda")

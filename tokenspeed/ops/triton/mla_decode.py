@@ -535,7 +535,7 @@ def mla_decode(
     qh = QN * H
     qr = q[..., v_dim:] if q_rope is None else q_rope
     gluon = km and _gluon.usable(q, qr, cache, v_dim, BLOCK_N, balanced)  # Hopper: explicit async copies
-    bh = BLOCK_H or (_gluon.default_block_h(qh) if gluon else default_block_h(qh))
+    bh = BLOCK_H or (_gluon.default_block_h(qh, N) if gluon else default_block_h(qh))
     gluon = gluon and bh in _gluon.BLOCK_HS
     ms = int(max_splits) if max_splits is not None else default_max_splits(N, qh, block_h=bh)
     mc = _check_launch(bh, BLOCK_N, ms, N, min_chunk)

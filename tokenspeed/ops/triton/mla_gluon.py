@@ -60,9 +60,15 @@ BLOCK_N = 64  # keys per tile (the wgmma M); the plan rounds its chunks to it, s
 # Query rows per program (the wgmma N): one warpgroup (4 warps) up to 32 rows (the accumulator [DV, 32] fp32 is 128
 # registers a thread), two for 64 (each owning 32 rows; shared memory 230,400 B of 232,448).
 BLOCK_HS = (16, 32, 64)
-# Whether `default_block_h` takes 64-row tiles for more than 32 query rows per sequence (verify, 64+ heads): one
-# program per SM fits beside the key buffers, so fewer, wider row tiles mean fewer waves. Else 32-row tiles.
+# Whether `default_block_h` takes 64-row tiles for more than 32 query rows per sequence (verify, 64+ heads) in batches
+# of at least WIDE_MIN_SEQS sequences: one program per SM fits beside the key buffers, so fewer, wider row tiles
+# mean fewer waves. H200, split + combine, cold L2, 64- vs 32-row tiles (results/mla_gluon_h200_9281f30.json): verify
+# (4 tokens x 32 heads) batch 16 / 32K 453 vs 583 us, batch 64 / 4K 274 vs 298; K3's 96 heads batch 16 / 32K 447
+# vs 577, batch 64 / 4K 263 vs 302; 4 x 12 heads batch 16 / 32K 246 vs 297. But verify at batch 1 / 4K 39.3 vs
+# 23.8 us: the wider tile halves the row tiles, so `default_max_splits` doubles the splits (66 of 64 keys) and the
+# fp32 partials (2 KB a row a split) outweigh the cache. Batches of 2-15 were not timed: 32-row tiles there.
 WIDE_ROWS = True
+WIDE_MIN_SEQS = 16
 # Verify steps (several query tokens per sequence) too; decode (one) always.
 VERIFY = True
 DV, DR = 512, 64  # latent (kv_lora_rank) and rope widths: Kimi-Linear's and K3's
@@ -76,12 +82,12 @@ def enabled() -> bool:
     return v == "1" if v else ENABLED
 
 
-def default_block_h(q_rows: int) -> int:
-    """Query rows per program for q_rows = Q * H rows a sequence: 16 or 32 when they fit, else 64 (WIDE_ROWS) or
-    32."""
+def default_block_h(q_rows: int, num_seqs: int) -> int:
+    """Query rows per program for q_rows = Q * H rows a sequence in a batch of num_seqs: 16 or 32 when they fit,
+    else 64 (WIDE_ROWS and num_seqs >= WIDE_MIN_SEQS) or 32."""
     if q_rows <= 32:
         return 16 if q_rows <= 16 else 32
-    return 64 if WIDE_ROWS else 32
+    return 64 if WIDE_ROWS and num_seqs >= WIDE_MIN_SEQS else 32
 
 
 def usable(q: Tensor, qr: Tensor, cache: Tensor, v_dim: int, block_n: int, balanced: bool) -> bool:
