@@ -68,10 +68,10 @@ HBM = 4.27e12  # bytes/s
 H, DL, V, PAGE = 32, 576, 512, 64
 
 
-def make_case(kv_lens, Q, dtype, device, seed=0, heads=H):
+def make_case(kv_lens, Q, dtype, device, seed=0, heads=H, page=PAGE):
     g = torch.Generator(device="cpu").manual_seed(seed)
     N = len(kv_lens)
-    pages = [-(-k // PAGE) for k in kv_lens]
+    pages = [-(-k // page) for k in kv_lens]
     W = max(pages)
     P = sum(pages)
     perm = torch.randperm(P, generator=g).to(torch.int32)
@@ -80,7 +80,7 @@ def make_case(kv_lens, Q, dtype, device, seed=0, heads=H):
     for n, np_ in enumerate(pages):
         table[n, :np_] = perm[off:off + np_]
         off += np_
-    cache = torch.randn(P, PAGE, DL, dtype=dtype, device=device)
+    cache = torch.randn(P, page, DL, dtype=dtype, device=device)
     q = torch.randn(N, Q, heads, DL, dtype=dtype, device=device)
     return q, cache, table.to(device), torch.tensor(kv_lens, dtype=torch.int64, device=device)
 

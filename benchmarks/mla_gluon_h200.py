@@ -50,7 +50,7 @@ CASES += [("verify4_b16_32k", [32768] * 16, 4, H), ("verify4_b1_4k", [4096], 4, 
 
 
 def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False, use_pdl: bool = True, qn: int = 1,
-                 block_h: int = 32) -> dict:
+                 block_h: int = 32, page: int = PAGE) -> dict:
     """Compile the Gluon split kernel for sm_90 without a GPU (`sm90_compile`'s target and Triton's own ptxas /
     cuobjdump): shared memory, registers, spill stack and main-loop instructions / spill reloads."""
     from sm90_compile import TARGET, cubin_usage, loop_usage
@@ -60,7 +60,7 @@ def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False,
     ptrs = {"Qp": "*bf16", "QR": "*bf16", "CACHE": "*bf16", "PT": "*i32", "KV_LENS": "*i64", "O": "*bf16",
             "PART": "*fp32", "LSE": "*fp32"}
     strides = ("stride_qn", "stride_qj", "stride_qh", "stride_rn", "stride_rj", "stride_rh", "stride_cp")
-    consts = {"QN": qn, "H": heads, "PAGE": PAGE, "DV": V, "ROW": DL, "BLOCK_H": block_h, "BLOCK_N": mla_gluon.BLOCK_N,
+    consts = {"QN": qn, "H": heads, "PAGE": page, "DV": V, "ROW": DL, "BLOCK_H": block_h, "BLOCK_N": mla_gluon.BLOCK_N,
               "BLOCK_SEQ": block_seq, "ALL_PARTIAL": all_partial, "PDL": use_pdl}
     sig = {**ptrs, **dict.fromkeys(strides, "i64"), "stride_pt": "i64", "N": "i32", "MAX_SPLITS": "i32", "min_chunk": "i32",
            "sm_scale_log2": "fp32", "kv_scale": "fp32", **dict.fromkeys(consts, "constexpr")}
@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/mla_gluon_h200.json")
     ap.add_argument("--compile-sm90", action="store_true", help="only compile for sm_90 (no GPU) and report")
     ap.add_argument("--cases", default="", help="comma list of substrings: only the cases whose name has one")
+    ap.add_argument("--page", type=int, default=PAGE,
+                    help="cache page size; not a multiple of 64 turns mla_gluon.SMALL_PAGES on (a page per key row)")
     args = ap.parse_args()
     if args.compile_sm90:
         variants = {"decode H32": {}, "decode H32 BLOCK_SEQ 64": {"block_seq": 64},
@@ -84,16 +86,18 @@ def main() -> None:
                     "decode H12 (K3 TP8)": {"heads": 12, "block_h": 16}, "decode H96 (K3)": {"heads": 96},
                     "verify Q4 H32": {"qn": 4}, "verify Q4 H12": {"qn": 4, "heads": 12, "block_h": 16},
                     "verify Q4 H32, 64 rows": {"qn": 4, "block_h": 64}, "decode H96, 64 rows": {"heads": 96, "block_h": 64},
-                    "decode H64, 64 rows": {"heads": 64, "block_h": 64}}
+                    "decode H64, 64 rows": {"heads": 64, "block_h": 64}, "decode H32, page 16": {"page": 16},
+                    "verify Q4 H32, 64 rows, page 16": {"qn": 4, "block_h": 64, "page": 16}}
         for name, kw in variants.items():
             print(f"{name}: {compile_sm90(**kw)}")
         return
     t0, rows = time.time(), []
     picks = [c for c in args.cases.split(",") if c]
+    mla_gluon.SMALL_PAGES = args.page % mla_gluon.BLOCK_N != 0
     for name, lens, qn, heads in CASES:
         if picks and not any(p in name for p in picks):
             continue
-        q, cache, table, kv = make_case(lens, qn, torch.bfloat16, "cuda", heads=heads)
+        q, cache, table, kv = make_case(lens, qn, torch.bfloat16, "cuda", heads=heads, page=args.page)
         scale = DL ** -0.5
         row = {"case": name, "batch": len(lens), "ctx": max(lens), "q_len": qn, "heads": heads}
         try:
@@ -120,7 +124,7 @@ def main() -> None:
               f"({100 * (row['gluon_hbm'] or 0):4.1f}%)"
               + (f"  gluon 32-row tiles {row['gluon32_us']:8.2f} us" if "gluon32_us" in row else ""), flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": os.environ.get("BENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
+            "commit": os.environ.get("BENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"), "page": args.page,
             "timing": "CUDA graph of 20 calls after 256 MiB memsets, memsets subtracted, median of 10",
             "wall_s": time.time() - t0}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -3,7 +3,8 @@
 # mla_decode, balanced vs uniform splits with UNIFORM_PLAN off / on, the key-loop forms, the MLA GPU tests (kernel
 # parity, Gluon == Triton, UNIFORM_PLAN bit-equality, CUDA graphs), the model's CUDA-graph tests, the decode sweep
 # with the Gluon kernel off then on. Expects $OUT; logs each part there (at most 8 files come back).
-#   bash benchmarks/mla_round_h200.sh "gluon plan loops tests models decode"      (any subset)
+# "pages": the Gluon kernel over page-16 caches (mla_gluon.SMALL_PAGES), its GPU tests and timing.
+#   bash benchmarks/mla_round_h200.sh "gluon pages plan loops tests models decode"      (any subset)
 set -u
 parts=" ${1:-gluon plan loops tests} "
 source benchmarks/gpu_env.sh
@@ -12,6 +13,13 @@ export PYTHONPATH=$PYTHONPATH:benchmarks
 if has gluon; then
   timeout 150 python3 benchmarks/mla_gluon_h200.py --out "$OUT/mla_gluon_h200.json" 2>&1 | tee "$OUT/mla_gluon.log" \
     | tail -14
+fi
+if has pages; then  # mla_gluon.SMALL_PAGES (page 16, a page per key row): tests first, then timing
+  timeout -s INT ${PAGES_TIMEOUT:-200} python3 -m pytest -rfE --tb=short -p no:cacheprovider \
+    tests/ops/test_triton_mla_gluon.py -k small_pages > "$OUT/gpu_tests_pages.log" 2>&1
+  tail -4 "$OUT/gpu_tests_pages.log"
+  timeout 150 python3 benchmarks/mla_gluon_h200.py --page 16 --out "$OUT/mla_gluon_h200_page16.json" 2>&1 \
+    | tee "$OUT/mla_gluon_page16.log" | tail -20
 fi
 if has plan; then
   for u in "" --uniform-plan; do

@@ -4,9 +4,11 @@ and the torch reference.
 Checked on an sm_90 GPU with the Triton of `mla_gluon.TRITON_VERSIONS`: that the Gluon kernel is the one launched
 where `usable` allows; outputs bit-identical to the Triton keys-major kernel (the same plan, row tiles, tile order
 and roundings) and within bf16 tolerance of `mla_attention_paged`, over decode and verify (causal), 12 / 16 / 32 /
-64 / 96 heads (masked row tiles; 64-row tiles of two warpgroups from 16 sequences on), mixed histories, padding sequences, lengths that end mid-tile (the cache rows past
-them are NaN: masked copies must zero-fill), one and many splits, kv_scale, the W_UV combine (every split writes
-partials) and CUDA-graph replay on new inputs with PDL on and off. On the CPU: the switch and the conditions under which mla_decode keeps its Triton kernel.
+64 / 96 heads (masked row tiles; 64-row tiles of two warpgroups from 16 sequences on), mixed histories, padding
+sequences, lengths that end mid-tile (the cache rows past them are NaN: masked copies must zero-fill), one and many
+splits, kv_scale, the W_UV combine (every split writes partials), caches with pages smaller than the key tile
+(SMALL_PAGES) and CUDA-graph replay on new inputs with PDL on and off.
+On the CPU: the switch and the conditions under which mla_decode keeps its Triton kernel.
 """
 
 from __future__ import annotations
@@ -114,6 +116,27 @@ def test_equals_triton_kernel_gpu(monkeypatch, Q, H, kv_lens, max_splits):
     for n, k in enumerate(kv_lens):
         if k <= 0:
             assert torch.equal(got[n], torch.zeros_like(got[n]))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_hopper_gluon
+@pytest.mark.parametrize("page_size", [16, 32, 48])
+@pytest.mark.parametrize("Q, H", [(1, 32), (4, 32), (1, 12)])
+def test_small_pages_equal_triton_kernel_gpu(monkeypatch, page_size, Q, H):
+    """SMALL_PAGES: pages that are not a multiple of the 64-key tile (the engine's default 16; 48: tiles that
+    straddle page boundaries anywhere), a page-table entry per key row; equal to the Triton kernel (which reads
+    such caches row by row too) and within tolerance of the reference, at 16 and 64 sequences and ragged ends."""
+    monkeypatch.setattr(mla_gluon, "SMALL_PAGES", True)
+    scale = 576 ** -0.5
+    for kv_lens in (MIXED * 4, [4096] * 64, [1, 0, 777, 3000, 65, 4097, 0]):
+        inp = make(kv_lens, Q, H, REAL["Dl"], page_size, torch.bfloat16, torch.bfloat16, "cuda", seed=page_size)
+        n = len(kv_lens)
+        ms = mod.default_max_splits(n, Q * H, block_h=mla_gluon.default_block_h(Q * H, n))
+        want, got = _both(monkeypatch, lambda inp=inp, ms=ms: mod.mla_decode(
+            inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, max_splits=ms))
+        assert rel_err(got, reference(inp, scale, 512)) < 1e-2
+        assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """The MLA split kernel in Gluon for Hopper (sm_90): `mla_decode`'s decode path over a bf16 cache.
 
 Same outputs as `mla_decode._mla_split_kernel` for the cases `usable` accepts (uniform decode or verify, the
-balanced plan, 64-key tiles inside one page, 16-, 32- or 64-row query tiles): single-split sequences write their
+balanced plan, 64-key tiles, 16-, 32- or 64-row query tiles): single-split sequences write their
 normalised output rows to O directly, the others fp32 partials and log2 LSEs at the plan's workspace rows, so
 `mla_decode`'s combine kernels (plain or W_UV) merge them unchanged. Bit-identical to the Triton keys-major kernel
 on the H200 at one query token (`benchmarks/mla_gluon_h200.py`, tests/ops/test_triton_mla_gluon.py).
@@ -72,6 +72,11 @@ WIDE_MIN_SEQS = 16
 # Verify steps (several query tokens per sequence) too; decode (one) always.
 VERIFY = True
 DV, DR = 512, 64  # latent (kv_lora_rank) and rope widths: Kimi-Linear's and K3's
+# Caches whose page size is not a multiple of BLOCK_N (the engine's default page is 16): each key row of a tile
+# then comes from its own page-table entry (read one tile ahead as the single page is). Compiled for sm_90 (page 16:
+# 1139 instructions per 64-key iteration against 901, no spill reloads; `mla_gluon_h200.py --compile-sm90`) but
+# not yet run on a GPU: off until tests/ops/test_triton_mla_gluon.py's small-page test has passed there.
+SMALL_PAGES = False
 
 
 def enabled() -> bool:
@@ -94,14 +99,14 @@ def usable(q: Tensor, qr: Tensor, cache: Tensor, v_dim: int, block_n: int, balan
     """Whether `launch` can serve this `mla_decode` call (with a row tile of BLOCK_HS): Gluon of TRITON_VERSIONS
     and `enabled()`, an sm_90 GPU, q [N, Q, H, >= v_dim] / qr [N, Q, H, DR] / cache bf16 with unit last strides
     and contiguous cache rows, Q 1 (or VERIFY), v_dim == DV, cache rows DV + DR wide, pages a multiple of
-    BLOCK_N, the balanced plan with BLOCK_N keys."""
+    BLOCK_N (or SMALL_PAGES), the balanced plan with BLOCK_N keys."""
     if gluon is None or not q.is_cuda or not enabled() or triton.__version__.rsplit(".", 1)[0] not in TRITON_VERSIONS:
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):  # wgmma + this layout: Hopper only
         return False
     bf16 = q.dtype == qr.dtype == cache.dtype == torch.bfloat16
     shapes = ((q.shape[1] == 1 or VERIFY) and v_dim == DV and q.shape[3] >= DV and qr.shape[-1] == DR
-              and cache.shape[-1] == DV + DR and cache.shape[1] % BLOCK_N == 0)
+              and cache.shape[-1] == DV + DR and (cache.shape[1] % BLOCK_N == 0 or SMALL_PAGES))
     strides = q.stride(-1) == 1 and qr.stride(-1) == 1 and cache.stride(2) == 1 and cache.stride(1) == DV + DR
     return bool(bf16 and shapes and strides and balanced and block_n == BLOCK_N)
 
@@ -142,18 +147,40 @@ if gluon is not None:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _issue_tile(kv_bufs, kr_bufs, buf, CACHE, page, stride_cp, k0, hi, PAGE: gl.constexpr, DV: gl.constexpr,
+    def _tile_pages(pt_row, k0, hi, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, LKV: gl.constexpr,
+                    LKR: gl.constexpr):
+        """The pages of keys k0 .. k0 + BLOCK_N - 1 (0 past hi) for `_issue_tile`, as int64: one scalar, twice,
+        when PAGE is a multiple of BLOCK_N (the plan starts every split at a multiple of BLOCK_N, so a tile lies in
+        one page), else one per key row, in the row layouts of the latent and of the rope copies."""
+        if PAGE % BLOCK_N == 0:
+            page = gl.load(pt_row + k0 // PAGE, mask=k0 < hi, other=0).to(gl.int64)
+            return page, page
+        else:
+            r_kv = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LKV))
+            r_kr = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LKR))
+            return (gl.load(pt_row + r_kv // PAGE, mask=r_kv < hi, other=0).to(gl.int64),
+                    gl.load(pt_row + r_kr // PAGE, mask=r_kr < hi, other=0).to(gl.int64))
+
+    @gluon.jit
+    def _issue_tile(kv_bufs, kr_bufs, buf, CACHE, pages, stride_cp, k0, hi, PAGE: gl.constexpr, DV: gl.constexpr,
                     ROW: gl.constexpr, BLOCK_N: gl.constexpr, LKV: gl.constexpr, LKR: gl.constexpr):
-        """cp.async of keys k0 .. k0 + BLOCK_N - 1 of page `page` into buffer `buf` (rows from hi on zero-filled);
-        one commit group."""
+        """cp.async of keys k0 .. k0 + BLOCK_N - 1 (pages: `_tile_pages`) into buffer `buf` (rows from hi on
+        zero-filled); one commit group."""
+        p_kv, p_kr = pages
         r_kv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LKV))
         c_kv = gl.arange(0, DV, layout=gl.SliceLayout(0, LKV))
-        base = CACHE + page * stride_cp + (k0 % PAGE) * ROW
-        cp.async_copy_global_to_shared(kv_bufs.index(buf), base + (r_kv * ROW)[:, None] + c_kv[None, :],
-                                       mask=(k0 + r_kv < hi)[:, None])
         r_kr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LKR))
         c_kr = gl.arange(0, ROW - DV, layout=gl.SliceLayout(0, LKR))
-        cp.async_copy_global_to_shared(kr_bufs.index(buf), base + DV + (r_kr * ROW)[:, None] + c_kr[None, :],
+        if PAGE % BLOCK_N == 0:  # one page: compile-time row offsets from its base
+            base = CACHE + p_kv * stride_cp + (k0 % PAGE) * ROW
+            rows_kv = base + r_kv * ROW
+            rows_kr = base + DV + r_kr * ROW
+        else:  # a page per row
+            rows_kv = CACHE + p_kv * stride_cp + ((k0 + r_kv) % PAGE) * ROW
+            rows_kr = CACHE + DV + p_kr * stride_cp + ((k0 + r_kr) % PAGE) * ROW
+        cp.async_copy_global_to_shared(kv_bufs.index(buf), rows_kv[:, None] + c_kv[None, :],
+                                       mask=(k0 + r_kv < hi)[:, None])
+        cp.async_copy_global_to_shared(kr_bufs.index(buf), rows_kr[:, None] + c_kr[None, :],
                                        mask=(k0 + r_kr < hi)[:, None])
         cp.commit_group()
 
@@ -190,9 +217,9 @@ if gluon is not None:
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
         l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, MMA))
         acc_t = gl.zeros([DV, BLOCK_H], gl.float32, MMA)
-        page = gl.load(pt_row + lo // PAGE).to(gl.int64)
-        _issue_tile(kv_bufs, kr_bufs, 0, CACHE, page, stride_cp, lo, hi, PAGE, DV, ROW, BLOCK_N, LKV, LKR)
-        page_next = gl.load(pt_row + (lo + BLOCK_N) // PAGE, mask=lo + BLOCK_N < hi, other=0).to(gl.int64)
+        _issue_tile(kv_bufs, kr_bufs, 0, CACHE, _tile_pages(pt_row, lo, hi, PAGE, BLOCK_N, LKV, LKR), stride_cp,
+                    lo, hi, PAGE, DV, ROW, BLOCK_N, LKV, LKR)
+        page_next = _tile_pages(pt_row, lo + BLOCK_N, hi, PAGE, BLOCK_N, LKV, LKR)  # read one tile ahead
         for i in range((hi - lo + BLOCK_N - 1) // BLOCK_N):
             k0 = lo + i * BLOCK_N
             nxt = k0 + BLOCK_N
@@ -202,8 +229,7 @@ if gluon is not None:
                 cp.wait_group(1)
             else:
                 cp.wait_group(0)
-            nxt2 = nxt + BLOCK_N
-            page_next = gl.load(pt_row + nxt2 // PAGE, mask=nxt2 < hi, other=0).to(gl.int64)
+            page_next = _tile_pages(pt_row, nxt + BLOCK_N, hi, PAGE, BLOCK_N, LKV, LKR)
             fence_async_shared()  # this thread's cp.async writes, visible to wgmma's async proxy ...
             gl.thread_barrier()  # ... and every thread's
             kv_s = kv_bufs.index(i % 2)
