@@ -51,6 +51,13 @@ that fits a page (PAGE % BLOCK_N == 0; splits start at multiples of BLOCK_N) is 
 entry with compile-time row offsets (`mla_flash._kv_tile`'s ROW). benchmarks/mla_compile_sm90.py compiles every variant
 for sm_90 offline.
 
+On Hopper, uniform batches over a bf16 cache with 512 + 64 columns and the balanced plan take a Gluon split
+kernel instead (`tokenspeed.ops.triton.mla_gluon`: explicit cp.async double buffering, wgmma keys-major, 16-,
+32- or 64-row tiles; pages a multiple of 64 unless `mla_gluon.SMALL_PAGES`). It writes this split kernel's
+outputs bit for bit, so the combines below are shared; num_warps / num_stages do not apply to it, and its row
+tile (`mla_gluon.default_block_h`) can be wider, which feeds `default_max_splits`. `TOKENSPEED_MLA_GLUON=0` or
+`mla_gluon.ENABLED = False` keeps every call on this module's kernel.
+
 Split policy (the two knobs; module constants read at call time, keyword arguments per call): max_splits
 defaults to `default_max_splits` (a grid of DEFAULT_WAVES x 132 programs) and min_chunk to MIN_CHUNK. Every split
 of more than one writes Q*H*v_dim*4 bytes of partials that the combine reads back (64 KB per split at Q*H = 32,
