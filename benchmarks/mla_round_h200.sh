@@ -39,7 +39,7 @@ if has tests; then
 fi
 if has models; then
   timeout -s INT ${MODELS_TIMEOUT:-240} python3 -m pytest -rfE --tb=short -p no:cacheprovider \
-    tests/executor/test_cuda_graphs.py -k "graphs or gpu" >> "$OUT/gpu_tests.log" 2>&1
+    tests/executor/test_cuda_graphs.py -k "graphs or gpu" >> "$OUT/gpu_tests.log" 2>&1  # incl. the Gluon model test
   tail -4 "$OUT/gpu_tests.log"
 fi
 if has decode; then  # the Triton split kernel, then the Gluon one where it applies (the default)

@@ -3,7 +3,8 @@
 The GPU tests use a tiny-k3 checkpoint in fp32 (KDA head dim 16, inside the fused kernel's region), so a token can
 only differ through a bug, not through bf16 rounding: graphs vs eager on the GPU, and GPU vs the CPU reference path,
 for a mixed batch whose requests finish at different steps (the graph bucket shrinks and pads as they leave). The
-default model (KDA head dim 48, a padded tile in the fused kernel) captures graphs too.
+default model (KDA head dim 48, a padded tile in the fused kernel) captures graphs too. A tiny Kimi-Linear with the
+real MLA widths serves in bf16 at page 64 with the Gluon MLA split kernel on and off: the same tokens.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def _greedy(model: str, device: str, **options) -> list[list[int]]:
     if device == "cuda":
         torch.cuda.empty_cache()
         options.setdefault("num_pages", GPU_PAGES)
-    llm = LLM(model, device=device, dtype="float32", max_num_seqs=8, **options)
+    options.setdefault("dtype", "float32")
+    llm = LLM(model, device=device, max_num_seqs=8, **options)
     params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     _release(llm)
@@ -153,6 +155,47 @@ def test_kimi_linear_graphs_equal_eager_and_cpu(tmp_path) -> None:
     tokens = _greedy(path, "cuda")
     assert tokens == _greedy(path, "cuda", enforce_eager=True)
     assert tokens == _greedy(path, "cpu")
+
+
+# A tiny Kimi-Linear with the real MLA latent (512 + 64 columns) and 32 heads: the shapes of the Gluon split kernel.
+REAL_MLA = {"num_attention_heads": 32, "num_key_value_heads": 32, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+
+def test_real_mla_widths_checkpoint_serves_on_cpu(tmp_path) -> None:
+    """The checkpoint the Gluon test below serves: `write_tiny_checkpoint`'s overrides reach the config, and the
+    model generates on the CPU reference path."""
+    path = write_tiny_checkpoint(tmp_path / "tiny-kimi-linear-mla", "tiny-kimi-linear", seed=3, overrides=REAL_MLA)
+    llm = LLM(str(path), device="cpu", page_size=64, cache_memory_gb=0.05)
+    cfg = llm.engine.runner.model.config
+    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads) == (512, 64, 32)
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+@needs_cuda
+def test_gluon_mla_in_the_served_model_gpu(tmp_path, monkeypatch) -> None:
+    """The served model with the real MLA widths, bf16, page 64, decode graphs (6 requests finishing one by one:
+    the fused W_UV path from 4 sequences, the plain combine below): the same greedy tokens with the Gluon split
+    kernel (TOKENSPEED_MLA_GLUON=1) as with the Triton one (=0), whose outputs it equals bit for bit; on an sm_90
+    GPU with Gluon of `mla_gluon.TRITON_VERSIONS`, the Gluon kernel is the one that ran."""
+    from tokenspeed.ops.triton import mla_gluon
+
+    path = str(write_tiny_checkpoint(tmp_path / "tiny-kimi-linear-mla", "tiny-kimi-linear", dtype=torch.bfloat16,
+                                     seed=3, overrides=REAL_MLA))
+    calls = []
+    real = mla_gluon.launch
+    monkeypatch.setattr(mla_gluon, "launch", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    tokens = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv(mla_gluon.ENV, on)
+        calls.clear()
+        tokens[on] = _greedy(path, "cuda", dtype="bfloat16", page_size=64)
+        if on == "0":
+            assert not calls
+    hopper = (torch.cuda.get_device_capability() == (9, 0) and mla_gluon.gluon is not None
+              and mla_gluon.triton.__version__.rsplit(".", 1)[0] in mla_gluon.TRITON_VERSIONS)
+    assert bool(calls) == hopper
+    assert tokens["1"] == tokens["0"]
 
 
 @needs_cuda

@@ -80,10 +80,14 @@ def write_tiny_checkpoint(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     num_shards: int = 1,
+    overrides: dict | None = None,
 ) -> Path:
-    """Write a random checkpoint of a preset (config.json + safetensors with the official names)."""
+    """Write a random checkpoint of a preset (config.json + safetensors with the official names); `overrides`:
+    top-level keys of the (text) config replaced first, e.g. a tiny model with the real MLA widths."""
     hf_config = preset_hf_config(preset)
-    (hf_config.get("text_config") or hf_config)["torch_dtype"] = dtype_name(dtype)
+    text = hf_config.get("text_config") or hf_config
+    text.update(overrides or {})
+    text["torch_dtype"] = dtype_name(dtype)
     net = KimiForCausalLM(parse_hf_config(hf_config), dtype=dtype)
     init_dummy_weights(net, seed)
     return save_checkpoint(net, hf_config, out_dir, checkpoint_prefix(net.config), num_shards)
