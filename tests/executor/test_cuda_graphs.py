@@ -192,9 +192,7 @@ def test_gluon_mla_in_the_served_model_gpu(tmp_path, monkeypatch) -> None:
         tokens[on] = _greedy(path, "cuda", dtype="bfloat16", page_size=64)
         if on == "0":
             assert not calls
-    hopper = (torch.cuda.get_device_capability() == (9, 0) and mla_gluon.gluon is not None
-              and mla_gluon.triton.__version__.rsplit(".", 1)[0] in mla_gluon.TRITON_VERSIONS)
-    assert bool(calls) == hopper
+    assert bool(calls) == mla_gluon._hopper(torch.device("cuda"))
     assert tokens["1"] == tokens["0"]
 
 

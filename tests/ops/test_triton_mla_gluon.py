@@ -21,15 +21,8 @@ from tests.ops.triton_env import needs_cuda, rel_err
 from tokenspeed.ops.triton import mla_decode as mod
 from tokenspeed.ops.triton import mla_gluon
 
-
-def _hopper_gluon() -> bool:
-    if not torch.cuda.is_available() or mla_gluon.gluon is None:
-        return False
-    return (torch.cuda.get_device_capability() == (9, 0)
-            and mla_gluon.triton.__version__.rsplit(".", 1)[0] in mla_gluon.TRITON_VERSIONS)
-
-
-needs_hopper_gluon = pytest.mark.skipif(not _hopper_gluon(), reason="needs an sm_90 GPU and Gluon of TRITON_VERSIONS")
+needs_hopper_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and mla_gluon._hopper(torch.device("cuda"))),
+                                        reason="needs an sm_90 GPU and Gluon of TRITON_VERSIONS")
 
 
 def test_switch_env_and_errors(monkeypatch):

@@ -95,14 +95,25 @@ def default_block_h(q_rows: int, num_seqs: int) -> int:
     return 64 if WIDE_ROWS and num_seqs >= WIDE_MIN_SEQS else 32
 
 
+_HOPPER: dict[int, bool] = {}
+
+
+def _hopper(device: torch.device) -> bool:
+    """Gluon of TRITON_VERSIONS importable and `device` an sm_90 GPU (wgmma and this kernel's layouts), cached."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _HOPPER.get(idx)
+    if ok is None:
+        ok = _HOPPER[idx] = (gluon is not None and triton.__version__.rsplit(".", 1)[0] in TRITON_VERSIONS
+                             and torch.cuda.get_device_capability(idx) == (9, 0))
+    return ok
+
+
 def usable(q: Tensor, qr: Tensor, cache: Tensor, v_dim: int, block_n: int, balanced: bool) -> bool:
     """Whether `launch` can serve this `mla_decode` call (with a row tile of BLOCK_HS): Gluon of TRITON_VERSIONS
     and `enabled()`, an sm_90 GPU, q [N, Q, H, >= v_dim] / qr [N, Q, H, DR] / cache bf16 with unit last strides
     and contiguous cache rows, Q 1 (or VERIFY), v_dim == DV, cache rows DV + DR wide, pages a multiple of
     BLOCK_N (or SMALL_PAGES), the balanced plan with BLOCK_N keys."""
-    if gluon is None or not q.is_cuda or not enabled() or triton.__version__.rsplit(".", 1)[0] not in TRITON_VERSIONS:
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):  # wgmma + this layout: Hopper only
+    if not (q.is_cuda and _hopper(q.device) and enabled()):
         return False
     bf16 = q.dtype == qr.dtype == cache.dtype == torch.bfloat16
     shapes = ((q.shape[1] == 1 or VERIFY) and v_dim == DV and q.shape[3] >= DV and qr.shape[-1] == DR
