@@ -68,7 +68,7 @@ HBM = 4.27e12  # bytes/s
 H, DL, V, PAGE = 32, 576, 512, 64
 
 
-def make_case(kv_lens, Q, dtype, device, seed=0, heads=H, page=PAGE):
+def make_case(kv_lens, Q, dtype, device, seed=0, heads=H, page=PAGE, cache_dtype=None):
     g = torch.Generator(device="cpu").manual_seed(seed)
     N = len(kv_lens)
     pages = [-(-k // page) for k in kv_lens]
@@ -80,7 +80,7 @@ def make_case(kv_lens, Q, dtype, device, seed=0, heads=H, page=PAGE):
     for n, np_ in enumerate(pages):
         table[n, :np_] = perm[off:off + np_]
         off += np_
-    cache = torch.randn(P, page, DL, dtype=dtype, device=device)
+    cache = torch.randn(P, page, DL, dtype=dtype, device=device).to(cache_dtype or dtype)
     q = torch.randn(N, Q, heads, DL, dtype=dtype, device=device)
     return q, cache, table.to(device), torch.tensor(kv_lens, dtype=torch.int64, device=device)
 

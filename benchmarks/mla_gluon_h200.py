@@ -50,18 +50,18 @@ CASES += [("verify4_b16_32k", [32768] * 16, 4, H), ("verify4_b1_4k", [4096], 4, 
 
 
 def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False, use_pdl: bool = True, qn: int = 1,
-                 block_h: int = 32, page: int = PAGE) -> dict:
+                 block_h: int = 32, page: int = PAGE, fp8: bool = False) -> dict:
     """Compile the Gluon split kernel for sm_90 without a GPU (`sm90_compile`'s target and Triton's own ptxas /
     cuobjdump): shared memory, registers, spill stack and main-loop instructions / spill reloads."""
     from sm90_compile import TARGET, cubin_usage, loop_usage
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = mla_gluon._mla_split_gluon_kernel
-    ptrs = {"Qp": "*bf16", "QR": "*bf16", "CACHE": "*bf16", "PT": "*i32", "KV_LENS": "*i64", "O": "*bf16",
+    ptrs = {"Qp": "*bf16", "QR": "*bf16", "CACHE": "*fp8e4nv" if fp8 else "*bf16", "PT": "*i32", "KV_LENS": "*i64", "O": "*bf16",
             "PART": "*fp32", "LSE": "*fp32"}
     strides = ("stride_qn", "stride_qj", "stride_qh", "stride_rn", "stride_rj", "stride_rh", "stride_cp")
     consts = {"QN": qn, "H": heads, "PAGE": page, "DV": V, "ROW": DL, "BLOCK_H": block_h, "BLOCK_N": mla_gluon.BLOCK_N,
-              "BLOCK_SEQ": block_seq, "ALL_PARTIAL": all_partial, "PDL": use_pdl}
+              "BLOCK_SEQ": block_seq, "ALL_PARTIAL": all_partial, "KV_BYTES": 1 if fp8 else 2, "PDL": use_pdl}
     sig = {**ptrs, **dict.fromkeys(strides, "i64"), "stride_pt": "i64", "N": "i32", "MAX_SPLITS": "i32", "min_chunk": "i32",
            "sm_scale_log2": "fp32", "kv_scale": "fp32", **dict.fromkeys(consts, "constexpr")}
     sig = {name: sig[name] for name in fn.arg_names}
@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/mla_gluon_h200.json")
     ap.add_argument("--compile-sm90", action="store_true", help="only compile for sm_90 (no GPU) and report")
     ap.add_argument("--cases", default="", help="comma list of substrings: only the cases whose name has one")
+    ap.add_argument("--fp8", action="store_true", help="an fp8 e4m3 cache (turns mla_gluon.FP8_CACHE on)")
     ap.add_argument("--page", type=int, default=PAGE,
                     help="cache page size; not a multiple of 64 turns mla_gluon.SMALL_PAGES on (a page per key row)")
     args = ap.parse_args()
@@ -87,17 +88,23 @@ def main() -> None:
                     "verify Q4 H32": {"qn": 4}, "verify Q4 H12": {"qn": 4, "heads": 12, "block_h": 16},
                     "verify Q4 H32, 64 rows": {"qn": 4, "block_h": 64}, "decode H96, 64 rows": {"heads": 96, "block_h": 64},
                     "decode H64, 64 rows": {"heads": 64, "block_h": 64}, "decode H32, page 16": {"page": 16},
-                    "verify Q4 H32, 64 rows, page 16": {"qn": 4, "block_h": 64, "page": 16}}
+                    "verify Q4 H32, 64 rows, page 16": {"qn": 4, "block_h": 64, "page": 16},
+                    "decode H32, fp8 cache": {"fp8": True}, "verify Q4 H32, 64 rows, fp8 cache": {
+                        "qn": 4, "block_h": 64, "fp8": True}, "decode H16, fp8, page 16": {
+                        "heads": 16, "block_h": 16, "fp8": True, "page": 16}}
         for name, kw in variants.items():
             print(f"{name}: {compile_sm90(**kw)}")
         return
     t0, rows = time.time(), []
     picks = [c for c in args.cases.split(",") if c]
     mla_gluon.SMALL_PAGES = args.page % mla_gluon.BLOCK_N != 0
+    mla_gluon.FP8_CACHE = args.fp8
+    cache_dtype = torch.float8_e4m3fn if args.fp8 else torch.bfloat16
     for name, lens, qn, heads in CASES:
         if picks and not any(p in name for p in picks):
             continue
-        q, cache, table, kv = make_case(lens, qn, torch.bfloat16, "cuda", heads=heads, page=args.page)
+        q, cache, table, kv = make_case(lens, qn, torch.bfloat16, "cuda", heads=heads, page=args.page,
+                                        cache_dtype=cache_dtype)
         scale = DL ** -0.5
         row = {"case": name, "batch": len(lens), "ctx": max(lens), "q_len": qn, "heads": heads}
         try:
@@ -109,7 +116,7 @@ def main() -> None:
             continue
         want = gluon_decode(q, cache, table, kv, scale, False)
         row["max_rel_err_vs_triton"] = rel(got, want)
-        nbytes = sum(lens) * DL * 2
+        nbytes = sum(lens) * DL * cache.element_size()
         args_ = (q, cache, table, kv, scale)
         forms = [("triton", lambda a=args_: gluon_decode(*a, False)), ("gluon", lambda a=args_: gluon_decode(*a, True))]
         if qn * heads > 32:  # the 64-row tiles against 32-row ones
@@ -125,6 +132,7 @@ def main() -> None:
               + (f"  gluon 32-row tiles {row['gluon32_us']:8.2f} us" if "gluon32_us" in row else ""), flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": os.environ.get("BENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"), "page": args.page,
+            "cache_dtype": str(cache_dtype),
             "timing": "CUDA graph of 20 calls after 256 MiB memsets, memsets subtracted, median of 10",
             "wall_s": time.time() - t0}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

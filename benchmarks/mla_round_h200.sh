@@ -3,8 +3,9 @@
 # mla_decode, balanced vs uniform splits with UNIFORM_PLAN off / on, the key-loop forms, the MLA GPU tests (kernel
 # parity, Gluon == Triton, UNIFORM_PLAN bit-equality, CUDA graphs), the model's CUDA-graph tests, the decode sweep
 # with the Gluon kernel off then on. Expects $OUT; logs each part there (at most 8 files come back).
-# "pages": the Gluon kernel over page-16 caches (mla_gluon.SMALL_PAGES), its GPU tests and timing.
-#   bash benchmarks/mla_round_h200.sh "gluon pages plan loops tests models decode"      (any subset)
+# "pages" / "fp8": the Gluon kernel over page-16 caches (mla_gluon.SMALL_PAGES) / fp8 caches (FP8_CACHE), their GPU
+# tests and timing.
+#   bash benchmarks/mla_round_h200.sh "gluon pages fp8 plan loops tests models decode"      (any subset)
 set -u
 parts=" ${1:-gluon plan loops tests} "
 source benchmarks/gpu_env.sh
@@ -20,6 +21,13 @@ if has pages; then  # mla_gluon.SMALL_PAGES (page 16, a page per key row): tests
   tail -4 "$OUT/gpu_tests_pages.log"
   timeout 150 python3 benchmarks/mla_gluon_h200.py --page 16 --out "$OUT/mla_gluon_h200_page16.json" 2>&1 \
     | tee "$OUT/mla_gluon_page16.log" | tail -20
+fi
+if has fp8; then  # mla_gluon.FP8_CACHE (fp8 tiles staged to bf16 in shared memory): tests first, then timing
+  timeout -s INT ${FP8_TIMEOUT:-150} python3 -m pytest -rfE --tb=short -p no:cacheprovider \
+    tests/ops/test_triton_mla_gluon.py -k fp8_cache > "$OUT/gpu_tests_fp8.log" 2>&1
+  tail -4 "$OUT/gpu_tests_fp8.log"
+  timeout 150 python3 benchmarks/mla_gluon_h200.py --fp8 --cases b64,b16,mixed,b1_4k \
+    --out "$OUT/mla_gluon_h200_fp8.json" 2>&1 | tee "$OUT/mla_gluon_fp8.log" | tail -12
 fi
 if has plan; then
   for u in "" --uniform-plan; do

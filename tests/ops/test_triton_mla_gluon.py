@@ -7,7 +7,7 @@ and roundings) and within bf16 tolerance of `mla_attention_paged`, over decode a
 64 / 96 heads (masked row tiles; 64-row tiles of two warpgroups from 16 sequences on), mixed histories, padding
 sequences, lengths that end mid-tile (the cache rows past them are NaN: masked copies must zero-fill), one and many
 splits, kv_scale, the W_UV combine (every split writes partials), caches with pages smaller than the key tile
-(SMALL_PAGES) and CUDA-graph replay on new inputs with PDL on and off.
+(SMALL_PAGES), fp8 caches (FP8_CACHE) and CUDA-graph replay on new inputs with PDL on and off.
 On the CPU: the switch and the conditions under which mla_decode keeps its Triton kernel.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ops.test_triton_mla_decode import MIXED, REAL, make, reference
+from tests.ops.test_triton_mla_decode import MIXED, REAL, check, make, reference
 from tests.ops.triton_env import needs_cuda, rel_err
 from tokenspeed.ops.triton import mla_decode as mod
 from tokenspeed.ops.triton import mla_gluon
@@ -130,6 +130,24 @@ def test_small_pages_equal_triton_kernel_gpu(monkeypatch, page_size, Q, H):
             inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, max_splits=ms))
         assert rel_err(got, reference(inp, scale, 512)) < 1e-2
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_hopper_gluon
+@pytest.mark.parametrize("page_size", [64, 16])
+@pytest.mark.parametrize("Q, H", [(1, 32), (4, 32), (1, 12)])
+def test_fp8_cache_gpu(monkeypatch, page_size, Q, H):
+    """FP8_CACHE: tiles copied as fp8 and converted to bf16 in shared memory before the dots; within the fp8
+    tests' tolerance of the reference on the same fp8 cache (kv_scale 0.25), padding rows zero, the Gluon kernel
+    launched (page 16 through SMALL_PAGES)."""
+    monkeypatch.setattr(mla_gluon, "FP8_CACHE", True)
+    monkeypatch.setattr(mla_gluon, "SMALL_PAGES", True)
+    spy = _Spy(monkeypatch)
+    for kv_lens in ([8192, 1024, 0, 300], MIXED * 4):
+        check(kv_lens, Q, H, **REAL, page_size=page_size, q_dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn,
+              device="cuda", tol=2e-2, kv_scale=0.25)
+    assert spy.calls == 2
 
 
 @pytest.mark.gpu

@@ -53,10 +53,11 @@ for sm_90 offline.
 
 On Hopper, uniform batches over a bf16 cache with 512 + 64 columns and the balanced plan take a Gluon split
 kernel instead (`tokenspeed.ops.triton.mla_gluon`: explicit cp.async double buffering, wgmma keys-major, 16-,
-32- or 64-row tiles; pages a multiple of 64 unless `mla_gluon.SMALL_PAGES`). It writes this split kernel's
-outputs bit for bit, so the combines below are shared; num_warps / num_stages do not apply to it, and its row
-tile (`mla_gluon.default_block_h`) can be wider, which feeds `default_max_splits`. `TOKENSPEED_MLA_GLUON=0` or
-`mla_gluon.ENABLED = False` keeps every call on this module's kernel.
+32- or 64-row tiles; pages a multiple of 64 unless `mla_gluon.SMALL_PAGES`; fp8 caches with
+`mla_gluon.FP8_CACHE`). It writes this split kernel's outputs (bit for bit over a bf16 cache), so the combines
+below are shared; num_warps / num_stages do not apply to it, and its row tile (`mla_gluon.default_block_h`) can
+be wider, which feeds `default_max_splits`. `TOKENSPEED_MLA_GLUON=0` or `mla_gluon.ENABLED = False` keeps every
+call on this module's kernel.
 
 Split policy (the two knobs; module constants read at call time, keyword arguments per call): max_splits
 defaults to `default_max_splits` (a grid of DEFAULT_WAVES x 132 programs) and min_chunk to MIN_CHUNK. Every split
@@ -523,6 +524,7 @@ def mla_decode(
     [..., H, v_head] (`mla_combine_uv`; the composition `mla_decode(...)` then bmm, with o_lat rounded to q's dtype
     in between as there). Reads only; writes `out` (and its own workspace)."""
     km = uses_keys_major(cache.dtype, keys_major)
+    block_n_arg = BLOCK_N
     BLOCK_N, num_warps, num_stages = _loop_launch(km, BLOCK_N, num_warps, num_stages)
     if cu_seqlens_q is not None:
         return _mla_decode_ragged(q, cache, page_table, kv_lens, scale, v_dim, kv_scale, q_rope, cu_seqlens_q, max_q,
@@ -541,9 +543,13 @@ def mla_decode(
         return out
     qh = QN * H
     qr = q[..., v_dim:] if q_rope is None else q_rope
-    gluon = km and _gluon.usable(q, qr, cache, v_dim, BLOCK_N, balanced)  # Hopper: explicit async copies
+    # Hopper: the Gluon split kernel, unless the call fixes the rows-major orientation or another key tile
+    orientation = KEYS_MAJOR if keys_major is None else keys_major
+    gluon = (orientation is not False and block_n_arg in (None, _gluon.BLOCK_N)
+             and _gluon.usable(q, qr, cache, v_dim, _gluon.BLOCK_N, balanced))
     bh = BLOCK_H or (_gluon.default_block_h(qh, N) if gluon else default_block_h(qh))
     gluon = gluon and bh in _gluon.BLOCK_HS
+    BLOCK_N = _gluon.BLOCK_N if gluon else BLOCK_N  # the plan's key rounding (an fp8 cache's Triton tile is 32)
     ms = int(max_splits) if max_splits is not None else default_max_splits(N, qh, block_h=bh)
     mc = _check_launch(bh, BLOCK_N, ms, N, min_chunk)
     _launch(q, qr, cache, page_table, kv_lens, out, scale, kv_scale, ms, mc, balanced, bh, BLOCK_N, num_warps,

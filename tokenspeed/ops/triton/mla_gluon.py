@@ -77,6 +77,10 @@ DV, DR = 512, 64  # latent (kv_lora_rank) and rope widths: Kimi-Linear's and K3'
 # 1139 instructions per 64-key iteration against 901, no spill reloads; `mla_gluon_h200.py --compile-sm90`) but
 # not yet run on a GPU: off until tests/ops/test_triton_mla_gluon.py's small-page test has passed there.
 SMALL_PAGES = False
+# fp8 (e4m3) caches: the tiles are copied as fp8 (half the bytes) and converted to bf16 (exact) in shared memory
+# before the dots (fp8 wgmma cannot take the value tile transposed); kv_scale on the scores and the output as in
+# the Triton kernel. Compiled for sm_90, not yet run on a GPU: off until its GPU test has passed there.
+FP8_CACHE = False
 
 
 def enabled() -> bool:
@@ -110,12 +114,13 @@ def _hopper(device: torch.device) -> bool:
 
 def usable(q: Tensor, qr: Tensor, cache: Tensor, v_dim: int, block_n: int, balanced: bool) -> bool:
     """Whether `launch` can serve this `mla_decode` call (with a row tile of BLOCK_HS): Gluon of TRITON_VERSIONS
-    and `enabled()`, an sm_90 GPU, q [N, Q, H, >= v_dim] / qr [N, Q, H, DR] / cache bf16 with unit last strides
-    and contiguous cache rows, Q 1 (or VERIFY), v_dim == DV, cache rows DV + DR wide, pages a multiple of
-    BLOCK_N (or SMALL_PAGES), the balanced plan with BLOCK_N keys."""
+    and `enabled()`, an sm_90 GPU, q [N, Q, H, >= v_dim] / qr [N, Q, H, DR] bf16 and a bf16 (or, FP8_CACHE, fp8
+    e4m3) cache, unit last strides and contiguous cache rows, Q 1 (or VERIFY), v_dim == DV, cache rows DV + DR
+    wide, pages a multiple of BLOCK_N (or SMALL_PAGES), the balanced plan with BLOCK_N keys."""
     if not (q.is_cuda and _hopper(q.device) and enabled()):
         return False
-    bf16 = q.dtype == qr.dtype == cache.dtype == torch.bfloat16
+    bf16 = q.dtype == qr.dtype == torch.bfloat16 and (
+        cache.dtype == torch.bfloat16 or (FP8_CACHE and cache.dtype == torch.float8_e4m3fn))
     shapes = ((q.shape[1] == 1 or VERIFY) and v_dim == DV and q.shape[3] >= DV and qr.shape[-1] == DR
               and cache.shape[-1] == DV + DR and (cache.shape[1] % BLOCK_N == 0 or SMALL_PAGES))
     strides = q.stride(-1) == 1 and qr.stride(-1) == 1 and cache.stride(2) == 1 and cache.stride(1) == DV + DR
@@ -133,7 +138,8 @@ def launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Te
         cache, cache.stride(0), page_table, page_table.stride(0), kv_lens,
         out, part, lse, N, max_splits, min_chunk, sm_scale_log2, kv_scale,
         QN=QN, H=H, PAGE=cache.shape[1], DV=DV, ROW=DV + DR, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_SEQ=block_seq,
-        ALL_PARTIAL=all_partial, num_warps=4 * triton.cdiv(block_h, 32), **pdl_kwargs)
+        ALL_PARTIAL=all_partial, KV_BYTES=cache.element_size(), num_warps=4 * triton.cdiv(block_h, 32),
+        **pdl_kwargs)
 
 
 if gluon is not None:
@@ -218,10 +224,18 @@ if gluon is not None:
         return n, kv_len, count, start, chunk, p - start
 
     @gluon.jit
-    def _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, p_s, CACHE, stride_cp, pt_row, lo, hi, lim, sm_scale_log2,
-                     BLOCK_H: gl.constexpr, PAGE: gl.constexpr, DV: gl.constexpr, ROW: gl.constexpr,
-                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LKV: gl.constexpr, LKR: gl.constexpr,
-                     MMA: gl.constexpr):
+    def _stage_bf16(src_kv, src_kr, dst_kv, dst_kr, DV: gl.constexpr, LC: gl.constexpr, LCR: gl.constexpr):
+        """An fp8 key tile (src_kv [BLOCK_N, DV], src_kr [BLOCK_N, DR] in shared memory) converted to bf16 (exact)
+        into dst_kv / dst_kr, 128 columns at a time (64 fp8 values a thread in flight at 4 warps)."""
+        for c in gl.static_range(DV // 128):
+            dst_kv.slice(c * 128, 128, dim=1).store(src_kv.slice(c * 128, 128, dim=1).load(LC).to(gl.bfloat16))
+        dst_kr.store(src_kr.load(LCR).to(gl.bfloat16))
+
+    @gluon.jit
+    def _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, st_kv, st_kr, p_s, CACHE, stride_cp, pt_row, lo, hi, lim,
+                     sm_scale_log2, BLOCK_H: gl.constexpr, PAGE: gl.constexpr, DV: gl.constexpr, ROW: gl.constexpr,
+                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr, LKV: gl.constexpr,
+                     LKR: gl.constexpr, LC: gl.constexpr, LCR: gl.constexpr, MMA: gl.constexpr):
         """Online softmax over keys lo .. hi - 1 (CAUSAL: row r sees keys <= lim[r]): (acc [DV, BLOCK_H] fp32
         unnormalised, m [BLOCK_H], l [BLOCK_H]) in log2 units. Tile i+1's copy is issued before tile i's dots;
         each buffer is refilled only after every warp left it."""
@@ -243,10 +257,18 @@ if gluon is not None:
             page_next = _tile_pages(pt_row, nxt + BLOCK_N, hi, PAGE, BLOCK_N, LKV, LKR)
             fence_async_shared()  # this thread's cp.async writes, visible to wgmma's async proxy ...
             gl.thread_barrier()  # ... and every thread's
-            kv_s = kv_bufs.index(i % 2)
+            if FP8:  # the dots read the tile converted to bf16 (st_kv / st_kr: free since the last iteration's end)
+                _stage_bf16(kv_bufs.index(i % 2), kr_bufs.index(i % 2), st_kv, st_kr, DV, LC, LCR)
+                fence_async_shared()
+                gl.thread_barrier()
+                kv_s = st_kv
+                kr_s = st_kr
+            else:
+                kv_s = kv_bufs.index(i % 2)
+                kr_s = kr_bufs.index(i % 2)
             st = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, MMA)
             st = warpgroup_mma(kv_s, qv_s.permute((1, 0)), st, is_async=True)
-            st = warpgroup_mma(kr_bufs.index(i % 2), qr_s.permute((1, 0)), st, is_async=True)
+            st = warpgroup_mma(kr_s, qr_s.permute((1, 0)), st, is_async=True)
             st = warpgroup_mma_wait(0, deps=[st])
             pos = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
             if CAUSAL:
@@ -313,7 +335,7 @@ if gluon is not None:
         N, MAX_SPLITS, min_chunk, sm_scale_log2, kv_scale,
         QN: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr, DV: gl.constexpr, ROW: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SEQ: gl.constexpr, ALL_PARTIAL: gl.constexpr,
-        PDL: gl.constexpr,
+        KV_BYTES: gl.constexpr, PDL: gl.constexpr,
     ):
         DR: gl.constexpr = ROW - DV
         QH: gl.constexpr = QN * H
@@ -322,13 +344,19 @@ if gluon is not None:
         # both read the same key buffers.
         WG: gl.constexpr = (BLOCK_H + 31) // 32
         NW: gl.constexpr = 4 * WG
-        LKV: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])     # [BLOCK_N, DV] tile copies
-        LKR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])      # [BLOCK_N, DR]
+        FP8: gl.constexpr = KV_BYTES == 1
+        VEC: gl.constexpr = 16 // KV_BYTES  # cache elements per 16-byte copy
+        LKV: gl.constexpr = gl.BlockedLayout([1, VEC], [2, 16], [NW, 1], [1, 0])   # [BLOCK_N, DV] tile copies
+        LKR: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // DR, DR // VEC], [NW, 1], [1, 0])  # [., DR]
+        LC: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])      # fp8 -> bf16 staging, [., 128]
+        LCR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])      # ... [., DR]
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])      # [BLOCK_H, DV] / [., DR] queries
         LSEQ: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])                # the plan's [BLOCK_SEQ] vectors
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                       instr_shape=[16, BLOCK_H // WG, 16])
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        SH8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        SH8R: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DR, element_bitwidth=8, rank=2)
         SH_P: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BLOCK_H, element_bitwidth=16, rank=2)
         LOUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, NW], [0, 1])    # [DV, BLOCK_H] fp32, d fastest
 
@@ -352,16 +380,24 @@ if gluon is not None:
             q_r = _load_queries(QR, stride_rn, stride_rj, stride_rh, n, row0, QH, H, DR, BLOCK_H, EVEN, LQ)
             qv_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DV], SH, q_v)
             qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], SH, q_r)
-            kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DV], SH)
-            kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], SH)
+            if FP8:  # fp8 copy buffers, and one bf16 tile the dots read
+                kv_bufs = gl.allocate_shared_memory(CACHE.dtype.element_ty, [2, BLOCK_N, DV], SH8)
+                kr_bufs = gl.allocate_shared_memory(CACHE.dtype.element_ty, [2, BLOCK_N, DR], SH8R)
+                st_kv = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, DV], SH)
+                st_kr = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, DR], SH)
+            else:
+                kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DV], SH)
+                kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], SH)
+                st_kv = kv_bufs  # unused
+                st_kr = kr_bufs
             p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], SH_P)
             fence_async_shared()  # the queries' stores, before wgmma reads them (async proxy) ...
             gl.thread_barrier()  # ... from every warp
             # the last key row r = j * H + h sees (verify: token j of QN sees the keys up to its own position)
             lim = kv_len - QN + (row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MMA))) // H
-            acc_t, m_i, l_i = _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, p_s, CACHE, stride_cp, PT + n * stride_pt,
-                                           lo, hi, lim, sm_scale_log2, BLOCK_H, PAGE, DV, ROW, BLOCK_N, QN > 1,
-                                           LKV, LKR, MMA)
+            acc_t, m_i, l_i = _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, st_kv, st_kr, p_s, CACHE, stride_cp,
+                                           PT + n * stride_pt, lo, hi, lim, sm_scale_log2, BLOCK_H, PAGE, DV, ROW,
+                                           BLOCK_N, QN > 1, FP8, LKV, LKR, LC, LCR, MMA)
             # the epilogue of `mla_flash._store_rows`: normalised rows, direct when the sequence has one split
             inv = gl.where(l_i > 0, kv_scale / gl.where(l_i > 0, l_i, 1.0), 0.0)
             o = gl.convert_layout(acc_t * inv[None, :], LOUT)
