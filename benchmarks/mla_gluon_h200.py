@@ -49,6 +49,20 @@ CASES += [("verify4_b16_32k", [32768] * 16, 4, H), ("verify4_b1_4k", [4096], 4, 
           ("verify4_b64_4k", [4096] * 64, 4, H)]
 
 
+# The variants --compile-sm90 builds (keyword arguments of `compile_sm90`): what the model and K3 launch.
+COMPILE_VARIANTS = {
+    "decode H32": {}, "decode H32 BLOCK_SEQ 64": {"block_seq": 64}, "decode H32 ALL_PARTIAL": {"all_partial": True},
+    "decode H16": {"heads": 16, "block_h": 16}, "decode H12 (K3 TP8)": {"heads": 12, "block_h": 16},
+    "decode H96 (K3)": {"heads": 96}, "verify Q4 H32": {"qn": 4}, "verify Q4 H12": {"qn": 4, "heads": 12, "block_h": 16},
+    "verify Q4 H32, 64 rows": {"qn": 4, "block_h": 64},
+    "verify Q4 H32, 64 rows, ALL_PARTIAL": {"qn": 4, "block_h": 64, "all_partial": True},
+    "decode H96, 64 rows": {"heads": 96, "block_h": 64}, "decode H64, 64 rows": {"heads": 64, "block_h": 64},
+    "decode H32, page 16": {"page": 16}, "verify Q4 H32, 64 rows, page 16": {"qn": 4, "block_h": 64, "page": 16},
+    "decode H32, fp8 cache": {"fp8": True}, "verify Q4 H32, 64 rows, fp8 cache": {"qn": 4, "block_h": 64, "fp8": True},
+    "decode H16, fp8, page 16": {"heads": 16, "block_h": 16, "fp8": True, "page": 16},
+}
+
+
 def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False, use_pdl: bool = True, qn: int = 1,
                  block_h: int = 32, page: int = PAGE, fp8: bool = False) -> dict:
     """Compile the Gluon split kernel for sm_90 without a GPU (`sm90_compile`'s target and Triton's own ptxas /
@@ -76,24 +90,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/mla_gluon_h200.json")
     ap.add_argument("--compile-sm90", action="store_true", help="only compile for sm_90 (no GPU) and report")
+    ap.add_argument("--compile-json", help="with --compile-sm90: also write the report (per variant) to this JSON")
     ap.add_argument("--cases", default="", help="comma list of substrings: only the cases whose name has one")
     ap.add_argument("--fp8", action="store_true", help="an fp8 e4m3 cache (turns mla_gluon.FP8_CACHE on)")
     ap.add_argument("--page", type=int, default=PAGE,
                     help="cache page size; not a multiple of 64 turns mla_gluon.SMALL_PAGES on (a page per key row)")
     args = ap.parse_args()
     if args.compile_sm90:
-        variants = {"decode H32": {}, "decode H32 BLOCK_SEQ 64": {"block_seq": 64},
-                    "decode H32 ALL_PARTIAL": {"all_partial": True}, "decode H16": {"heads": 16, "block_h": 16},
-                    "decode H12 (K3 TP8)": {"heads": 12, "block_h": 16}, "decode H96 (K3)": {"heads": 96},
-                    "verify Q4 H32": {"qn": 4}, "verify Q4 H12": {"qn": 4, "heads": 12, "block_h": 16},
-                    "verify Q4 H32, 64 rows": {"qn": 4, "block_h": 64}, "decode H96, 64 rows": {"heads": 96, "block_h": 64},
-                    "decode H64, 64 rows": {"heads": 64, "block_h": 64}, "decode H32, page 16": {"page": 16},
-                    "verify Q4 H32, 64 rows, page 16": {"qn": 4, "block_h": 64, "page": 16},
-                    "decode H32, fp8 cache": {"fp8": True}, "verify Q4 H32, 64 rows, fp8 cache": {
-                        "qn": 4, "block_h": 64, "fp8": True}, "decode H16, fp8, page 16": {
-                        "heads": 16, "block_h": 16, "fp8": True, "page": 16}}
-        for name, kw in variants.items():
-            print(f"{name}: {compile_sm90(**kw)}")
+        report = {}
+        for name, kw in COMPILE_VARIANTS.items():
+            report[name] = {**kw, **compile_sm90(**kw)}
+            print(f"{name}: {report[name]}", flush=True)
+        if args.compile_json:
+            with open(args.compile_json, "w") as f:
+                json.dump(report, f, indent=1)
         return
     t0, rows = time.time(), []
     picks = [c for c in args.cases.split(",") if c]
