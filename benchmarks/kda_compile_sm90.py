@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 import torch
 import triton
@@ -89,7 +90,7 @@ def compile_sm90(launch: Launch, sass: bool = False) -> dict:
             "bulk": ptx.count("cp.async.bulk.prefetch.L2"), "sass": sass_hash(kernel) if sass else None}
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="regex of variant names")
     ap.add_argument("--sass", action="store_true", help="print a hash of each kernel's SASS")
@@ -113,7 +114,8 @@ def main() -> None:
             failed += 1
             print(failure_line(f"{tag:28s} ", e, 400), flush=True)
     print(f"{failed} failed", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
