@@ -1,23 +1,23 @@
-"""The MLA split kernel in Gluon for Hopper (sm_90): `mla_decode`'s decode path over a bf16 cache.
+"""The MLA split kernel in Gluon for Hopper (sm_90): `mla_decode`'s decode / verify split over a bf16 cache.
 
 Same outputs as `mla_decode._mla_split_kernel` for the cases `usable` accepts (uniform decode or verify, the
 balanced plan, 64-key tiles, 16-, 32- or 64-row query tiles): single-split sequences write their
 normalised output rows to O directly, the others fp32 partials and log2 LSEs at the plan's workspace rows, so
 `mla_decode`'s combine kernels (plain or W_UV) merge them unchanged. Bit-identical to the Triton keys-major kernel
-on the H200 at one query token (`benchmarks/mla_gluon_h200.py`, tests/ops/test_triton_mla_gluon.py).
+on the H200 for the same split count (`benchmarks/mla_gluon_h200.py`, tests/ops/test_triton_mla_gluon.py).
 
 Why a second kernel. Triton's pipeliner issues the keys-major loop's copy of tile i+1 after tile i's dots and
 waits for it at the top of the next iteration, so no copy overlaps a dot: about 40% of HBM at best. Here, with
 Gluon's explicit async copies, the copy of tile i+1 is issued at the top of iteration i into the other of two
 shared-memory buffers and `wait_group(1)` waits only for tile i. The dots are wgmma, keys-major (the 64-key tile
-and v_dim are the M dimension, the H query heads N). The page of tile i+1 is read one iteration ahead; the plan's
+and v_dim are the M dimension, the query rows N). The page of tile i+1 is read one iteration ahead; the plan's
 scalars go through a lane-0 shuffle (`mla_split_plan._warp_uniform`) so the loop bounds stay in uniform registers.
-H200: split + combine at batch 64 / 32K 632 us (89.5% of HBM) against 1363 us for the Triton kernel; 16 mixed
-histories 125 vs 231 us (docs/kernels.md).
+H200, split + combine: batch 64 / 32K 616 us (91.8% of HBM) against 1089 us for the Triton kernel; 16 mixed
+histories 124 vs 193 us (docs/kernels.md).
 
 Contract (per program of the grid (ceil(QN * H / BLOCK_H), MAX_SPLITS, N); row r = j * H + h of a sequence is
 query token j's head h, which sees keys up to kv_len - QN + j): reads Q [N, QN, H, DV] and QR [N, QN, H, DR]
-(bf16, unit last stride), the cache [pages, PAGE, DV + DR] (bf16, contiguous rows), the page table (int32) and
+(bf16, unit last stride), the cache [pages, PAGE, DV + DR] (bf16 or fp8, contiguous rows), the page table (int32) and
 KV_LENS; writes its BLOCK_H rows of O for single-split sequences (and zeros for padding sequences, kv_len <= 0,
 unless ALL_PARTIAL), else of PART [N * MAX_SPLITS, QN * H, DV] / LSE [N * MAX_SPLITS, QN * H]. ALL_PARTIAL: every
 split writes partials (the W_UV combine reads them all). PDL: the protocol of `pdl.py` (wait first, then trigger;
@@ -56,7 +56,7 @@ ENV = "TOKENSPEED_MLA_GLUON"
 # Triton 3.9 renamed `thread_barrier` and removed `async_copy_global_to_shared`; elsewhere mla_decode stays on its
 # Triton kernel.
 TRITON_VERSIONS = ("3.6",)
-BLOCK_N = 64  # keys per tile (the wgmma M); the plan rounds its chunks to it, so tiles never straddle a page
+BLOCK_N = 64  # keys per tile (the wgmma M); the plan rounds its chunks to it, so every tile starts at a multiple
 # Query rows per program (the wgmma N): one warpgroup (4 warps) up to 32 rows (the accumulator [DV, 32] fp32 is 128
 # registers a thread), two for 64 (each owning 32 rows; shared memory 230,400 B of 232,448).
 BLOCK_HS = (16, 32, 64)
