@@ -91,8 +91,8 @@ def test_equals_triton_kernel_gpu(monkeypatch, Q, H, kv_lens, max_splits):
     """Decode (Q 1) and verify (Q > 1, causal), Kimi-Linear's 32 heads, 16, and K3's 12 (a TP8 rank: a 16-row
     tile with 4 masked rows) and 96 (from 16 sequences, two 64-row tiles of two warpgroups, the second half masked;
     else three of 32); Q 2 x H 12 = 24 rows: a masked 32-row tile; 4 x 32 and 64: 64-row tiles from 16 sequences.
-    Both kernels get the same split count (the Gluon
-    kernel's default row tile can be wider, which changes the default), so the same plan: outputs bit-equal."""
+    Both kernels get the same split count (the Gluon kernel's default row tile can be wider, which changes the
+    default), so the same plan: outputs bit-equal."""
     inp = make(kv_lens, Q, H, REAL["Dl"], 64, torch.bfloat16, torch.bfloat16, "cuda", seed=len(kv_lens) + H)
     scale = 576 ** -0.5
     n = len(kv_lens)
