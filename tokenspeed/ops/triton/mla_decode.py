@@ -578,7 +578,7 @@ def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: T
     if gluon:
         _gluon.launch(q, qr, cache, page_table, kv_lens, out, part, lse, ms, min_chunk,
                       float(scale) * float(kv_scale) * LOG2E, float(kv_scale), bh, block_seq, uv,
-                      pdl.kernel_kwargs(q.device, "mla"))
+                      {"PDL": use_pdl, **launch})  # the same decision as `pdl.kernel_kwargs`
     else:
         _split(q, qr, cache, page_table, kv_lens, out, part, lse, scale, kv_scale, ms, min_chunk, balanced, bh,
                block_n, num_warps, num_stages, v_dim, uv, keys_major, block_seq, use_pdl, launch)

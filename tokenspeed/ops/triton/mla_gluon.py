@@ -41,11 +41,8 @@ try:  # Gluon's API changes between Triton releases: `usable` is False outside T
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-except ImportError as e:  # pragma: no cover - depends on the installed Triton
+except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
-    IMPORT_ERROR: str | None = f"{type(e).__name__}: {e}"
-else:
-    IMPORT_ERROR = None
 
 # Whether `mla_decode` takes this kernel where `usable` allows (read at call time). The environment variable
 # TOKENSPEED_MLA_GLUON ("0" off, "1" on) overrides it at each call, so a benchmark can A/B the two kernels between
