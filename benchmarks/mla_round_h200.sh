@@ -18,14 +18,14 @@ if has gluon; then
     | tail -14
 fi
 if has pages; then  # mla_gluon.SMALL_PAGES (page 16, a page per key row): tests first, then timing
-  timeout -s INT ${PAGES_TIMEOUT:-200} python3 -m pytest $XDIST -rfE --tb=short -p no:cacheprovider \
+  timeout -s INT ${PAGES_TIMEOUT:-200} python3 -m pytest $XDIST -rfEp --tb=short -p no:cacheprovider \
     tests/ops/test_triton_mla_gluon.py -k small_pages > "$OUT/gpu_tests_pages.log" 2>&1
   tail -4 "$OUT/gpu_tests_pages.log"
   timeout 150 python3 benchmarks/mla_gluon_h200.py --page 16 --out "$OUT/mla_gluon_h200_page16.json" 2>&1 \
     | tee "$OUT/mla_gluon_page16.log" | tail -20
 fi
 if has fp8; then  # mla_gluon.FP8_CACHE (fp8 tiles staged to bf16 in shared memory): tests first, then timing
-  timeout -s INT ${FP8_TIMEOUT:-150} python3 -m pytest $XDIST -rfE --tb=short -p no:cacheprovider \
+  timeout -s INT ${FP8_TIMEOUT:-150} python3 -m pytest $XDIST -rfEp --tb=short -p no:cacheprovider \
     tests/ops/test_triton_mla_gluon.py -k fp8_cache > "$OUT/gpu_tests_fp8.log" 2>&1
   tail -4 "$OUT/gpu_tests_fp8.log"
   timeout 150 python3 benchmarks/mla_gluon_h200.py --fp8 --cases b64,b16,mixed,b1_4k \
@@ -42,13 +42,13 @@ if has loops; then
     | tee "$OUT/mla_loops.log" | grep -v "^b\|^mixed" | tail -14
 fi
 if has tests; then
-  timeout -s INT ${TESTS_TIMEOUT:-200} python3 -m pytest $XDIST -rfE --tb=short -p no:cacheprovider \
+  timeout -s INT ${TESTS_TIMEOUT:-200} python3 -m pytest $XDIST -rfEp --tb=short -p no:cacheprovider \
     tests/ops/test_triton_mla_decode.py tests/ops/test_triton_mla_fused.py tests/ops/test_triton_mla_gluon.py \
     -k gpu > "$OUT/gpu_tests.log" 2>&1
   tail -8 "$OUT/gpu_tests.log"
 fi
 if has models; then
-  timeout -s INT ${MODELS_TIMEOUT:-240} python3 -m pytest $XDIST -rfE --tb=short -p no:cacheprovider \
+  timeout -s INT ${MODELS_TIMEOUT:-240} python3 -m pytest $XDIST -rfEp --tb=short -p no:cacheprovider \
     tests/executor/test_cuda_graphs.py -k "graphs or gpu" >> "$OUT/gpu_tests.log" 2>&1  # incl. the Gluon model test
   tail -4 "$OUT/gpu_tests.log"
 fi
