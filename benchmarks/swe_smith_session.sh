@@ -8,6 +8,8 @@
 #   e.g. CPU check: MODEL=tiny-k3 DEVICE=cpu SCALE=0.005 CONC=1,2 SESSIONS=2 OUT=/tmp/swe bash benchmarks/swe_smith_session.sh
 # `--history live`: each turn appends the server's own output (swe-smith semantics), and every stream chunk carries
 # its token ids, so per-token timing holds even when a random model's tokens decode to no text.
+# The server logs steps slower than 1 s (TOKENSPEED_SLOW_STEP_S) with their shapes; the Triton kernels compiled while
+# serving are listed in $OUT/swe_compiled_mid_serve.txt.
 # On the GPU machine the carried wheels (.whl/: fla-core, fastapi, uvicorn, pydantic, pyzmq, ...) are installed
 # first (benchmarks/gpu_env.sh).
 set -u
@@ -37,7 +39,14 @@ for _ in $(seq 600); do  # model build, dummy init and graph capture
   kill -0 $server 2>/dev/null || { echo "server exited:"; tail -30 "$OUT/swe_server.log"; exit 1; }
   sleep 1
 done
+started=$(mktemp)  # kernels Triton compiles after this (mid-serve) are listed at the end
 vocab=$(python3 -c "from tokenspeed.models import resolve_config as r; print(r('$MODEL')[0].vocab_size)")
 python3 -m tokenspeed.cli bench --base-url "http://127.0.0.1:$PORT" --workload swe-smith-like --scale "$SCALE" \
   --concurrency "$CONC" "${sessions[@]}" --vocab-size "$vocab" --result-dir "$OUT" \
   --history live --result-name "swe_smith_${DEVICE}_${MODEL}" 2>&1 | tail -25
+# Triton kernels compiled while serving (each a stall of its step) and the engine's slow-step warnings
+cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+find "$cache" -newer "$started" -name "*.json" ! -name "__grp__*" 2>/dev/null | xargs -r -n1 basename \
+  | sort | uniq -c > "$OUT/swe_compiled_mid_serve.txt"
+echo "Triton kernels compiled mid-serve: $(wc -l < "$OUT/swe_compiled_mid_serve.txt")"; head -20 "$OUT/swe_compiled_mid_serve.txt"
+grep "slow step" "$OUT/swe_server.log" | tail -20

@@ -10,6 +10,7 @@ offline `LLM`, the engine process behind the server) call `add_request`, `abort`
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -40,6 +41,10 @@ logger = logging.getLogger(__name__)
 # two expanded-MLA tails whose key lengths are odd and 2 mod 4 (the first such torch SDPA call of a process took
 # over a second on an H200: benchmarks/results/compile_stalls_h200_5450477_profiled.json).
 WARM_UP_MIXED = ((1, 40), (1, 1, 1, 40), (1, 1, 300), (1, 1, 1, 600), (1, 301, 302))
+# A step taking longer than this many seconds is logged at WARNING with its shape (new tokens per sequence), so a
+# stall in serving (a kernel compiled mid-request, an allocator retry) can be traced to the batch that caused it.
+SLOW_STEP_ENV = "TOKENSPEED_SLOW_STEP_S"
+SLOW_STEP_S = 1.0
 
 
 class EngineCore:
@@ -200,6 +205,7 @@ class EngineCore:
         outputs = self._update(batch, result)
         self.last_step = self.stats(result.num_tokens, len(batch.requests), time.monotonic() - start,
                                     len(batch.preempted))
+        _warn_if_slow(self.last_step.duration, batch, None)
         return outputs
 
     def stats(self, num_tokens: int = 0, num_seqs: int = 0, duration: float = 0.0, preempted: int = 0) -> StepStats:
@@ -302,6 +308,7 @@ class EngineCore:
         else:
             self.last_step = self.stats(self._in_flight.launched.num_tokens, len(batch.requests),
                                         time.monotonic() - start, len(batch.preempted))
+        _warn_if_slow(time.monotonic() - start, batch, prev.batch if prev is not None else None)
         return outputs
 
     def _take_in_flight(self) -> _InFlight | None:
@@ -364,6 +371,23 @@ class _InFlight:
     batch: ScheduledBatch
     launched: LaunchedStep
     computed: list[int]  # each request's num_computed_tokens right after this step (what `commit` publishes)
+
+
+def _shape(batch: ScheduledBatch) -> str:
+    """A batch's new tokens per sequence, decodes counted: "12 x 1 + [300, 8192]"."""
+    lens = [r.num_new_tokens for r in batch.requests]
+    ones = lens.count(1)
+    rest = [n for n in lens if n != 1]
+    return " + ".join(([f"{ones} x 1"] if ones else []) + ([str(rest)] if rest else [])) or "no tokens"
+
+
+def _warn_if_slow(seconds: float, batch: ScheduledBatch, read_back: ScheduledBatch | None) -> None:
+    """Log a step slower than TOKENSPEED_SLOW_STEP_S (default SLOW_STEP_S) seconds with its batch's shape and, with
+    asynchronous scheduling, the shape of the step read back in it (whose kernels the host waited for)."""
+    limit = float(os.environ.get(SLOW_STEP_ENV, SLOW_STEP_S))
+    if seconds > limit:
+        tail = f"; read back the step of {_shape(read_back)}" if read_back is not None else ""
+        logger.warning("slow step: %.2f s for new tokens %s%s", seconds, _shape(batch), tail)
 
 
 def _needs_sync(params: SamplingParams | None) -> bool:
