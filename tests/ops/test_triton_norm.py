@@ -236,3 +236,44 @@ def test_attn_res_split_repeated_gpu():
 def test_attn_res_mix_gpu(n, T, D, schedule):
     check_attn_res(n, T, D, torch.bfloat16, "cuda", schedule, fused=False)
 
+
+
+def check_l2(shape, dtype, device, strided: bool) -> None:
+    """`l2_normalize` against the reference (fp32) rounded once to the io dtype; strided: rows of a wider buffer (a
+    view of a merged projection). Every element is compared, so an unwritten one (torch.empty) fails."""
+    norm, _ = kernels()
+    from tokenspeed.ops.reference.kda import l2_normalize as ref_l2
+
+    x = torch.randn(shape, device=device).to(dtype) * 3
+    if strided:
+        x = torch.randn((*shape[:-1], 3, shape[-1]), device=device).to(dtype)[..., 1, :] * 3
+    y = norm.l2_normalize(x)
+    assert y.dtype == dtype and y.shape == x.shape and y.is_contiguous()
+    if x.numel() == 0:
+        return
+    ref = ref_l2(x).to(dtype)
+    assert rel_err(y, ref) < tol(dtype)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+
+
+@cpu_interp
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("shape", [(5, 3, 128), (17, 96), (1, 1, 64), (0, 128)])
+def test_l2_normalize_interp(shape, strided):
+    check_l2(shape, torch.float32, "cpu", strided)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 32, 128), (8192, 32, 128), (4483, 12, 128), (37, 96)])
+def test_l2_normalize_gpu(shape, dtype):
+    """The GPU form, also against fla's `l2norm_fwd` (the kernel it replaces before `chunk_kda`) in bf16."""
+    check_l2(shape, dtype, "cuda", strided=shape[0] == 37)
+    if dtype == torch.bfloat16:
+        fla_l2 = pytest.importorskip("fla.modules.norm.l2norm")
+        norm, _ = kernels()
+        x = torch.randn(shape, device="cuda").to(dtype)
+        y_fla = fla_l2.l2norm_fwd(x)[0]
+        assert (norm.l2_normalize(x).float() - y_fla.float()).abs().max().item() <= 2 ** -7  # <= 1 bf16 ulp at 1

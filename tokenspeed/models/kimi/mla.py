@@ -149,7 +149,6 @@ class MLAAttention(nn.Module):
             k_pe = ops.apply_rope(k_pe.unsqueeze(1), cos, sin).squeeze(1)
         latent_cache = cache.mla_latent[self.cache_index]
         norm = self.kv_a_layernorm
-        ql = batch.uniform_query_len
         form = self._fused_form(q, batch, latent_cache)
         if form is not None:
             o = self._attend_fused(q, kv_a[:, : self.kv_lora_rank], k_pe, batch, latent_cache, cache.mla_kv_scale,
@@ -158,7 +157,7 @@ class MLAAttention(nn.Module):
         # kv_a_layernorm of c_kv, [c_kv ; k_pe] and the cache write: one launch on CUDA, reading kv_a in place.
         ops.mla_norm_store_latent(kv_a[:, : self.kv_lora_rank], k_pe, norm.weight, norm.eps, latent_cache,
                                   batch.slot_mapping, cache.mla_kv_scale)
-        if ql is not None and 1 <= ql <= ABSORBED_MAX_QUERY_LEN:
+        if _uniform_form(batch, q):
             o = self._attend_uniform(q, batch, latent_cache, cache.mla_kv_scale)
         else:  # mixed query lengths (or one longer than a verify window): by sequence, see `_attend`
             o = self._attend(q, batch, latent_cache, cache.mla_kv_scale)  # [T, H, v]
@@ -181,8 +180,7 @@ class MLAAttention(nn.Module):
         if not ops.mla_decode_kernel_usable(latent_cache, self.kv_lora_rank, q, batch.page_table, batch.kv_lens,
                                             batch.cu_seqlens):
             return None
-        ql = batch.uniform_query_len
-        if ql is not None and 1 <= ql <= ABSORBED_MAX_QUERY_LEN:
+        if _uniform_form(batch, q):
             return "uniform"
         ragged = FUSED_RAGGED or os.environ.get(FUSED_ENV, "").strip() == "1"
         return "ragged" if ragged and all(n <= ABSORBED_MAX_TAIL for n in batch.query_lens_host) else None
@@ -309,6 +307,16 @@ class MLAAttention(nn.Module):
             q.to(cdt), k, kv[..., self.nope :], _cumsum([batch.query_lens_host[n] for n in subset]),
             _cumsum(kv_lens), self.scale,
         ).to(q.dtype)
+
+
+def _uniform_form(batch: ForwardBatch, q: Tensor) -> bool:
+    """Whether every sequence attends as one [N, Q, H] block (`_attend_uniform` / the fused "uniform" form): Q =
+    `batch.uniform_query_len` between 1 and ABSORBED_MAX_QUERY_LEN, and on CUDA Q 1 (decode) or a verify step. On
+    CUDA the split kernels compile per Q: verify windows are compiled when their graphs are captured, while equal
+    short tails of other steps (a lone 4- or 8-token turn) take the ragged kernel, which compiles once for all
+    lengths (they compiled mid-serve before: 1.5 s stalls in an H200 swe-smith run)."""
+    ql = batch.uniform_query_len
+    return ql is not None and 1 <= ql <= ABSORBED_MAX_QUERY_LEN and (ql == 1 or batch.verify or not q.is_cuda)
 
 
 def _cumsum(lengths: list[int]) -> list[int]:

@@ -5,8 +5,10 @@ v [T, H, V], g [T, H, K] fp32 log decay, beta [T, H] fp32; rows `state_indices` 
 [S, H, K, V] are read as initial states and overwritten with the final ones. q/k/v run in v.dtype inside fla (fp32
 state and gates).
 
-`kda_chunk_fused`: the contract of `tokenspeed.ops.kda_prefill`: the same scan from raw inputs, with fla doing the
-q/k L2 norm, the gate (K3's bounded `lambda * sigmoid(exp(A) (f + dt_bias))` through fla's `safe_gate`, or
+`kda_chunk_fused`: the contract of `tokenspeed.ops.kda_prefill`: the same scan from raw inputs: q / k L2-normalised by
+`triton.norm.l2_normalize` (fla's own l2norm autotunes per cdiv(T * H, 65536), so each new prefill size compiled 25
+variants mid-serve: two stalls of 7.7 and 8.4 s in an H200 swe-smith run at concurrency 16), then fla doing the
+gate (K3's bounded `lambda * sigmoid(exp(A) (f + dt_bias))` through fla's `safe_gate`, or
 Kimi-Linear's `-exp(A) softplus(f + dt_bias)`) and the beta sigmoid inside its kernels, so none of the [T, H, K]
 fp32 intermediates of the composed path is written to memory. The host copy of cu_seqlens spares fla its
 device-to-host read of the lengths.
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from tokenspeed.ops.triton.norm import l2_normalize
 
 
 def available() -> bool:
@@ -68,9 +72,9 @@ def kda_chunk_fused(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, A_log
     dt = v.dtype
     bounded = lower_bound is not None
     o, final = chunk_kda(
-        q.to(dt).unsqueeze(0), k.to(dt).unsqueeze(0), v.unsqueeze(0), f.unsqueeze(0), b.unsqueeze(0),
-        scale=scale, initial_state=state[state_indices].contiguous(), output_final_state=True,
-        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        l2_normalize(q.to(dt)).unsqueeze(0), l2_normalize(k.to(dt)).unsqueeze(0), v.unsqueeze(0), f.unsqueeze(0),
+        b.unsqueeze(0), scale=scale, initial_state=state[state_indices].contiguous(), output_final_state=True,
+        use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
         safe_gate=bounded, lower_bound=lower_bound, A_log=A_log.float().contiguous(),
         dt_bias=dt_bias.float().reshape(-1).contiguous(),
         cu_seqlens=cu_seqlens.to(torch.int64), cu_seqlens_cpu=_host_offsets(cu_seqlens, cu_seqlens_host),

@@ -126,3 +126,32 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, out
                          f"{residual.dtype}")
     summed = _output(x, summed, "summed")
     return _launch(x, None, weight, eps, out, residual, summed), summed
+
+
+@triton.jit(do_not_specialize=["R"])  # token counts: no recompile per value
+def _l2_normalize_kernel(X, Y, R, stride_x, eps, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows r of X [R, D] (row stride stride_x): Y[r] = cast(x * rsqrt(sum(x^2) + eps)), fp32 inside."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    r64 = rows.to(tl.int64)
+    mask = (rows < R)[:, None] & (cols < D)[None, :]
+    x = tl.load(X + r64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=1) + eps)[:, None]
+    tl.store(Y + r64[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x [..., D] -> x / sqrt(sum(x^2, -1) + eps) in x.dtype (fp32 inside, one rounding), a new contiguous tensor:
+    `ops.l2_normalize` rounded to the input dtype, as fla's `l2norm_fwd` rounds it. One launch; its compiled
+    variant depends on D and the dtypes only (fla's kernel autotunes per cdiv(rows, 65536), which made a serving
+    engine compile 25 variants mid-request at each new prefill size)."""
+    d = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    x2 = as_rows(x, d)
+    block_d = next_pow2(d)
+    block_r = max(1, 2048 // block_d)
+    _l2_normalize_kernel[(triton.cdiv(x2.shape[0], block_r),)](
+        x2, out, x2.shape[0], x2.stride(0), float(eps), D=d, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+    return out
