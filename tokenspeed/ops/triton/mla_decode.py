@@ -51,7 +51,7 @@ that fits a page (PAGE % BLOCK_N == 0; splits start at multiples of BLOCK_N) is 
 entry with compile-time row offsets (`mla_flash._kv_tile`'s ROW). benchmarks/mla_compile_sm90.py compiles every variant
 for sm_90 offline.
 
-On Hopper, uniform batches over a bf16 cache with 512 + 64 columns and the balanced plan take a Gluon split
+On Hopper, uniform batches over a bf16 or fp8 cache with 512 + 64 columns and the balanced plan take a Gluon split
 kernel instead (`tokenspeed.ops.triton.mla_gluon`: explicit cp.async double buffering, wgmma keys-major, 16-,
 32- or 64-row tiles; pages a multiple of 64 unless `mla_gluon.SMALL_PAGES`; fp8 caches with
 `mla_gluon.FP8_CACHE`). It writes this split kernel's outputs (bit for bit over a bf16 cache), so the combines
