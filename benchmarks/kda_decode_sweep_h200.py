@@ -19,7 +19,9 @@ the chunked schedule with several tile widths / warps / stages; `default_config`
      subtracted, as benchmarks/kernels_h200.py does) and that time (`us_cold`) is the one compared (`us`);
   3. times fla-core's `fused_recurrent_kda` on the same shape, called as benchmarks/kernels_h200.py calls it (the
      K3 flags: L2 norm, gate and beta sigmoid in-kernel; it does not do the short conv; h0 a contiguous copy of
-     the batch's states, final state written to a new buffer: the same state bytes).
+     the batch's states, final state written to a new buffer: the same state bytes);
+  4. times torch's copy of the same bytes (state read once, written once) in the same harness: the practical
+     ceiling a state-streaming kernel is held against beside the 4.27 TB/s floor.
 Bandwidth: state bytes = N * H * K * V * 4 * 2 (fp32 state read and written once) / time, as a % of 4.27 TB/s
 (the H200 copy rate of shared/docs/h200-baseline.md); the conv state, projections and outputs (~4% more bytes)
 are not counted. Registers / spills / shared memory of each compiled variant come from the launched kernel.
@@ -236,6 +238,19 @@ def fla_fn(inp: dict, H: int, N: int, D: int, dev: str):
     return run
 
 
+def copy_ceiling(state_bytes: int, dev: str, calls: int, reps: int, cold: bool) -> dict:
+    """The practical ceiling in the same harness: torch's device copy of state_bytes / 2 (the bytes a decode reads,
+    written back to a second buffer), timed like a variant."""
+    v = {"label": "copy (torch, same bytes)"}
+    try:
+        src = torch.empty(state_bytes // 8, dtype=torch.float32, device=dev).uniform_()
+        dst = torch.empty_like(src)
+        v.update(measure(lambda d=dst, x=src: d.copy_(x), dev, calls, reps, cold, state_bytes))
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return v
+
+
 def _warm_one(task: tuple) -> tuple:
     """Worker: compile one (H, D, config) by a tiny launch (N = 1) with the sweep's specialisation."""
     H, D, cfg_fields, dev = task
@@ -317,6 +332,8 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
             fla["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(fmt_variant(fla), flush=True)
     row["fla"] = fla
+    row["copy"] = copy_ceiling(state_bytes, dev, calls, args.reps, cold)
+    print(fmt_variant(row["copy"]), flush=True)
     ok = [v for v in row["variants"] if v.get("us") is not None and v.get("parity_ok")]
     if ok:
         best = min(ok, key=lambda v: v["us"])
@@ -426,7 +443,8 @@ def main() -> None:
         print(f"H={r['H']:3d} N={r['N']:3d}: best {r.get('best')} {r.get('best_us') or float('nan'):.2f} us "
               f"({r.get('best_pct_hbm') or float('nan'):.1f}% of HBM; floor {r['floor_us']:.1f} us), "
               f"x{r.get('best_speedup_vs_legacy') or float('nan'):.2f} vs legacy {r['legacy']}, "
-              f"fla {fla_us or float('nan'):.2f} us; default {r['default']}")
+              f"fla {fla_us or float('nan'):.2f} us, copy {r['copy'].get('us') or float('nan'):.2f} us "
+              f"({r['copy'].get('pct_hbm') or float('nan'):.1f}%); default {r['default']}")
     print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
 
 
