@@ -46,7 +46,15 @@ python3 -m tokenspeed.cli bench --base-url "http://127.0.0.1:$PORT" --workload s
   --history live --result-name "swe_smith_${DEVICE}_${MODEL}" 2>&1 | tail -25
 # Triton kernels compiled while serving (each a stall of its step) and the engine's slow-step warnings
 cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-find "$cache" -newer "$started" -name "*.json" ! -name "__grp__*" 2>/dev/null | xargs -r -n1 basename \
-  | sort | uniq -c > "$OUT/swe_compiled_mid_serve.txt"
-echo "Triton kernels compiled mid-serve: $(wc -l < "$OUT/swe_compiled_mid_serve.txt")"; head -20 "$OUT/swe_compiled_mid_serve.txt"
+new=$(find "$cache" -newer "$started" -name "*.json" ! -name "__grp__*" 2>/dev/null)
+{ for f in $new; do basename "$f"; done | sort | uniq -c
+  for f in $new; do  # each variant's specialisation: its entry signature (divisibility hints, constant args)
+    echo "== $(basename "$f" .json)"
+    python3 -c "import glob, re, sys
+for p in sorted(glob.glob(sys.argv[1] + '.tt*ir'))[:1]:
+    m = re.search(r'tt.func public @\w+\((.*?)\)\s*(?:attributes|\{)', open(p).read(), re.S)
+    args = re.sub(r'loc[(][^()]*([(][^()]*[)])?[)]', '', m.group(1)) if m else '?'
+    print(' '.join(args.split())[:1500])" "${f%.json}"
+  done; } > "$OUT/swe_compiled_mid_serve.txt"
+echo "Triton kernels compiled mid-serve: $(echo $new | wc -w)"; grep -E "^ +[0-9]+ " "$OUT/swe_compiled_mid_serve.txt" | head -20
 grep "slow step" "$OUT/swe_server.log" | tail -20
