@@ -93,6 +93,7 @@ VARIANTS = [
     KdaConfig(16, chunked=True, num_warps=2, num_stages=4),
     KdaConfig(32, chunked=True, num_stages=1),
     KdaConfig(32, chunked=True, num_stages=3, hints=True),
+    KdaConfig(32, chunked=True, num_stages=3, prefetch_state=False),  # the default without the state L2 prefetch
 ]
 
 
@@ -385,7 +386,11 @@ def main() -> None:
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--jobs", type=int, default=None,
                     help="processes that precompile the variants first (default: min(8, CPUs) on CUDA; 0: none)")
+    ap.add_argument("--pdl", default="on", choices=["on", "off"],
+                    help="off: TOKENSPEED_PDL=0 for the run (no programmatic dependent launches, as off Hopper)")
     args = ap.parse_args()
+    if args.pdl == "off":
+        os.environ["TOKENSPEED_PDL"] = "0"  # read per launch; inherited by the precompile workers
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device (use --device cpu for the interpreter smoke run)")
@@ -427,7 +432,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter smoke run)",
         "torch": torch.__version__, "triton": triton.__version__, "fla": fla_version,
         "python": platform.python_version(), "commit": git_commit(), "seconds": time.time() - t0,
-        "hbm_Bps": HBM, "precompile": pre, "cold": args.cold, "reps": args.reps,
+        "hbm_Bps": HBM, "precompile": pre, "cold": args.cold, "reps": args.reps, "pdl": args.pdl,
         "command": " ".join(["PYTHONPATH=. python"] + sys.argv),
         "timing": "CUDA graph of `calls_per_graph` launches after a side-stream warm-up; CUDA events around each "
                   "replay, median of `reps` replays / calls. us_warm: L2 not flushed (the state at 96x64 and "

@@ -75,13 +75,14 @@ def catch_launches(kernels: Mapping[ModuleType, Iterable[str]], call: Callable[[
     """Run `call()` with the kernels `kernels[module]` (names of JIT functions in that module, and wherever a
     tokenspeed.ops.triton module re-binds the same object) replaced by recorders, and return their launches in
     order. `pdl.enabled` answers `pdl_on` for every device and family (so the `PDL` constexpr and
-    `pdl.launch_kwargs`' `launch_pdl` follow it); `drop_launch_pdl` makes `pdl.launch_kwargs` return {} (the
+    `pdl.launch_kwargs`' `launch_pdl` follow it) and `pdl.hopper` True; `drop_launch_pdl` makes `pdl.launch_kwargs` return {} (the
     launch option left at its default). `patches`: further (object, attribute, value) set for the call only.
     Everything is restored on exit, also when `call()` raises; nothing is launched, the tensors are not touched
     by any kernel."""
     calls: list[Launch] = []
     swaps = [(m, n, _Recorder(f, calls)) for m, n, f in _bindings(kernels)]
     swaps.append((pdl, "enabled", lambda device, family="": pdl_on))
+    swaps.append((pdl, "hopper", lambda device: True))  # the target is sm_90, whatever the tensors' device
     if drop_launch_pdl:
         swaps.append((pdl, "launch_kwargs", lambda device, family="": {}))
     swaps += list(patches)

@@ -21,6 +21,7 @@ from tests.ops.test_triton_kda_decode import clone, make, tailed, tails_intact
 from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # sets up Triton first
 from tokenspeed.ops import _kda_decode_reference
 from tokenspeed.ops.reference.norm import gated_rms_norm as gated_rms_norm_ref
+from tokenspeed.ops.triton.kda_config import KdaConfig
 
 EPS = 1e-6
 LOWER = -5.0
@@ -176,7 +177,8 @@ def test_norm_argument_checks():
 def test_pdl_launch_plumbing(on, monkeypatch):
     """Host only (the interpreter cannot run the PDL wait): with `pdl.enabled` forced, both wrappers launch the
     kernel with PDL=True and launch_pdl=True; without, PDL=False and no launch_pdl (a dependent launch without its
-    wait compiled in would read the projections early). The bulk state prefetch is on for aligned fp32 rows.
+    wait compiled in would read the projections early). The bulk state prefetch (PF_STATE) follows the device
+    (sm_90, `pdl.hopper`, whether PDL is on or not) and `KdaConfig.prefetch_state`; never in the replay.
     That the PDL variants compile for sm_90 is checked by benchmarks/kda_compile_sm90.py."""
     from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors
     from tokenspeed.ops.triton import kda_decode as mod
@@ -191,6 +193,7 @@ def test_pdl_launch_plumbing(on, monkeypatch):
     monkeypatch.setattr(mod, "_kda_decode_kernel", Catch())
     monkeypatch.setattr(pdl, "enabled", lambda device, family="": on)
     monkeypatch.setattr(pdl, "launch_kwargs", lambda device, family="": {"launch_pdl": True} if on else {})
+    monkeypatch.setattr(pdl, "hopper", lambda device: True)
     inp = make([1, 2], 1, 16, torch.float32, "cpu")
     mod.kda_decode(**clone(inp), lower_bound=LOWER, scale=1.0, **norm_args(3, 1, 16))
     table = KdaLayerTable.build([KdaLayerTensors(*(inp[k] for k in KdaLayerTensors._fields))] * 2, strict=True)
@@ -198,7 +201,11 @@ def test_pdl_launch_plumbing(on, monkeypatch):
     assert len(calls) == 2
     for kw in calls:
         assert kw["PDL"] is on and kw.get("launch_pdl", False) is on
-    assert calls[0]["NORM"] and calls[0]["PF_STATE"] and not calls[1]["NORM"]
+    assert calls[0]["NORM"] and calls[0]["PF_STATE"] and not calls[1]["NORM"] and not calls[1]["PF_STATE"]
+    mod.kda_decode(**clone(inp), lower_bound=LOWER, scale=1.0, config=KdaConfig(16, prefetch_state=False))
+    monkeypatch.setattr(pdl, "hopper", lambda device: False)
+    mod.kda_decode(**clone(inp), lower_bound=LOWER, scale=1.0)
+    assert not calls[2]["PF_STATE"] and not calls[3]["PF_STATE"]
 
 
 # ----------------------------------------------------------------------------- CUDA (bf16, Kimi-Linear's 32 x 128)

@@ -24,19 +24,23 @@ class KdaConfig(NamedTuple):
     (update_state False): tile by tile through all tokens in registers, the next tile prefetched. (block_v = BK
     leaves one tile: the same launch as split.)
     num_warps: 1, 2, 4, 8 or 16. num_stages: Triton's num_stages (also the tile loop's); None: Triton's default, 3
-    (the original launches passed none). hints: evict-first state loads and streaming (.cs) state stores."""
+    (the original launches passed none). hints: evict-first state loads and streaming (.cs) state stores.
+    prefetch_state (chunked decode only): each program starts with an L2 bulk prefetch of its head's state rows
+    (sm_90), so the state streams in while the program computes q / k / gate; None or True: on where the GPU and
+    the pool's alignment allow it (before the PDL wait under PDL), False: off (for A/B timing)."""
 
     block_v: int
     chunked: bool = False
     num_warps: int = 4
     num_stages: int | None = None
     hints: bool = False
+    prefetch_state: bool | None = None
 
     @property
     def label(self) -> str:
         s = f"bv{self.block_v}-{'chunked' if self.chunked else 'split'}-w{self.num_warps}"
         s += f"-s{self.num_stages}" if self.num_stages is not None else ""
-        return s + ("-hints" if self.hints else "")
+        return s + ("-hints" if self.hints else "") + ("-nopf" if self.prefetch_state is False else "")
 
 
 def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:

@@ -84,7 +84,15 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
             "EVEN_K": bk == D, "EVEN_V": even_v, "HINTS": bool(cfg.hints), "num_warps": cfg.num_warps}
     if cfg.num_stages is not None:
         opts["num_stages"] = cfg.num_stages
+    opts["PF_STATE"] = cfg.prefetch_state is not False  # with the pool's alignment and sm_90: `_pf_state`
     return opts
+
+
+def _pf_state(wanted: bool, state: Tensor, D: int) -> bool:
+    """PF_STATE: the chunked decode's L2 bulk prefetch of each head's state rows (`cp.async.bulk.prefetch`,
+    sm_90+) when wanted and the rows are 16-byte aligned (fp32 rows of D % 4 == 0 values from an aligned pool)."""
+    return (wanted and pdl.hopper(state.device) and D % 4 == 0 and state.data_ptr() % 16 == 0
+            and state.stride(0) % 4 == 0)
 
 
 def kda_decode(
@@ -145,6 +153,7 @@ def kda_decode(
     if N == 0 or T == 0:
         return out
     opts = _split(N * H, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
+    opts["PF_STATE"] = _pf_state(opts["PF_STATE"], state, D)
     nv = opts["NV"]
     cnt = _counters(qkv.device, N * H) if ((update_state or norm) and nv > 1) else cu_seqlens
     gate = g3 if norm else out
@@ -162,7 +171,6 @@ def kda_decode(
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=bool(update_state), STORE_STEPS=step_states is not None,
         HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, NORM=norm,
         NORM_ROWS=norm_rows(T, N) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"),
-        PF_STATE=D % 4 == 0 and state.data_ptr() % 16 == 0 and state.stride(0) % 4 == 0,
         **opts, **pdl.launch_kwargs(qkv.device, "kda"),
     )
     return out
@@ -220,6 +228,7 @@ def kda_replay_layers(
     if N == 0 or T == 0:
         return
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
+    opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
     nv = opts["NV"]
     cnt = _counters(qkv.device, L * N * H) if nv > 1 else cu_seqlens
     _kda_decode_kernel[(nv, N * H, L)](

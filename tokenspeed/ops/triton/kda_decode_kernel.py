@@ -65,8 +65,8 @@ BR = NORM_ROWS rows are normed per step (several tokens per sequence: verify, pr
 
 PDL (`tokenspeed.ops.triton.pdl`; Hopper, compiled code only): before `gdc_wait` a single-layer launch reads only its
 slot and bounds (`state_indices[n]`, `cu_seqlens[n:n+2]`), the recurrent-state pool (split: its [BK, BV] tile into
-registers; chunked verify: the first tile; chunked decode: a bulk L2 prefetch of the head's state rows, when they are
-16-byte aligned: PF_STATE), A_log, and issues L2 prefetch hints for the conv weight, conv state, dt_bias and norm weight
+registers; chunked verify: the first tile; chunked decode: a bulk L2 prefetch of the head's state rows, PF_STATE,
+issued with or without PDL on sm_90 when the rows are 16-byte aligned and `KdaConfig.prefetch_state` allows), A_log, and issues L2 prefetch hints for the conv weight, conv state, dt_bias and norm weight
 rows it reads first. Prefetch hints are correct whatever wrote the memory (no data is consumed). The state pool is
 written only by KDA ops of earlier steps (never by either of the two launches before this one). Slots and bounds come
 from a host-to-device copy, which the protocol allows pre-wait only when it was written at least two launches earlier:
@@ -406,14 +406,16 @@ def _kda_decode_kernel(
         nxt = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
 
     rate = tl.exp(tl.load(A_log + h).to(tl.float32))
+    if CHUNKS > 1 and UPDATE and PF_STATE and not MULTI_LAYER:
+        # the head's state (read tile by tile in the pipelined loop below), by rows, into L2: it streams in while
+        # the program computes q / k / gate (with or without PDL; sm_90, chosen on the host)
+        _prefetch_l2_bulk(S + slot * stride_ss + h * D * D + ok * D, D * 4, mk)
     if PDL and not MULTI_LAYER:  # L2 prefetch hints for what the first token reads next to the state
         if CHUNKS == 1:
             _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D, ok, cq, ck, cv, mk, mv, NORM)
         else:
             cw_all = 2 * HD + h * D + ok  # the head's v channels (CHUNKS * BV = BK)
             _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D, ok, cq, ck, cw_all, mk, mk, NORM)
-            if UPDATE and PF_STATE:  # the head's state (read tile by tile in the pipelined loop below), by rows
-                _prefetch_l2_bulk(S + slot * stride_ss + h * D * D + ok * D, D * 4, mk)
     if not MULTI_LAYER:
         _pdl_sync(PDL)
 

@@ -69,6 +69,13 @@ def enabled(device: torch.device, family: str = "") -> bool:
     setting = os.environ.get("TOKENSPEED_PDL", "1")
     if setting.strip() == "0" or (family and not family_on(family, setting)):
         return False
+    return hopper(device)
+
+
+def hopper(device: torch.device) -> bool:
+    """A CUDA device of compute capability >= 9 (griddepcontrol, bulk L2 prefetch), cached per device."""
+    if device.type != "cuda":
+        return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ok = _capable.get(idx)
     if ok is None:
