@@ -52,8 +52,9 @@ def _signature(x: Any) -> Any:
 class OpStandins:
     """Replaces `tokenspeed.ops.<name>` for the entries "name" or "name:NxK" (only calls whose second argument
     has shape (N, K)). Recording (`recording` True): each matched call runs the real op and its output is kept
-    per call signature, calls counted. Skipping: a matched call returns the kept output, launching nothing (a
-    signature never recorded raises KeyError). Use as a context manager; the real ops are restored on exit."""
+    per call signature, calls counted. Skipping: a matched call returns the kept output, launching nothing; a
+    signature never recorded (the graph ladder's other batch sizes) runs the real op. Use as a context manager;
+    the real ops are restored on exit."""
 
     def __init__(self, entries: list[str]) -> None:
         self.entries: dict[str, tuple[int, int] | None] = {}
@@ -78,7 +79,8 @@ class OpStandins:
                 out = real(*args, **kwargs)
                 self.kept.setdefault(key, out)
                 return out
-            return self.kept[key]
+            kept = self.kept.get(key)
+            return real(*args, **kwargs) if kept is None else kept
         return standin
 
     def __enter__(self) -> Self:
@@ -97,14 +99,14 @@ def _graph(model, buf, batch: int, pps: int, fb, entry: str | None):
     """(decode graph captured with `entry` stood in, or with every op for None; matched calls per forward)."""
     from tokenspeed.executor.cuda_graphs import DecodeGraphs
 
+    g = DecodeGraphs(model, buf, batch, pps, scratch_page=batch * pps)
+    g.sizes = [batch]  # only the graph of this batch size (the ladder's others would be captured for nothing)
     if entry is None:
-        g = DecodeGraphs(model, buf, batch, pps, scratch_page=batch * pps)
         g.capture()
         return g, 0
     with OpStandins([entry]) as st:
         model(fb, buf, torch.arange(batch, device="cuda"))  # the recording forward
         st.recording = False
-        g = DecodeGraphs(model, buf, batch, pps, scratch_page=batch * pps)
         g.capture()
     return g, st.calls
 
