@@ -244,3 +244,22 @@ def test_cpu_path_unchanged(monkeypatch) -> None:
     assert calls == {"expanded": 2, "absorbed_ref": 2, "ragged_seqs": []}
     for g, r in zip(got, ref, strict=True):
         assert torch.equal(g, r)
+
+
+def test_uniform_form_on_cuda_only_for_decode_and_verify() -> None:
+    """`_uniform_form`: equal query lengths of 1 (decode) and verify windows attend as one [N, Q, H] block; on
+    CUDA, equal short tails outside verify do not (the split kernels compile per Q, so a lone 4-token turn would
+    compile mid-serve: they take the ragged kernel); on the CPU every uniform length up to the limit does."""
+    from types import SimpleNamespace
+
+    from tokenspeed.models.kimi.mla import ABSORBED_MAX_QUERY_LEN, _uniform_form
+
+    cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+
+    def batch(ql, verify=False):
+        return SimpleNamespace(uniform_query_len=ql, verify=verify)
+
+    assert _uniform_form(batch(1), cuda) and _uniform_form(batch(4, verify=True), cuda)
+    assert not _uniform_form(batch(4), cuda) and not _uniform_form(batch(8), cuda)
+    assert _uniform_form(batch(4), cpu) and _uniform_form(batch(ABSORBED_MAX_QUERY_LEN), cpu)
+    assert not _uniform_form(batch(None), cuda) and not _uniform_form(batch(ABSORBED_MAX_QUERY_LEN + 1, True), cuda)
