@@ -94,6 +94,7 @@ VARIANTS = [
     KdaConfig(32, chunked=True, num_stages=1),
     KdaConfig(32, chunked=True, num_stages=3, hints=True),
     KdaConfig(32, chunked=True, num_stages=3, prefetch_state=False),  # the default without the state L2 prefetch
+    KdaConfig(32, chunked=True, num_stages=3, persistent=True),  # <= 4 programs per SM, next pair's state prefetched
 ]
 
 
