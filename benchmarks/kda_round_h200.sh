@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call for the open issue-7/8 measurements prepared without a GPU (session 10), any subset of parts:
+#   sweep   KDA decode variants at the large shapes, PDL on: the chunked default (head-state L2 prefetch) against
+#           -nopf, -persistent, fla and torch's copy of the same bytes (benchmarks/kda_decode_sweep_h200.py)
+#   nopdl   the same with TOKENSPEED_PDL=0
+#   margin  what each op costs inside the batch-1 / 64 decode graph of kimi-linear-48b-a3b (marginal_cost_h200.py)
+#   tests   the KDA GPU tests (decode, persistent, norm epilogue, replay) over pytest-xdist workers
+#   bash benchmarks/kda_round_h200.sh "tests sweep nopdl margin"
+# Expects $OUT; at most 8 files come back from a device call.
+set -u
+parts=" ${1:-tests sweep margin} "
+source benchmarks/gpu_env.sh
+has() { [[ $parts == *" $1 "* ]]; }
+export PYTHONPATH=$PYTHONPATH:benchmarks
+big="32:64,96:16,96:64"
+only="bv32-chunked,fla"
+if has tests; then
+  PYTEST_N=${PYTEST_N:-8} TIMEOUT=${TESTS_TIMEOUT:-200} bash benchmarks/gpu_tests_h200.sh -k "kda" | tail -4
+fi
+if has sweep; then
+  timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" \
+    --out "$OUT/kda_decode_sweep_h200.json" 2>&1 | tee "$OUT/kda_sweep.log" | grep -A12 "best per shape"
+fi
+if has nopdl; then
+  timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" --pdl off \
+    --out "$OUT/kda_decode_sweep_h200_nopdl.json" 2>&1 | tee "$OUT/kda_sweep_nopdl.log" | grep -A12 "best per shape"
+fi
+if has margin; then
+  timeout 300 python3 benchmarks/marginal_cost_h200.py --batches "${MARGIN_BATCHES:-1,64}" \
+    --out "$OUT/marginal_cost_h200.json" 2>&1 | tail -30
+fi
