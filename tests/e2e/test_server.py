@@ -63,6 +63,24 @@ def test_completions_text_ids_echo_logprobs(server: Server) -> None:
     assert sorted(c.index for c in many.choices) == [0, 1, 2, 3] and many.usage.completion_tokens == 8
 
 
+def test_logit_bias_steers_greedy_tokens(server: Server) -> None:
+    """OpenAI's logit_bias (string token-id keys): +100 on one token makes every greedy token that one (stream
+    chunks carry their ids), in completions and chat; the reported logprobs stay the model's own (< 0)."""
+    client = _client(server)
+    stream = client.completions.create(model="tiny-k3", prompt=[5, 6, 7], max_tokens=4, temperature=0, stream=True,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True,
+                                                                          "return_token_ids": True})
+    ids = [t for c in stream for ch in c.choices for t in (getattr(ch, "token_ids", None) or [])]
+    assert ids == [42] * 4
+    out = client.completions.create(model="tiny-k3", prompt=[5, 6, 7], max_tokens=2, temperature=0, logprobs=0,
+                                    logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert all(v < 0 for v in out.choices[0].logprobs.token_logprobs)
+    chat = client.chat.completions.create(model="tiny-k3", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, temperature=0, logit_bias={"42": 100},
+                                          extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 3
+
+
 def test_tool_round_trip_is_rendered(server: Server) -> None:
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
                                                 "parameters": {"type": "object",
@@ -107,6 +125,9 @@ def _error(server: Server, path: str, body: dict, key: str | None = "test-key") 
     ({"model": "tiny-k3", "prompt": [10**7]}, 400, "range"),
     ({"model": "tiny-k3"}, 400, "prompt"),
     ({"model": "nope", "prompt": "x"}, 404, "nope"),
+    ({"model": "tiny-k3", "prompt": "x", "logit_bias": {"abc": 5}}, 400, "logit_bias keys"),
+    ({"model": "tiny-k3", "prompt": "x", "logit_bias": {"5": 101}}, 400, "[-100, 100]"),
+    ({"model": "tiny-k3", "prompt": "x", "logit_bias": {"99999999": 1}}, 400, "vocabulary"),
 ])
 def test_error_cases(server: Server, body: dict, status: int, fragment: str) -> None:
     r = _error(server, "/v1/completions", body)

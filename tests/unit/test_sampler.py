@@ -198,6 +198,28 @@ def test_min_tokens_blocks_eos_and_stop_ids() -> None:
     assert set(sample(logits.expand(500, -1), sampled).token_ids) <= {0, 1, 2}
 
 
+def test_logit_bias_moves_the_choice_not_the_logprobs() -> None:
+    """A +bias makes a token the greedy choice and -100 excludes one from sampling; only the biased rows change,
+    the reported logprobs stay raw, the caller's logits are untouched, and such rows never take the on-device
+    path (nor the plain-greedy argmax)."""
+    from tokenspeed.executor.sampler import is_plain_greedy, samples_on_device
+
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0], [0.0, 1.0, 5.0, 2.0]])
+    before = logits.clone()
+    greedy = SamplingParams(temperature=0.0, logprobs=0, logit_bias={1: 10.0})
+    out = sample(logits, [row(greedy), row(SamplingParams(temperature=0.0, logprobs=0))])
+    assert out.token_ids == [1, 2] and torch.equal(logits, before)
+    raw = torch.log_softmax(logits, -1)
+    assert out.logprobs == pytest.approx([raw[0, 1].item(), raw[1, 2].item()], abs=1e-6)
+    banned = SamplingParams(temperature=1.0, logit_bias={2: -100.0})
+    draws = sample(logits[:1].expand(400, -1), [row(banned)] * 400).token_ids
+    assert 2 not in draws and set(draws) <= {0, 1, 3}
+    with_penalty = SamplingParams(temperature=0.0, presence_penalty=2.0, logit_bias={1: 2.5}, min_tokens=1)
+    assert sample(logits[:1], [row(with_penalty, output=[], eos=[2])]).token_ids == [1]  # EOS 2 masked, 1 biased
+    assert sample(logits[:1], [row(with_penalty, output=[1], eos=[2])]).token_ids == [2]  # 1 - 2 (presence) + 2.5
+    assert not samples_on_device(greedy) and not is_plain_greedy(greedy.clone(logprobs=None), 0)
+
+
 def test_logprobs_are_raw_and_top_n_sorted() -> None:
     logits = torch.randn(3, 32)
     logits[1] = 0.1 * logits[1]

@@ -54,6 +54,11 @@ def test_defaults_match_vllm() -> None:
         ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
         ({"stop_token_ids": 3}, "stop_token_ids", "list"),
         ({"ignore_eos": "yes"}, "ignore_eos", "boolean"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias", "[-100, 100]"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias", ">= 0"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias", "integer"),
+        ({"logit_bias": {5: math.nan}}, "logit_bias", "finite"),
+        ({"logit_bias": [5, 1.0]}, "logit_bias", "map of token id"),
     ],
 )
 def test_invalid_field_raises_request_error_naming_field(changes: dict, field: str, allowed: str) -> None:
@@ -82,6 +87,8 @@ def test_invalid_field_raises_request_error_naming_field(changes: dict, field: s
         {"max_tokens": 4, "min_tokens": 4},
         {"seed": -(2**63)},
         {"seed": 2**64 - 1},
+        {"logit_bias": {0: -100, 7: 100.0}},
+        {"logit_bias": {}},
     ],
 )
 def test_boundary_values_are_accepted(changes: dict) -> None:
@@ -94,6 +101,17 @@ def test_stop_token_ids_checked_against_vocab() -> None:
     p.validate()
     with pytest.raises(RequestError, match=r"^stop_token_ids .*\[0, 100\)"):
         SamplingParams(stop_token_ids=[100]).validate(vocab_size=100)
+
+
+def test_logit_bias_checked_against_vocab_and_copied() -> None:
+    bias = {3: 1.0, 99: -2.0}
+    p = SamplingParams(logit_bias=bias)
+    p.validate(vocab_size=100)
+    bias[5] = 1.0
+    assert p.logit_bias == {3: 1.0, 99: -2.0}  # a copy, not the caller's dict
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    with pytest.raises(RequestError, match=r"^logit_bias .*\[0, 100\)"):
+        SamplingParams(logit_bias={100: 1.0}).validate(vocab_size=100)
 
 
 def test_stop_normalised_to_fresh_lists() -> None:

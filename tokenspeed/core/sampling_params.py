@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for (OpenAI's top_logprobs limit, vLLM's default)
+MAX_LOGIT_BIAS = 100.0  # |bias| limit of logit_bias values (OpenAI's range)
 SEED_MIN, SEED_END = -(2**63), 2**64  # what torch.Generator.manual_seed accepts: [SEED_MIN, SEED_END)
 
 
@@ -61,6 +62,8 @@ class SamplingParams:
     logprobs: top logprobs returned with each generated token (0 = only the chosen token's; None = none; <= 20).
     prompt_logprobs: likewise for every prompt token. skip_special_tokens: detokenise without special tokens.
     include_stop_str_in_output: keep the matched stop string in the text.
+    logit_bias: token id -> a value in [-100, 100] added to that token's logit before sampling (after the
+    penalties; the reported logprobs stay the model's); None or {} = none.
     """
 
     n: int = 1
@@ -81,6 +84,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -95,6 +99,10 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids must be a list of integers, got {ids!r}")
         object.__setattr__(self, "stop", list(stop))
         object.__setattr__(self, "stop_token_ids", list(ids))
+        bias = self.logit_bias
+        if bias is not None and not isinstance(bias, dict):
+            raise RequestError(f"logit_bias must be a map of token id to bias, got {bias!r}")
+        object.__setattr__(self, "logit_bias", dict(bias) if bias else None)
         self.validate()
 
     @property
@@ -120,6 +128,7 @@ class SamplingParams:
             rule = f"between 0 and {MAX_LOGPROBS} (or null)"
             _check_int(name, getattr(self, name), 0, MAX_LOGPROBS, rule, optional=True)
         self._validate_stops(vocab_size)
+        self._validate_logit_bias(vocab_size)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be a boolean, got {getattr(self, name)!r}")
@@ -158,3 +167,11 @@ class SamplingParams:
         rule = ">= 0" if hi is None else f"in [0, {vocab_size}) (the vocabulary)"
         for tok in self.stop_token_ids:
             _check_int("stop_token_ids", tok, 0, hi, rule)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        hi = None if vocab_size is None else vocab_size - 1
+        rule = "token ids >= 0" if hi is None else f"token ids in [0, {vocab_size}) (the vocabulary)"
+        for tok, bias in (self.logit_bias or {}).items():
+            _check_int("logit_bias", tok, 0, hi, rule)
+            if abs(_check_float("logit_bias", bias)) > MAX_LOGIT_BIAS:
+                raise RequestError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")

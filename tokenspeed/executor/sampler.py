@@ -4,10 +4,11 @@ Order, per row (vLLM / OpenAI semantics):
   1. raw logprobs: log_softmax of the logits as given (before any penalty or temperature) — what is reported;
   2. penalties: repetition (tokens in prompt + output: positive logits / r, negative logits * r), then
      frequency (- f * count in output) and presence (- p * [count > 0] in output);
-  3. min_tokens: while fewer than min_tokens tokens were generated, stop_token_ids and EOS (unless ignore_eos)
+  3. logit_bias: each row's token -> bias values added;
+  4. min_tokens: while fewer than min_tokens tokens were generated, stop_token_ids and EOS (unless ignore_eos)
      get -inf;
-  4. greedy rows (temperature 0 or top_k 1): argmax, ties to the lowest id;
-  5. other rows: logits / temperature, top-k (the k first in descending order, ties to the lower id), top-p
+  5. greedy rows (temperature 0 or top_k 1): argmax, ties to the lowest id;
+  6. other rows: logits / temperature, top-k (the k first in descending order, ties to the lower id), top-p
      (the shortest prefix whose mass is >= top_p, at least one token), min-p (drop p < min_p * p_max), then one
      draw from the renormalised distribution.
 
@@ -83,6 +84,7 @@ def sample(logits: Tensor, rows: Sequence[SamplerInput]) -> SampleOutput:
     wants_logprobs = any(row.params.logprobs is not None for row in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else logits  # unused unless asked
     processed = apply_penalties(logits, rows)
+    processed = apply_logit_bias(processed, rows, in_place=processed is not logits)
     processed = mask_min_tokens(processed, rows)
     return _gather_logprobs(raw_logprobs, _choose(processed, rows), rows)
 
@@ -98,8 +100,8 @@ def sample_on_device(logits: Tensor, rows: Sequence[SamplerInput]) -> Tensor:
 
 def samples_on_device(p: SamplingParams) -> bool:
     """True when a request's tokens can be chosen without its output tokens or a host read-back: no penalty, no
-    min_tokens, no logprobs."""
-    return not _has_penalty(p) and p.min_tokens == 0 and p.logprobs is None
+    min_tokens, no logprobs, no logit_bias."""
+    return not _has_penalty(p) and p.min_tokens == 0 and p.logprobs is None and not p.logit_bias
 
 
 def _choose(processed: Tensor, rows: Sequence[SamplerInput]) -> Tensor:
@@ -141,6 +143,20 @@ def apply_penalties(logits: Tensor, rows: Sequence[SamplerInput]) -> Tensor:
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0).float()
     out[idx] = sub
+    return out
+
+
+def apply_logit_bias(logits: Tensor, rows: Sequence[SamplerInput], in_place: bool) -> Tensor:
+    """`logits` [B, V] plus each row's params.logit_bias (token id -> bias) at those tokens: in place when
+    `in_place` (the caller's own copy), else on a copy; `logits` itself when no row has a bias."""
+    entries = [(i, tok, b) for i, r in enumerate(rows) if r.params.logit_bias for tok, b in r.params.logit_bias.items()]
+    if not entries:
+        return logits
+    out = logits if in_place else logits.clone()
+    rows_i, toks, biases = zip(*entries, strict=True)
+    dev = logits.device
+    out.index_put_((to_device(list(rows_i), torch.long, dev), to_device(list(toks), torch.long, dev)),
+                   to_device(list(biases), out.dtype, dev), accumulate=True)
     return out
 
 
@@ -247,9 +263,9 @@ def prompt_logprobs_chunk(logits: Tensor, prompt_ids: Sequence[int], start: int,
 
 
 def is_plain_greedy(p: SamplingParams, num_output_tokens: int) -> bool:
-    """True when a row with these params and this many output tokens is greedy with no penalty, no min_tokens mask
-    in force and no logprobs: its token is then the argmax of its logits as given."""
-    return (p.greedy and p.logprobs is None and not _has_penalty(p)
+    """True when a row with these params and this many output tokens is greedy with no penalty, no logit_bias, no
+    min_tokens mask in force and no logprobs: its token is then the argmax of its logits as given."""
+    return (p.greedy and p.logprobs is None and not _has_penalty(p) and not p.logit_bias
             and num_output_tokens >= p.min_tokens)
 
 

@@ -34,6 +34,7 @@ class _Sampling(_Base):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None  # OpenAI's form: token ids as JSON object keys
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -44,7 +45,7 @@ class _Sampling(_Base):
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "skip_special_tokens": self.skip_special_tokens,
-            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "include_stop_str_in_output": self.include_stop_str_in_output, "logit_bias": _token_keys(self.logit_bias),
         }
         return {k: v for k, v in values.items() if v is not None}
 
@@ -88,6 +89,16 @@ class TokenizeRequest(_Base):
 class DetokenizeRequest(_Base):
     model: str | None = None
     tokens: list[int]
+
+
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """logit_bias with its JSON keys ("50256") as token ids; RequestError for a key that is not an integer."""
+    if bias is None:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError as e:
+        raise RequestError(f"logit_bias keys must be token ids (integers), got {list(bias)[:5]}") from e
 
 
 def _params(common: dict[str, Any], **more: Any) -> SamplingParams:
