@@ -13,7 +13,7 @@ source benchmarks/gpu_env.sh
 has() { [[ $parts == *" $1 "* ]]; }
 export PYTHONPATH=$PYTHONPATH:benchmarks
 big="32:64,96:16,96:64"
-only="bv32-chunked,fla"
+only="bv32-chunked"  # the chunked variants (and the default / legacy and fla, always timed)
 if has tests; then
   PYTEST_N=${PYTEST_N:-8} TIMEOUT=${TESTS_TIMEOUT:-200} bash benchmarks/gpu_tests_h200.sh -k "kda" | tail -4
 fi

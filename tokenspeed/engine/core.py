@@ -303,12 +303,13 @@ class EngineCore:
                 self.num_async_steps += 1
         if prev is not None:
             outputs = self._read_back(prev)
+        elapsed = time.monotonic() - start
         if batch.is_empty:
             self.last_step = self.stats()  # nothing launched: the counters after the read-back
         else:
-            self.last_step = self.stats(self._in_flight.launched.num_tokens, len(batch.requests),
-                                        time.monotonic() - start, len(batch.preempted))
-        _warn_if_slow(time.monotonic() - start, batch, prev.batch if prev is not None else None)
+            self.last_step = self.stats(self._in_flight.launched.num_tokens, len(batch.requests), elapsed,
+                                        len(batch.preempted))
+        _warn_if_slow(elapsed, batch, prev.batch if prev is not None else None)
         return outputs
 
     def _take_in_flight(self) -> _InFlight | None:
@@ -392,7 +393,7 @@ def _warn_if_slow(seconds: float, batch: ScheduledBatch, read_back: ScheduledBat
 
 def _needs_sync(params: SamplingParams | None) -> bool:
     """Requests that the synchronous step serves: penalties, min_tokens (the sampler reads the host tokens),
-    logprobs and prompt logprobs. Greedy and plain sampled (temperature, top-k/p, min-p, seeds) requests do not."""
+    logit_bias, logprobs and prompt logprobs. Greedy and plain sampled (temperature, top-k/p, min-p, seeds) requests do not."""
     if params is None:
         return False
     return not samples_on_device(params) or params.prompt_logprobs is not None

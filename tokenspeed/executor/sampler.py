@@ -101,7 +101,7 @@ def sample_on_device(logits: Tensor, rows: Sequence[SamplerInput]) -> Tensor:
 def samples_on_device(p: SamplingParams) -> bool:
     """True when a request's tokens can be chosen without its output tokens or a host read-back: no penalty, no
     min_tokens, no logprobs, no logit_bias."""
-    return not _has_penalty(p) and p.min_tokens == 0 and p.logprobs is None and not p.logit_bias
+    return not _edits_logits(p) and p.min_tokens == 0 and p.logprobs is None
 
 
 def _choose(processed: Tensor, rows: Sequence[SamplerInput]) -> Tensor:
@@ -265,12 +265,16 @@ def prompt_logprobs_chunk(logits: Tensor, prompt_ids: Sequence[int], start: int,
 def is_plain_greedy(p: SamplingParams, num_output_tokens: int) -> bool:
     """True when a row with these params and this many output tokens is greedy with no penalty, no logit_bias, no
     min_tokens mask in force and no logprobs: its token is then the argmax of its logits as given."""
-    return (p.greedy and p.logprobs is None and not _has_penalty(p) and not p.logit_bias
-            and num_output_tokens >= p.min_tokens)
+    return p.greedy and p.logprobs is None and not _edits_logits(p) and num_output_tokens >= p.min_tokens
 
 
 def _plain_greedy(rows: Sequence[SamplerInput]) -> bool:
     return all(is_plain_greedy(row.params, len(row.output_token_ids)) for row in rows)
+
+
+def _edits_logits(p: SamplingParams) -> bool:
+    """A penalty or a logit_bias: the row's logits are changed on the host before the choice."""
+    return _has_penalty(p) or bool(p.logit_bias)
 
 
 def _has_penalty(p: SamplingParams) -> bool:
