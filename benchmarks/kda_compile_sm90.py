@@ -63,9 +63,7 @@ def variants() -> list[tuple[str, callable]]:
                 (f"decode-b1-d96{sfx}", call(1, 1, d=96)),
                 (f"verify-b2-q4{sfx}", call(2, 4, update_state=False)),
                 (f"verify-b2-q4-chunked{sfx}", call(2, 4, update_state=False, chunked=True)),
-                (f"tail-b1-q64{sfx}", call(1, 64)),
-                (f"decode-b8-persistent{sfx}",
-                 call(8, 1, config=kd.KdaConfig(32, chunked=True, num_stages=3, persistent=True)))]
+                (f"tail-b1-q64{sfx}", call(1, 64))]
     layers = [KdaLayerTensors(*(_layer(2, 4)[k] for k in KdaLayerTensors._fields)) for _ in range(3)]
     table = KdaLayerTable.build(layers, strict=True)
     acc = torch.zeros(2, dtype=torch.int64)

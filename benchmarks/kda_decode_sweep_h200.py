@@ -93,8 +93,8 @@ VARIANTS = [
     KdaConfig(16, chunked=True, num_warps=2, num_stages=4),
     KdaConfig(32, chunked=True, num_stages=1),
     KdaConfig(32, chunked=True, num_stages=3, hints=True),
-    KdaConfig(32, chunked=True, num_stages=3, prefetch_state=False),  # the default without the state L2 prefetch
-    KdaConfig(32, chunked=True, num_stages=3, persistent=True),  # <= 4 programs per SM, next pair's state prefetched
+    KdaConfig(32, chunked=True, num_stages=3, prefetch_state=False),  # the chunked default, state L2 prefetch off
+    KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True),  # ... and on (the default: on up to 16 MB)
 ]
 
 

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # One device call for the open issue-7/8 measurements prepared without a GPU (session 10), any subset of parts:
-#   sweep   KDA decode variants at the large shapes, PDL on: the chunked default (head-state L2 prefetch) against
-#           -nopf, -persistent, fla and torch's copy of the same bytes (benchmarks/kda_decode_sweep_h200.py)
-#   nopdl   the same with TOKENSPEED_PDL=0
+#   sweep   KDA decode variants at the large shapes, PDL on: the chunked default (head-state L2 prefetch up to
+#           16 MB of state) against -nopf, -pf, fla and torch's copy of the same bytes (kda_decode_sweep_h200.py)
+#   small   the same at batch-1..16 shapes
+#   nopdl   the large shapes with TOKENSPEED_PDL=0
+#   stepab  the batch-1 / 4 / 16 decode step of kimi-linear-48b-a3b with the KDA state prefetch off / on
+#           (step_profile_h200.py --pdl-ab, TOKENSPEED_KDA_PF_STATE)
+#   sizing  the batch-1 decode step against the graphs' sizing (graph_sizing_h200.py)
 #   margin  what each op costs inside the batch-1 / 64 decode graph of kimi-linear-48b-a3b (marginal_cost_h200.py)
-#   tests   the KDA GPU tests (decode, persistent, norm epilogue, replay) over pytest-xdist workers
+#   tests   the KDA GPU tests (decode, norm epilogue, replay) over pytest-xdist workers
 #   bash benchmarks/kda_round_h200.sh "tests sweep nopdl margin"
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
@@ -21,9 +25,21 @@ if has sweep; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" \
     --out "$OUT/kda_decode_sweep_h200.json" 2>&1 | tee "$OUT/kda_sweep.log" | grep -A12 "best per shape"
 fi
+if has small; then
+  timeout 200 python3 benchmarks/kda_decode_sweep_h200.py --shapes "32:1,96:1,32:4,32:16" --only "bv32-chunked-w4-s3" \
+    --out "$OUT/kda_decode_sweep_h200_small.json" 2>&1 | tee "$OUT/kda_sweep_small.log" | grep -A12 "best per shape"
+fi
 if has nopdl; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" --pdl off \
     --out "$OUT/kda_decode_sweep_h200_nopdl.json" 2>&1 | tee "$OUT/kda_sweep_nopdl.log" | grep -A12 "best per shape"
+fi
+if has stepab; then
+  timeout 240 python3 benchmarks/step_profile_h200.py --batches 1 --skip decode,prefill,policy --pdl-ab 1,4,16 \
+    --pdl-configs "1:regs:0:table:TOKENSPEED_KDA_PF_STATE=0;1:regs:0:table:TOKENSPEED_KDA_PF_STATE=1;1:regs:0" \
+    --out "$OUT" 2>&1 | grep "PDL A/B"
+fi
+if has sizing; then
+  timeout 200 python3 benchmarks/graph_sizing_h200.py --out "$OUT/graph_sizing_h200.json" 2>&1 | tail -32
 fi
 if has margin; then
   timeout 300 python3 benchmarks/marginal_cost_h200.py --batches "${MARGIN_BATCHES:-1,64}" \

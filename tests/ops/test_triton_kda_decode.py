@@ -344,33 +344,6 @@ def test_chunked_decode_interp(D, BV, stages, lower_bound):
 
 
 @cpu_interp
-@pytest.mark.parametrize("heads,norm", [(3, False), (2, True)])
-def test_persistent_decode_equals_chunked_interp(monkeypatch, heads, norm):
-    """KdaConfig(persistent=True): fewer programs than (sequence, head) pairs (4 here), each running every 4th
-    pair: outputs, states and conv states bit-identical to the chunked launch (the same per-pair code), with a
-    padding row and a sequence without tokens; idle slots untouched; the norm epilogue too."""
-    from tokenspeed.ops.triton import kda_decode as mod
-    from tokenspeed.ops.triton.kda_decode import KdaConfig
-
-    monkeypatch.setattr(mod, "PERSISTENT_CTAS_PER_SM", 1)  # 4 programs (4 "SMs" off CUDA)
-    lens, slots = [1, 1, 0, 1, 1], [4, 1, 6, -1, 0]
-    inp = make(lens, heads, 16, torch.float32, "cpu", slots=slots)
-    _, idle = poison_idle(inp)
-    g = torch.Generator().manual_seed(3)
-    extra = {"norm_gate": torch.randn(sum(lens), heads * 16, generator=g), "norm_weight": torch.randn(16, generator=g),
-             "norm_eps": 1e-6} if norm else {}
-    outs = {}
-    for persistent in (False, True):
-        a = clone(inp)
-        cfg = KdaConfig(8, chunked=True, num_stages=2, persistent=persistent)
-        outs[persistent] = (run_fused(a, -5.0, 0.25, config=cfg, **extra), a["state"], a["conv_state"])
-    assert mod.persistent_programs(len(lens) * heads, torch.device("cpu")) == 4
-    for x, y in zip(outs[False], outs[True], strict=True):
-        assert torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
-    assert outs[True][1][idle].isnan().all() and outs[True][2][idle].isnan().all()
-
-
-@cpu_interp
 @pytest.mark.parametrize("D,BV", [(16, 8), (48, 16), (48, 32)])
 def test_chunked_verify_interp(D, BV):
     """Chunked verify (pools untouched): with per-token step states, and outputs only."""

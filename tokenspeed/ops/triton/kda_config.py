@@ -26,11 +26,10 @@ class KdaConfig(NamedTuple):
     num_warps: 1, 2, 4, 8 or 16. num_stages: Triton's num_stages (also the tile loop's); None: Triton's default, 3
     (the original launches passed none). hints: evict-first state loads and streaming (.cs) state stores.
     prefetch_state (chunked decode only): each program starts with an L2 bulk prefetch of its head's state rows
-    (sm_90), so the state streams in while the program computes q / k / gate; None or True: on where the GPU and
-    the pool's alignment allow it (before the PDL wait under PDL), False: off (for A/B timing).
-    persistent (chunked decode, not verify or replay): a grid of at most 4 programs per SM, each running every
-    P-th (sequence, head) pair and prefetching the next pair's state into L2 before each one (with
-    prefetch_state), so state streams in across the pairs' q / k work; the same arithmetic per pair."""
+    (sm_90), so the state streams in while the program computes q / k / gate (before the PDL wait under PDL).
+    True: on where the GPU and the pool's alignment allow it; False: off; None: on only for launches whose state
+    is at most `kda_decode.PF_STATE_MAX_BYTES` (small batches, where the kernel is latency-bound; at 96 heads x 64
+    sequences the prefetch cost 13% on the H200: benchmarks/README.md)."""
 
     block_v: int
     chunked: bool = False
@@ -38,14 +37,13 @@ class KdaConfig(NamedTuple):
     num_stages: int | None = None
     hints: bool = False
     prefetch_state: bool | None = None
-    persistent: bool = False
 
     @property
     def label(self) -> str:
         s = f"bv{self.block_v}-{'chunked' if self.chunked else 'split'}-w{self.num_warps}"
         s += f"-s{self.num_stages}" if self.num_stages is not None else ""
-        return (s + ("-hints" if self.hints else "") + ("-nopf" if self.prefetch_state is False else "")
-                + ("-persistent" if self.persistent else ""))
+        pf = {None: "", True: "-pf", False: "-nopf"}[self.prefetch_state]
+        return s + ("-hints" if self.hints else "") + pf
 
 
 def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:

@@ -11,6 +11,8 @@ benchmarks/kda_decode_sweep_h200.py).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 from torch import Tensor
@@ -84,26 +86,22 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
             "EVEN_K": bk == D, "EVEN_V": even_v, "HINTS": bool(cfg.hints), "num_warps": cfg.num_warps}
     if cfg.num_stages is not None:
         opts["num_stages"] = cfg.num_stages
-    opts["PF_STATE"] = cfg.prefetch_state is not False  # with the pool's alignment and sm_90: `_pf_state`
-    opts["PERSISTENT"] = bool(cfg.persistent and cfg.chunked)  # popped by the single-layer launch
+    opts["PF_STATE"] = cfg.prefetch_state  # True / False / None (by size), then the device: `_pf_state`
     return opts
 
 
-PERSISTENT_CTAS_PER_SM = 4  # resident chunked-decode programs per SM (128 registers x 128 threads, 33 KB smem)
+PF_STATE_MAX_BYTES = 16 << 20  # prefetch_state None: the launch's state at most this (b1-b4 at 32 heads of 128)
+PF_STATE_ENV = "TOKENSPEED_KDA_PF_STATE"  # read per launch for prefetch_state None: "1" on, "0" off (step A/B)
 
 
-def persistent_programs(num_pairs: int, device: torch.device) -> int:
-    """Programs of a persistent chunked decode: at most PERSISTENT_CTAS_PER_SM per SM, spread so every program
-    runs the same number of (sequence, head) pairs (or one fewer)."""
-    slots = PERSISTENT_CTAS_PER_SM * (torch.cuda.get_device_properties(device).multi_processor_count
-                                      if device.type == "cuda" else 4)
-    rounds = triton.cdiv(num_pairs, slots)
-    return triton.cdiv(num_pairs, rounds)
-
-
-def _pf_state(wanted: bool, state: Tensor, D: int) -> bool:
+def _pf_state(wanted: bool | None, state: Tensor, D: int, pairs: int) -> bool:
     """PF_STATE: the chunked decode's L2 bulk prefetch of each head's state rows (`cp.async.bulk.prefetch`,
-    sm_90+) when wanted and the rows are 16-byte aligned (fp32 rows of D % 4 == 0 values from an aligned pool)."""
+    sm_90+) when wanted (None: as PF_STATE_ENV says, else when the launch's `pairs` (sequence, head) states are
+    at most PF_STATE_MAX_BYTES) and the rows are 16-byte aligned (fp32 rows of D % 4 == 0 values from an aligned
+    pool)."""
+    if wanted is None:
+        env = os.environ.get(PF_STATE_ENV, "").strip()
+        wanted = env == "1" if env in ("0", "1") else pairs * D * D * 4 <= PF_STATE_MAX_BYTES
     return (wanted and pdl.hopper(state.device) and D % 4 == 0 and state.data_ptr() % 16 == 0
             and state.stride(0) % 4 == 0)
 
@@ -166,13 +164,11 @@ def kda_decode(
     if N == 0 or T == 0:
         return out
     opts = _split(N * H, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
-    opts["PF_STATE"] = _pf_state(opts["PF_STATE"], state, D)
+    opts["PF_STATE"] = _pf_state(opts["PF_STATE"], state, D, N * H)
     nv = opts["NV"]
     cnt = _counters(qkv.device, N * H) if ((update_state or norm) and nv > 1) else cu_seqlens
     gate = g3 if norm else out
-    persistent = opts.pop("PERSISTENT") and nv == 1 and update_state and seq_lens is None
-    grid = (1, persistent_programs(N * H, qkv.device)) if persistent else (nv, N * H)
-    _kda_decode_kernel[grid](
+    _kda_decode_kernel[(nv, N * H)](
         qkv, qkv.stride(0),
         f3, f3.stride(0), f3.stride(1),
         b, b.stride(0), b.stride(1),
@@ -182,10 +178,10 @@ def kda_decode(
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         out, step_states if step_states is not None else state, cnt, cu_seqlens,
         gate, gate.stride(0), gate.stride(1), norm_weight.contiguous() if norm else A_log,
-        float(lower_bound) if lower_bound is not None else 0.0, float(scale), float(norm_eps), N * H,
+        float(lower_bound) if lower_bound is not None else 0.0, float(scale), float(norm_eps),
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=bool(update_state), STORE_STEPS=step_states is not None,
         HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, NORM=norm,
-        NORM_ROWS=norm_rows(T, N) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"), PERSISTENT=persistent,
+        NORM_ROWS=norm_rows(T, N) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"),
         **opts, **pdl.launch_kwargs(qkv.device, "kda"),
     )
     return out
@@ -244,7 +240,6 @@ def kda_replay_layers(
         return
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
-    opts.pop("PERSISTENT")  # one program per (sequence, head, layer)
     nv = opts["NV"]
     cnt = _counters(qkv.device, L * N * H) if nv > 1 else cu_seqlens
     _kda_decode_kernel[(nv, N * H, L)](
@@ -257,7 +252,7 @@ def kda_replay_layers(
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         qkv, state, cnt, table.offsets,  # O: unused (STORE_OUT False), typed like the io dtype for the roundings
         qkv, 0, 0, A_log,  # the norm epilogue's gate / weight: unused (no outputs)
-        float(lower_bound) if lower_bound is not None else 0.0, 1.0, 0.0, N * H,
+        float(lower_bound) if lower_bound is not None else 0.0, 1.0, 0.0,
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=True, STORE_STEPS=False, HAS_LENS=seq_lens is not None,
         MULTI_LAYER=True, STORE_OUT=False, NORM=False, PDL=pdl.enabled(qkv.device, "kda"), **opts,
         **pdl.launch_kwargs(qkv.device, "kda"),

@@ -33,11 +33,6 @@ same roundings (the conv output is rounded to the io dtype, as the reference's c
   launches on split). The replay (no outputs) convolves v per tile instead. Verify (update_state False): tile by
   tile, each carried through all tokens in registers, the next tile prefetched into registers.
 
-Persistent (`KdaConfig.persistent`, chunked decode only): the kernel body is `_kda_decode_program`, run once per
-program normally; with PERSISTENT the grid is (1, P) with P at most a few programs per SM, program j runs pairs j,
-j + P, ... and, before each, bulk-prefetches the next pair's state rows into L2 (PF_STATE): the arithmetic of each
-pair is the same code, so the outputs equal the plain chunked launch's bit for bit.
-
 `update_state=True` (decode): conv_state[s] and state[s] are advanced in place. `update_state=False` (verify):
 neither pool is written; `step_states` [T, H, K, V] fp32, if given, receives the state after every token, so
 the caller can commit the state after the last accepted token.
@@ -324,7 +319,7 @@ def _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D: tl.constexpr,
 
 
 @triton.jit
-def _kda_decode_program(
+def _kda_decode_kernel(
     QKV, stride_qkv,
     F, stride_ft, stride_fh,
     Bt, stride_bt, stride_bh,
@@ -347,18 +342,17 @@ def _kda_decode_program(
     STORE_STEPS: tl.constexpr,
     HINTS: tl.constexpr,
     HAS_LENS: tl.constexpr,
-    MULTI_LAYER: tl.constexpr,
-    STORE_OUT: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    STAGES: tl.constexpr,
-    NORM: tl.constexpr,
-    NORM_ROWS: tl.constexpr,
-    PDL: tl.constexpr,
-    PF_STATE: tl.constexpr,
-    pid_v, pid_nh,
+    MULTI_LAYER: tl.constexpr = False,
+    STORE_OUT: tl.constexpr = True,
+    CHUNKS: tl.constexpr = 1,
+    STAGES: tl.constexpr = 1,
+    NORM: tl.constexpr = False,
+    NORM_ROWS: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
+    PF_STATE: tl.constexpr = False,
 ):
-    """Program (pid_v, pid_nh) of `_kda_decode_kernel` (the module docstring): V block pid_v of (sequence, head)
-    pid_nh = n * H + h. The kernel runs it once per program, or (PERSISTENT) for every pair of its stride."""
+    pid_v = tl.program_id(0)
+    pid_nh = tl.program_id(1)
     if MULTI_LAYER:  # one launch over L layers: layer l's tensors are layer 0's + row l of the offset table
         # The table may have been copied in just before (an eager replay builds a fresh one): nothing is read
         # before the PDL wait in this launch (the replay graph's only kernel gains nothing from it anyway).
@@ -576,71 +570,3 @@ def _kda_decode_program(
             if last:  # uniform over the program: the barrier inside is reached by every thread or none
                 tl.debug_barrier()  # NV == 1: this program's own o stores (other threads) before the reads
                 _norm_rows(O, G, stride_gt, stride_gh, NW, norm_eps, bos, seq_len, h, H, D, ok, lk, NORM_ROWS)
-
-
-@triton.jit(do_not_specialize=["NUM_PAIRS"])
-def _kda_decode_kernel(
-    QKV, stride_qkv,
-    F, stride_ft, stride_fh,
-    Bt, stride_bt, stride_bh,
-    CW, CS, stride_css, stride_csc, stride_csw,
-    A_log, DT,
-    S, stride_ss,
-    SLOTS, CU, LENS,
-    O, STEP, CNT, LOFF,
-    G, stride_gt, stride_gh, NW,
-    lower_bound, scale, norm_eps, NUM_PAIRS,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    NV: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    EVEN_V: tl.constexpr,
-    HAS_LB: tl.constexpr,
-    UPDATE: tl.constexpr,
-    STORE_STEPS: tl.constexpr,
-    HINTS: tl.constexpr,
-    HAS_LENS: tl.constexpr,
-    MULTI_LAYER: tl.constexpr = False,
-    STORE_OUT: tl.constexpr = True,
-    CHUNKS: tl.constexpr = 1,
-    STAGES: tl.constexpr = 1,
-    NORM: tl.constexpr = False,
-    NORM_ROWS: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
-    PF_STATE: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = False,
-):
-    if PERSISTENT:
-        # a grid of (1, P) programs, P <= NUM_PAIRS = N * H: program j runs pairs j, j + P, ... (chunked decode
-        # only, NV = 1): before each pair it prefetches the next one's state rows into L2 (PF_STATE), so the next
-        # head's state streams in while this one computes
-        ok = tl.arange(0, BK)
-        step = tl.num_programs(1)
-        for pid_nh in range(tl.program_id(1), NUM_PAIRS, step):
-            if PF_STATE:
-                nxt = pid_nh + step
-                live = (ok * 0 + nxt) < NUM_PAIRS
-                nslot = tl.load(SLOTS + tl.minimum(nxt, NUM_PAIRS - 1) // H).to(tl.int64)
-                live = live & ((ok * 0 + nslot) >= 0) & (ok < D)
-                _prefetch_l2_bulk(S + tl.maximum(nslot, 0) * stride_ss + (nxt % H) * D * D + ok * D, D * 4, live)
-            _kda_decode_program(
-                QKV, stride_qkv, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh,
-                CW, CS, stride_css, stride_csc, stride_csw, A_log, DT, S,
-                stride_ss, SLOTS, CU, LENS, O, STEP, CNT, LOFF,
-                G, stride_gt, stride_gh, NW, lower_bound, scale, norm_eps, H,
-                D, BK, BV, NV, EVEN_K, EVEN_V, HAS_LB, UPDATE,
-                STORE_STEPS, HINTS, HAS_LENS, MULTI_LAYER, STORE_OUT, CHUNKS, STAGES, NORM,
-                NORM_ROWS, PDL, PF_STATE,
-                0, pid_nh)
-    else:
-        _kda_decode_program(
-            QKV, stride_qkv, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh,
-            CW, CS, stride_css, stride_csc, stride_csw, A_log, DT, S,
-            stride_ss, SLOTS, CU, LENS, O, STEP, CNT, LOFF,
-            G, stride_gt, stride_gh, NW, lower_bound, scale, norm_eps, H,
-            D, BK, BV, NV, EVEN_K, EVEN_V, HAS_LB, UPDATE,
-            STORE_STEPS, HINTS, HAS_LENS, MULTI_LAYER, STORE_OUT, CHUNKS, STAGES, NORM,
-            NORM_ROWS, PDL, PF_STATE,
-            tl.program_id(0), tl.program_id(1))
