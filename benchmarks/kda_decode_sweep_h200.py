@@ -93,8 +93,7 @@ VARIANTS = [
     KdaConfig(16, chunked=True, num_warps=2, num_stages=4),
     KdaConfig(32, chunked=True, num_stages=1),
     KdaConfig(32, chunked=True, num_stages=3, hints=True),
-    KdaConfig(32, chunked=True, num_stages=3, prefetch_state=False),  # the chunked default, state L2 prefetch off
-    KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True),  # ... and on (the default: on up to 16 MB)
+    KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True),  # the chunked default + the state L2 prefetch
 ]
 
 

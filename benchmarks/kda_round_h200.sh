@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
 # One device call for the open issue-7/8 measurements prepared without a GPU (session 10), any subset of parts:
-#   sweep   KDA decode variants at the large shapes, PDL on: the chunked default (head-state L2 prefetch up to
-#           16 MB of state) against -nopf, -pf, fla and torch's copy of the same bytes (kda_decode_sweep_h200.py)
+#   sweep   KDA decode variants at the large shapes, PDL on: the chunked default against -pf (head-state L2
+#           prefetch), -hints, fla and torch's copy of the same bytes (kda_decode_sweep_h200.py)
 #   small   the same at batch-1..16 shapes
 #   nopdl   the large shapes with TOKENSPEED_PDL=0
-#   stepab  the batch-1 / 4 / 16 decode step of kimi-linear-48b-a3b with the KDA state prefetch off / on
-#           (step_profile_h200.py --pdl-ab, TOKENSPEED_KDA_PF_STATE)
 #   sizing  the batch-1 decode step against the graphs' sizing (graph_sizing_h200.py)
 #   margin  what each op costs inside the batch-1 / 64 decode graph of kimi-linear-48b-a3b (marginal_cost_h200.py)
 #   tests   the KDA GPU tests (decode, norm epilogue, replay) over pytest-xdist workers
@@ -32,11 +30,6 @@ fi
 if has nopdl; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" --pdl off \
     --out "$OUT/kda_decode_sweep_h200_nopdl.json" 2>&1 | tee "$OUT/kda_sweep_nopdl.log" | grep -A12 "best per shape"
-fi
-if has stepab; then
-  timeout 240 python3 benchmarks/step_profile_h200.py --batches 1 --skip decode,prefill,policy --pdl-ab 1,4,16 \
-    --pdl-configs "1:regs:0:table:TOKENSPEED_KDA_PF_STATE=0;1:regs:0:table:TOKENSPEED_KDA_PF_STATE=1;1:regs:0" \
-    --out "$OUT" 2>&1 | grep "PDL A/B"
 fi
 if has sizing; then
   timeout 200 python3 benchmarks/graph_sizing_h200.py --out "$OUT/graph_sizing_h200.json" 2>&1 | tail -32

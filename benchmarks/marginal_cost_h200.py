@@ -95,10 +95,19 @@ class OpStandins:
         self._saved.clear()
 
 
-def _graph(model, buf, batch: int, pps: int, fb, entry: str | None):
+def _restore(buf, saved: list[torch.Tensor]) -> None:
+    """The KDA pools back to the state decode_setup drew. Every replay advances them at the same position with
+    random weights; over the ~1,000 replays of a run they reach inf / NaN, and NaN router scores route no expert
+    (a first version of this script timed that: a 2.18 ms batch-1 step where the step is 2.57 ms)."""
+    for dst, src in zip(buf.kda_recurrent + buf.kda_conv, saved, strict=True):
+        dst.copy_(src)
+
+
+def _graph(model, buf, batch: int, pps: int, fb, entry: str | None, saved: list[torch.Tensor]):
     """(decode graph captured with `entry` stood in, or with every op for None; matched calls per forward)."""
     from tokenspeed.executor.cuda_graphs import DecodeGraphs
 
+    _restore(buf, saved)
     g = DecodeGraphs(model, buf, batch, pps, scratch_page=batch * pps)
     g.sizes = [batch]  # only the graph of this batch size (the ladder's others would be captured for nothing)
     if entry is None:
@@ -118,13 +127,17 @@ def marginal(model, batch: int, ctx: int, entries: list[str], rounds: int) -> di
     page_size = 64
     buf, pps = decode_setup(model, batch, ctx, page_size)
     fb = decode_batch(batch, ctx, pps, page_size)
-    graphs = {None: _graph(model, buf, batch, pps, fb, None)}
+    saved = [t.clone() for t in buf.kda_recurrent + buf.kda_conv]
+    graphs = {None: _graph(model, buf, batch, pps, fb, None, saved)}
     for e in entries:
-        graphs[e] = _graph(model, buf, batch, pps, fb, e)
+        graphs[e] = _graph(model, buf, batch, pps, fb, e, saved)
     times: dict = {k: [] for k in graphs}
     for _ in range(rounds):
         for k, (g, _) in graphs.items():
+            _restore(buf, saved)
             times[k].append(events_ms(lambda g=g: g.run(fb), 20, 3))
+            if not bool(torch.isfinite(g.run(fb)).all()):
+                raise RuntimeError(f"non-finite logits after the timed replays of {k or 'every op'}")
     base = statistics.median(times[None])
     out = {"batch": batch, "ctx": ctx, "step_ms": base, "rounds": rounds, "entries": {}}
     print(f"b{batch} ctx {ctx}: step {base:.3f} ms with every op", flush=True)

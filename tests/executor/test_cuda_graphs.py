@@ -204,7 +204,9 @@ def test_gluon_mla_in_the_served_model_gpu(tmp_path, monkeypatch, page_size) -> 
 def test_second_engine_in_a_process_gets_the_memory_of_a_deleted_one() -> None:
     """An engine sized from the free device memory after another engine was deleted gets the same cache: the
     first one's blocks, cached by torch's allocator, count as free (they used to shrink the second cache). Not under
-    pytest-xdist: other workers' engines change the device's free memory between the two."""
+    pytest-xdist: other workers' engines change the device's free memory between the two. A first engine runs
+    before the two compared: the kernels its step loads (Triton modules, cuBLAS workspaces) stay resident in the
+    process outside torch's allocator, a one-time cost (0.5% of tiny-k3's pages on the H200)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         pytest.skip("reads the whole device's free memory: run without xdist workers")
     def pages() -> int:
@@ -217,5 +219,6 @@ def test_second_engine_in_a_process_gets_the_memory_of_a_deleted_one() -> None:
 
     gc.collect()
     torch.cuda.empty_cache()
+    pages()  # loads the step's kernels
     first = pages()
     assert pages() == first

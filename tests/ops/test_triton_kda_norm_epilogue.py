@@ -178,8 +178,8 @@ def test_pdl_launch_plumbing(on, monkeypatch):
     """Host only (the interpreter cannot run the PDL wait): with `pdl.enabled` forced, both wrappers launch the
     kernel with PDL=True and launch_pdl=True; without, PDL=False and no launch_pdl (a dependent launch without its
     wait compiled in would read the projections early). The bulk state prefetch (PF_STATE) follows the device
-    (sm_90, `pdl.hopper`, whether PDL is on or not) and `KdaConfig.prefetch_state` (None: only while the launch's
-    state is at most PF_STATE_MAX_BYTES); never in the replay.
+    (sm_90, `pdl.hopper`, whether PDL is on or not) and `KdaConfig.prefetch_state` (off by default); never in the
+    replay.
     That the PDL variants compile for sm_90 is checked by benchmarks/kda_compile_sm90.py."""
     from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors
     from tokenspeed.ops.triton import kda_decode as mod
@@ -196,22 +196,18 @@ def test_pdl_launch_plumbing(on, monkeypatch):
     monkeypatch.setattr(pdl, "launch_kwargs", lambda device, family="": {"launch_pdl": True} if on else {})
     monkeypatch.setattr(pdl, "hopper", lambda device: True)
     inp = make([1, 2], 1, 16, torch.float32, "cpu")
-    mod.kda_decode(**clone(inp), lower_bound=LOWER, scale=1.0, **norm_args(3, 1, 16))
+    mod.kda_decode(**clone(inp), lower_bound=LOWER, scale=1.0, config=KdaConfig(16, prefetch_state=True),
+                   **norm_args(3, 1, 16))
     table = KdaLayerTable.build([KdaLayerTensors(*(inp[k] for k in KdaLayerTensors._fields))] * 2, strict=True)
     mod.kda_replay_layers(table, inp["state_indices"], inp["cu_seqlens"], None, lower_bound=LOWER)
     assert len(calls) == 2
     for kw in calls:
         assert kw["PDL"] is on and kw.get("launch_pdl", False) is on
     assert calls[0]["NORM"] and calls[0]["PF_STATE"] and not calls[1]["NORM"] and not calls[1]["PF_STATE"]
-    mod.kda_decode(**clone(inp), lower_bound=LOWER, scale=1.0, config=KdaConfig(16, prefetch_state=False))
+    mod.kda_decode(**clone(inp), lower_bound=LOWER, scale=1.0)  # the default: off
     monkeypatch.setattr(pdl, "hopper", lambda device: False)
-    mod.kda_decode(**clone(inp), lower_bound=LOWER, scale=1.0)
+    mod.kda_decode(**clone(inp), lower_bound=LOWER, scale=1.0, config=KdaConfig(16, prefetch_state=True))
     assert not calls[2]["PF_STATE"] and not calls[3]["PF_STATE"]
-    monkeypatch.setattr(pdl, "hopper", lambda device: True)
-    monkeypatch.setattr(mod, "PF_STATE_MAX_BYTES", 2 * 16 * 16 * 4 - 1)  # less than this batch's two states
-    mod.kda_decode(**clone(inp), lower_bound=LOWER, scale=1.0)
-    mod.kda_decode(**clone(inp), lower_bound=LOWER, scale=1.0, config=KdaConfig(16, chunked=True, prefetch_state=True))
-    assert not calls[4]["PF_STATE"] and calls[5]["PF_STATE"]
 
 
 # ----------------------------------------------------------------------------- CUDA (bf16, Kimi-Linear's 32 x 128)

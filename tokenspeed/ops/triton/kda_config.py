@@ -26,24 +26,22 @@ class KdaConfig(NamedTuple):
     num_warps: 1, 2, 4, 8 or 16. num_stages: Triton's num_stages (also the tile loop's); None: Triton's default, 3
     (the original launches passed none). hints: evict-first state loads and streaming (.cs) state stores.
     prefetch_state (chunked decode only): each program starts with an L2 bulk prefetch of its head's state rows
-    (sm_90), so the state streams in while the program computes q / k / gate (before the PDL wait under PDL).
-    True: on where the GPU and the pool's alignment allow it; False: off; None: on only for launches whose state
-    is at most `kda_decode.PF_STATE_MAX_BYTES` (small batches, where the kernel is latency-bound; at 96 heads x 64
-    sequences the prefetch cost 13% on the H200: benchmarks/README.md)."""
+    (sm_90), so the state streams in while the program computes q / k / gate (before the PDL wait under PDL),
+    where the GPU and the pool's alignment allow it. Off by default: on the H200 it cost 13% at 96 heads x 64
+    sequences, 9% at 32 x 64, 1% in the batch-4 / 16 decode step and nothing at batch 1 (benchmarks/README.md)."""
 
     block_v: int
     chunked: bool = False
     num_warps: int = 4
     num_stages: int | None = None
     hints: bool = False
-    prefetch_state: bool | None = None
+    prefetch_state: bool = False
 
     @property
     def label(self) -> str:
         s = f"bv{self.block_v}-{'chunked' if self.chunked else 'split'}-w{self.num_warps}"
         s += f"-s{self.num_stages}" if self.num_stages is not None else ""
-        pf = {None: "", True: "-pf", False: "-nopf"}[self.prefetch_state]
-        return s + ("-hints" if self.hints else "") + pf
+        return s + ("-hints" if self.hints else "") + ("-pf" if self.prefetch_state else "")
 
 
 def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:

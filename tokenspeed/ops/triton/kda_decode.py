@@ -11,8 +11,6 @@ benchmarks/kda_decode_sweep_h200.py).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 from torch import Tensor
@@ -86,22 +84,13 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
             "EVEN_K": bk == D, "EVEN_V": even_v, "HINTS": bool(cfg.hints), "num_warps": cfg.num_warps}
     if cfg.num_stages is not None:
         opts["num_stages"] = cfg.num_stages
-    opts["PF_STATE"] = cfg.prefetch_state  # True / False / None (by size), then the device: `_pf_state`
+    opts["PF_STATE"] = cfg.prefetch_state  # then the device and the pool's alignment: `_pf_state`
     return opts
 
 
-PF_STATE_MAX_BYTES = 16 << 20  # prefetch_state None: the launch's state at most this (b1-b4 at 32 heads of 128)
-PF_STATE_ENV = "TOKENSPEED_KDA_PF_STATE"  # read per launch for prefetch_state None: "1" on, "0" off (step A/B)
-
-
-def _pf_state(wanted: bool | None, state: Tensor, D: int, pairs: int) -> bool:
+def _pf_state(wanted: bool, state: Tensor, D: int) -> bool:
     """PF_STATE: the chunked decode's L2 bulk prefetch of each head's state rows (`cp.async.bulk.prefetch`,
-    sm_90+) when wanted (None: as PF_STATE_ENV says, else when the launch's `pairs` (sequence, head) states are
-    at most PF_STATE_MAX_BYTES) and the rows are 16-byte aligned (fp32 rows of D % 4 == 0 values from an aligned
-    pool)."""
-    if wanted is None:
-        env = os.environ.get(PF_STATE_ENV, "").strip()
-        wanted = env == "1" if env in ("0", "1") else pairs * D * D * 4 <= PF_STATE_MAX_BYTES
+    sm_90+) when wanted and the rows are 16-byte aligned (fp32 rows of D % 4 == 0 values from an aligned pool)."""
     return (wanted and pdl.hopper(state.device) and D % 4 == 0 and state.data_ptr() % 16 == 0
             and state.stride(0) % 4 == 0)
 
@@ -164,7 +153,7 @@ def kda_decode(
     if N == 0 or T == 0:
         return out
     opts = _split(N * H, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
-    opts["PF_STATE"] = _pf_state(opts["PF_STATE"], state, D, N * H)
+    opts["PF_STATE"] = _pf_state(opts["PF_STATE"], state, D)
     nv = opts["NV"]
     cnt = _counters(qkv.device, N * H) if ((update_state or norm) and nv > 1) else cu_seqlens
     gate = g3 if norm else out
