@@ -65,6 +65,7 @@ class OpStandins:
             self.entries[name] = tuple(int(v) for v in shape.split("x")) if shape else None
         self.recording = True
         self.kept: dict[tuple, Any] = {}
+        self.pristine: list[tuple[torch.Tensor, torch.Tensor]] = []  # (kept tensor, its value when recorded)
         self.calls = 0
         self._saved: dict[str, Callable] = {}
 
@@ -77,11 +78,20 @@ class OpStandins:
             if self.recording:
                 self.calls += 1
                 out = real(*args, **kwargs)
-                self.kept.setdefault(key, out)
+                if key not in self.kept:
+                    self.kept[key] = out
+                    leaves = out if isinstance(out, (tuple, list)) else (out,)
+                    self.pristine += [(t, t.clone()) for t in leaves if isinstance(t, torch.Tensor)]
                 return out
             kept = self.kept.get(key)
             return real(*args, **kwargs) if kept is None else kept
         return standin
+
+    def reset(self) -> None:
+        """The kept outputs back to their recorded values (a later op may update one in place, e.g. a residual
+        sum, so every replay of a graph that returns it would add to it again)."""
+        for kept, value in self.pristine:
+            kept.copy_(value)
 
     def __enter__(self) -> Self:
         for name, shape in self.entries.items():
@@ -104,7 +114,8 @@ def _restore(buf, saved: list[torch.Tensor]) -> None:
 
 
 def _graph(model, buf, batch: int, pps: int, fb, entry: str | None, saved: list[torch.Tensor]):
-    """(decode graph captured with `entry` stood in, or with every op for None; matched calls per forward)."""
+    """(decode graph captured with `entry` stood in, or with every op for None; its `OpStandins`, whose `calls`
+    counts the matched calls of one forward)."""
     from tokenspeed.executor.cuda_graphs import DecodeGraphs
 
     _restore(buf, saved)
@@ -112,12 +123,12 @@ def _graph(model, buf, batch: int, pps: int, fb, entry: str | None, saved: list[
     g.sizes = [batch]  # only the graph of this batch size (the ladder's others would be captured for nothing)
     if entry is None:
         g.capture()
-        return g, 0
+        return g, OpStandins([])
     with OpStandins([entry]) as st:
         model(fb, buf, torch.arange(batch, device="cuda"))  # the recording forward
         st.recording = False
         g.capture()
-    return g, st.calls
+    return g, st
 
 
 def marginal(model, batch: int, ctx: int, entries: list[str], rounds: int) -> dict:
@@ -132,23 +143,27 @@ def marginal(model, batch: int, ctx: int, entries: list[str], rounds: int) -> di
     for e in entries:
         graphs[e] = _graph(model, buf, batch, pps, fb, e, saved)
     times: dict = {k: [] for k in graphs}
+    finite = dict.fromkeys(graphs, True)  # a stand-in's values that still blow up mark its row, not the run
     for _ in range(rounds):
-        for k, (g, _) in graphs.items():
+        for k, (g, st) in graphs.items():
             _restore(buf, saved)
+            st.reset()
             times[k].append(events_ms(lambda g=g: g.run(fb), 20, 3))
-            if not bool(torch.isfinite(g.run(fb)).all()):
-                raise RuntimeError(f"non-finite logits after the timed replays of {k or 'every op'}")
+            finite[k] &= bool(torch.isfinite(g.run(fb)).all())
     base = statistics.median(times[None])
+    if not finite[None]:
+        raise RuntimeError("non-finite logits after the timed replays of the full step")
     out = {"batch": batch, "ctx": ctx, "step_ms": base, "rounds": rounds, "entries": {}}
     print(f"b{batch} ctx {ctx}: step {base:.3f} ms with every op", flush=True)
     for e in entries:
         ms = statistics.median(times[e])
-        calls = graphs[e][1]
+        calls = graphs[e][1].calls
         us = (base - ms) * 1e3
         out["entries"][e] = {"step_ms": ms, "marginal_us": us, "calls": calls,
-                             "marginal_us_per_call": us / calls if calls else None, "all_ms": times[e]}
+                             "marginal_us_per_call": us / calls if calls else None, "all_ms": times[e],
+                             "finite_logits": finite[e]}
         print(f"  without {e:28s} {ms:8.3f} ms: {us:8.1f} us per step, {calls:3d} calls, "
-              f"{us / max(calls, 1):6.2f} us per call", flush=True)
+              f"{us / max(calls, 1):6.2f} us per call{'' if finite[e] else ' (NON-FINITE logits)'}", flush=True)
     del graphs
     torch.cuda.empty_cache()
     return out
