@@ -94,6 +94,9 @@ VARIANTS = [
     KdaConfig(32, chunked=True, num_stages=1),
     KdaConfig(32, chunked=True, num_stages=3, hints=True),
     KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True),  # the chunked default + the state L2 prefetch
+    KdaConfig(64, num_warps=8),  # split in two, 8 warps: half a head per program
+    KdaConfig(128, num_warps=8),  # a whole head in one program's registers: no counter, the norm epilogue local
+    KdaConfig(128, num_warps=16),
 ]
 
 
@@ -292,6 +295,11 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
                                              step_states=None)
     sync(dev)
     work = clone_pools(inp)  # the timed launches advance this copy in place
+    norm = {}  # --norm: the timed launches also apply the model's fused gated RMSNorm epilogue (parity: without)
+    if args.norm:
+        gen = torch.Generator(device=dev).manual_seed(7)
+        norm = {"norm_gate": torch.randn(N, H * D, generator=gen, device=dev).to(dtype),
+                "norm_weight": torch.randn(D, generator=gen, device=dev)}
     calls = args.calls or (20 if N * H < 512 else 5)
     cold = args.cold == "on" or (args.cold == "auto" and state_bytes / 2 < COLD_BELOW)
     default = k_kda.default_config(N * H, D, 1)
@@ -300,7 +308,8 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
     for c in (legacy, default):  # both always measured
         if c not in variants:
             variants.append(c)
-    row = {"H": H, "N": N, "D": D, "state_bytes": state_bytes, "floor_us": state_bytes / HBM * 1e6,
+    row = {"H": H, "N": N, "D": D, "norm": bool(args.norm), "state_bytes": state_bytes,
+           "floor_us": state_bytes / HBM * 1e6,
            "default": default.label, "legacy": legacy.label, "calls_per_graph": calls, "cold_l2": cold,
            "variants": []}
     for cfg in variants:
@@ -310,7 +319,8 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
             rec.last = None
             v.update(parity(inp, ref, o_ref, cfg, scale, dev))
             v.update(rec.info())
-            v.update(measure(lambda c=cfg, w=work: k_kda.kda_decode(**w, lower_bound=LOWER, scale=scale, config=c),
+            v.update(measure(lambda c=cfg, w=work: k_kda.kda_decode(**w, **norm, lower_bound=LOWER, scale=scale,
+                                                                     config=c),
                              dev, calls, args.reps, cold, state_bytes))
         except Exception as e:  # noqa: BLE001 - one failing variant is reported and skipped
             v["error"] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -384,6 +394,7 @@ def main() -> None:
     ap.add_argument("--cold", default="auto", choices=["auto", "on", "off"],
                     help="also time with L2 flushed before every call: auto = states below 120 MB (docstring)")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--norm", action="store_true", help="time the launches with the fused output norm, as the model")
     ap.add_argument("--jobs", type=int, default=None,
                     help="processes that precompile the variants first (default: min(8, CPUs) on CUDA; 0: none)")
     ap.add_argument("--pdl", default="on", choices=["on", "off"],

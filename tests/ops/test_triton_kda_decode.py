@@ -306,6 +306,23 @@ def test_pad_config_and_dispatch_region():
         assert dispatch.kda_decode_supported(x["qkv"], x["conv_weight"], x["dt_bias"])
 
 
+def test_decode_config_labels_and_env(monkeypatch):
+    """Every sweep label parses back to its config; TOKENSPEED_KDA_DECODE forces one for decode launches only
+    (block_v fitted to the head dim), a bad label is a clear error."""
+    from tokenspeed.ops.triton import kda_config as kc
+
+    for cfg in (kc.KdaConfig(32), kc.KdaConfig(128, num_warps=8), kc.KdaConfig(32, chunked=True, num_stages=3),
+                kc.KdaConfig(32, chunked=True, num_stages=3, hints=True, prefetch_state=True)):
+        assert kc.config_from_label(cfg.label) == cfg
+    monkeypatch.setenv(kc.DECODE_ENV, "bv128-split-w8")
+    assert kc.default_config(6144, 128) == kc.KdaConfig(128, num_warps=8)
+    assert kc.default_config(32, 64) == kc.KdaConfig(64, num_warps=8)  # block_v fitted to head dim 64
+    assert kc.default_config(32, 128, tokens_per_seq=4) == kc.legacy_config(32, 128)  # verify keeps its own
+    monkeypatch.setenv(kc.DECODE_ENV, "bv128-w8")
+    with pytest.raises(ValueError, match="not a KDA decode config label"):
+        kc.default_config(32, 128)
+
+
 # ----------------------------------------------------------------------------- chunked variant (one program per head)
 # (D, BV, num_stages): whole tiles (D=16: 2 and 4 tiles), padded K and V with a fully masked last tile (D=48, BV 16:
 # 3 real tiles of 4) and a partly masked one (D=48, BV 32), D=80 (BK 128, BV 16: 5 real tiles of 8). The interpreter

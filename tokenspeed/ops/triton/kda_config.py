@@ -5,6 +5,8 @@ Host-only: no Triton kernel here."""
 
 from __future__ import annotations
 
+import os
+import re
 from typing import NamedTuple
 
 from tokenspeed.ops.triton._utils import next_pow2
@@ -65,12 +67,31 @@ DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
 # 32 x 16: 17.1 vs 31.4 (92%); 96 x 64: 245 us vs 390 (77%; fla's fused_recurrent_kda 253 us).
 
 
+DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
+_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?")
+
+
+def config_from_label(label: str) -> KdaConfig:
+    """The KdaConfig whose `label` is `label` (e.g. "bv128-split-w8", "bv32-chunked-w4-s3"); ValueError else."""
+    m = _LABEL.fullmatch(label.strip())
+    if m is None:
+        raise ValueError(f"{label!r} is not a KDA decode config label such as bv32-split-w4 or bv32-chunked-w4-s3")
+    bv, sched, warps, stages, hints, pf = m.groups()
+    return KdaConfig(int(bv), chunked=sched == "chunked", num_warps=int(warps),
+                     num_stages=int(stages) if stages else None, hints=bool(hints), prefetch_state=bool(pf))
+
+
 def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:
     """The launch configuration for `num_programs_nh` = N * H (sequence, head) pairs (times L layers for the
-    replay), head dim `head_dim` and `tokens_per_seq` = ceil(T / N). Decode (1 token) reads `DECODE_TABLE`;
-    several tokens per sequence (verify, replay) and head dims below 64 keep `legacy_config`."""
+    replay), head dim `head_dim` and `tokens_per_seq` = ceil(T / N). Decode (1 token) reads `DECODE_TABLE`
+    (or the label in the DECODE_ENV variable, block_v fitted to head_dim); several tokens per sequence (verify,
+    replay) and head dims below 64 keep `legacy_config`."""
     if tokens_per_seq > 1 or head_dim < 64:
         return legacy_config(num_programs_nh, head_dim)
+    forced = os.environ.get(DECODE_ENV, "").strip()
+    if forced:
+        cfg = config_from_label(forced)
+        return cfg._replace(block_v=_fit_bv(min(cfg.block_v, next_pow2(head_dim)), head_dim))
     cfg = DECODE_TABLE[0][1]
     for bound, row in DECODE_TABLE:
         if num_programs_nh >= bound:
