@@ -94,10 +94,9 @@ VARIANTS = [
     KdaConfig(32, chunked=True, num_stages=1),
     KdaConfig(32, chunked=True, num_stages=3, hints=True),
     KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True),  # the chunked default + the state L2 prefetch
-    KdaConfig(64, num_warps=8),  # split in two, 8 warps: half a head per program
-    KdaConfig(128, num_warps=8),  # a whole head in one program's registers: no counter, the norm epilogue local
-    KdaConfig(128, num_warps=16),
 ]
+# Dropped after the H200 run at dc34ac2 (benchmarks/README.md): whole-head split programs (BV 128, 8 / 16 warps;
+# 156-216 spilled registers, 23-31 us at 32 x 1 vs 8.9) and half heads on 8 warps (BV 64; 16.7 us).
 
 
 def scaled(cfg: KdaConfig, D: int) -> KdaConfig:

@@ -4,8 +4,9 @@
 #           prefetch), -hints, fla and torch's copy of the same bytes (kda_decode_sweep_h200.py)
 #   small   the same at batch-1..16 shapes
 #   nopdl   the large shapes with TOKENSPEED_PDL=0
-#   whole   batch-1..8 shapes with the fused norm: whole-head (BV 128) and half-head programs vs the split default
-#   stepab  the batch-1 / 4 decode step of kimi-linear-48b-a3b with those configs forced (TOKENSPEED_KDA_DECODE)
+#   small2  batch-1..8 shapes with the fused norm: split vs chunked (where DECODE_TABLE switches)
+#   stepab  the batch-2 decode step of kimi-linear-48b-a3b: the default (chunked from 64 pairs) vs split forced
+#           (TOKENSPEED_KDA_DECODE)
 #   sizing  the batch-1 decode step against the graphs' sizing (graph_sizing_h200.py)
 #   margin  what each op costs inside the batch-1 / 64 decode graph of kimi-linear-48b-a3b (marginal_cost_h200.py)
 #   tests   the KDA GPU tests (decode, norm epilogue, replay) over pytest-xdist workers
@@ -29,16 +30,14 @@ if has small; then
   timeout 200 python3 benchmarks/kda_decode_sweep_h200.py --shapes "32:1,96:1,32:4,32:16" --only "bv32-chunked-w4-s3" \
     --out "$OUT/kda_decode_sweep_h200_small.json" 2>&1 | tee "$OUT/kda_sweep_small.log" | grep -A12 "best per shape"
 fi
-if has whole; then
+if has small2; then
   timeout 200 python3 benchmarks/kda_decode_sweep_h200.py --norm --shapes "32:1,12:1,96:1,32:2,32:4,32:8" \
-    --only "bv128,bv64-split,bv32-split-w4,bv32-chunked-w4-s3" --out "$OUT/kda_decode_sweep_h200_whole.json" 2>&1 \
-    | tee "$OUT/kda_sweep_whole.log" | grep -A12 "best per shape"
+    --only "bv64-split,bv32-split-w4,bv32-chunked-w4-s3" --out "$OUT/kda_decode_sweep_h200_small2.json" 2>&1 \
+    | tee "$OUT/kda_sweep_small2.log" | grep -A12 "best per shape"
 fi
 if has stepab; then
-  e=TOKENSPEED_KDA_DECODE
-  timeout 240 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab 1,4 \
-    --pdl-configs "1:regs:0;1:regs:0:table:$e=bv128-split-w8;1:regs:0:table:$e=bv64-split-w8;1:regs:0:table:$e=bv128-split-w16" \
-    --out "$OUT" 2>&1 | grep "PDL A/B"
+  timeout 200 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab 2 \
+    --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_KDA_DECODE=bv32-split-w4" --out "$OUT" 2>&1 | grep "PDL A/B"
 fi
 if has nopdl; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" --pdl off \
