@@ -1,7 +1,7 @@
 """KDA decode launch variants on one H200: parity against the torch reference, CUDA-graph time, % of HBM.
 
-    PYTHONPATH=. python benchmarks/kda_decode_sweep_h200.py --out benchmarks/results/kda_decode_sweep_h200.json
-    PYTHONPATH=. python benchmarks/kda_decode_sweep_h200.py --device cpu --out /tmp/kda_sweep_smoke.json  # plumbing
+    PYTHONPATH=.:benchmarks python benchmarks/kda_decode_sweep_h200.py --out benchmarks/results/kda_decode_sweep_h200.json
+    PYTHONPATH=.:benchmarks python benchmarks/kda_decode_sweep_h200.py --device cpu --out /tmp/kda_sweep_smoke.json  # plumbing
 
 For each shape (H heads x N sequences, one token each, head dim K = V = 128: 12 x 1, 32 x 1, 32 x 8, 32 x 16,
 32 x 64, 96 x 16, 96 x 64) and each `KdaConfig` of VARIANTS (the original split launches, `legacy_config`, and
@@ -254,6 +254,25 @@ def copy_ceiling(state_bytes: int, dev: str, calls: int, reps: int, cold: bool) 
     return v
 
 
+def pattern_ceilings(inp: dict, H: int, D: int, dev: str, calls: int, reps: int, cold: bool,
+                     state_bytes: int) -> list[dict]:
+    """The decode's state bytes moved in place by `state_copy_kernels.state_rmw`, one program per (sequence, head)
+    like the chunked decode: with its [K, 32] column tiles, and with 16 KB contiguous tiles (no arithmetic)."""
+    from state_copy_kernels import state_rmw
+
+    rows = []
+    for contiguous, label in ((False, "rmw [K, 32] tiles (Triton)"), (True, "rmw contiguous tiles (Triton)")):
+        v = {"label": label}
+        try:
+            pool, slots = inp["state"].clone(), inp["state_indices"]
+            v.update(measure(lambda p=pool, s=slots, c=contiguous: state_rmw(p, s, H, D, min(32, D), c),
+                             dev, calls, reps, cold, state_bytes))
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(v)
+    return rows
+
+
 def _warm_one(task: tuple) -> tuple:
     """Worker: compile one (H, D, config) by a tiny launch (N = 1) with the sweep's specialisation."""
     H, D, cfg_fields, dev = task
@@ -344,6 +363,9 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
     row["fla"] = fla
     row["copy"] = copy_ceiling(state_bytes, dev, calls, args.reps, cold)
     print(fmt_variant(row["copy"]), flush=True)
+    row["patterns"] = pattern_ceilings(inp, H, D, dev, calls, args.reps, cold, state_bytes)
+    for v in row["patterns"]:
+        print(fmt_variant(v), flush=True)
     ok = [v for v in row["variants"] if v.get("us") is not None and v.get("parity_ok")]
     if ok:
         best = min(ok, key=lambda v: v["us"])

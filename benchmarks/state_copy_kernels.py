@@ -1,0 +1,47 @@
+"""Copy kernels that move a KDA decode's state bytes with its access pattern and none of its arithmetic: where the
+decode kernel's gap to the HBM rate comes from (benchmarks/kda_decode_sweep_h200.py times them beside it).
+
+`state_rmw(state, slots, H, D, block_v, contiguous)` reads every (sequence, head) state of `slots` and writes it
+back in place, one program per pair walking D / block_v tiles through a `num_stages` software pipeline, as the
+chunked decode does:
+- contiguous False: the decode kernel's tiles, [D (K rows), block_v (V columns)] of the [K, V] row-major head
+  state: D pieces of block_v * 4 bytes, D * 4 bytes apart;
+- contiguous True: the same bytes per tile as one contiguous block of D * block_v values (what a V-tile-major
+  layout of the pool would give).
+If the first runs near torch's copy, the pattern is not what caps the decode; if only the second does, the
+layout is.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _state_rmw_kernel(S, SLOTS, stride_ss, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
+                      CONTIG: tl.constexpr, STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    slot = tl.load(SLOTS + pid // H).to(tl.int64)
+    base = S + slot * stride_ss + (pid % H) * D * D
+    rows = tl.arange(0, D)
+    cols = tl.arange(0, BV)
+    for j in tl.range(0, D // BV, num_stages=STAGES):
+        if CONTIG:
+            offs = j * D * BV + rows[:, None] * BV + cols[None, :]
+        else:
+            offs = rows[:, None] * D + j * BV + cols[None, :]
+        tl.store(base + offs, tl.load(base + offs) * 1.0)
+
+
+def state_rmw(state: torch.Tensor, slots: torch.Tensor, H: int, D: int, block_v: int = 32,
+              contiguous: bool = False, num_stages: int = 3) -> None:
+    """Reads and rewrites in place the [H, D, D] fp32 states of `slots` (state: [S, H, D, D] contiguous fp32;
+    D a power of two, block_v dividing it). Values are unchanged."""
+    if state.dtype != torch.float32 or not state.is_contiguous() or tuple(state.shape[1:]) != (H, D, D):
+        raise ValueError(f"state must be a contiguous fp32 [S, {H}, {D}, {D}] pool")
+    if D & (D - 1) or D % block_v:
+        raise ValueError(f"D ({D}) must be a power of two and block_v ({block_v}) must divide it")
+    _state_rmw_kernel[(slots.numel() * H,)](state, slots, state.stride(0), H=H, D=D, BV=block_v,
+                                          CONTIG=contiguous, STAGES=num_stages, num_warps=4)
