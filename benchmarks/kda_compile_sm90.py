@@ -24,6 +24,7 @@ from sm90_compile import TARGET, Launch, catch_launches, compile_launch, cubin_u
 
 from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors
 from tokenspeed.ops.triton import kda_decode as kd
+from tokenspeed.ops.triton import kda_decode_rows as kdr
 
 H, D = 32, 128
 
@@ -63,7 +64,9 @@ def variants() -> list[tuple[str, callable]]:
                 (f"decode-b1-d96{sfx}", call(1, 1, d=96)),
                 (f"verify-b2-q4{sfx}", call(2, 4, update_state=False)),
                 (f"verify-b2-q4-chunked{sfx}", call(2, 4, update_state=False, chunked=True)),
-                (f"tail-b1-q64{sfx}", call(1, 64))]
+                (f"tail-b1-q64{sfx}", call(1, 64)),
+                (f"decode-b8-rows{sfx}", call(8, 1, config=kd.KdaConfig(32, rows=True, num_stages=3))),
+                (f"decode-b8-rows16-s4{sfx}", call(8, 1, config=kd.KdaConfig(16, rows=True, num_stages=4)))]
     layers = [KdaLayerTensors(*(_layer(2, 4)[k] for k in KdaLayerTensors._fields)) for _ in range(3)]
     table = KdaLayerTable.build(layers, strict=True)
     acc = torch.zeros(2, dtype=torch.int64)
@@ -75,7 +78,8 @@ def variants() -> list[tuple[str, callable]]:
 
 def capture(thunk, use_pdl: bool = True) -> Launch:
     """The one launch `thunk` makes, with PDL forced on or off (launch keyword dropped)."""
-    calls = catch_launches({kd: ("_kda_decode_kernel",)}, thunk, pdl_on=use_pdl, drop_launch_pdl=True)
+    calls = catch_launches({kd: ("_kda_decode_kernel",), kdr: ("_kda_decode_rows_kernel",)}, thunk, pdl_on=use_pdl,
+                           drop_launch_pdl=True)
     assert len(calls) == 1, calls
     return calls[0]
 
@@ -104,7 +108,7 @@ def main() -> int:
         try:
             launch = capture(thunk, not args.no_pdl)
             r, kw = compile_sm90(launch, args.sass), launch.kwargs
-            cfg = {k: kw[k] for k in ("BV", "NV", "CHUNKS", "STAGES", "NORM", "PDL", "num_warps") if k in kw}
+            cfg = {k: kw[k] for k in ("BV", "RB", "NV", "CHUNKS", "STAGES", "NORM", "PDL", "num_warps") if k in kw}
             ok = args.no_pdl or (r["wait"] >= 1 and r["trigger"] >= 1)
             failed += not ok
             print(f"{tag:28s} regs {r['regs']:4d}  stack {r['stack']}  smem {r['shared']:6d} B  wait {r['wait']} "

@@ -94,6 +94,10 @@ VARIANTS = [
     KdaConfig(32, chunked=True, num_stages=1),
     KdaConfig(32, chunked=True, num_stages=3, hints=True),
     KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True),  # the chunked default + the state L2 prefetch
+    KdaConfig(32, rows=True, num_stages=3),  # contiguous 16 KB row chunks, two passes (kda_decode_rows.py)
+    KdaConfig(16, rows=True, num_stages=4),  # 8 KB row chunks, 96 registers: 5 programs per SM
+    KdaConfig(16, rows=True, num_stages=3),
+    KdaConfig(32, rows=True, num_warps=8, num_stages=3),
 ]
 # Dropped after the H200 run at dc34ac2 (benchmarks/README.md): whole-head split programs (BV 128, 8 / 16 warps;
 # 156-216 spilled registers, 23-31 us at 32 x 1 vs 8.9) and half heads on 8 warps (BV 64; 16.7 us).

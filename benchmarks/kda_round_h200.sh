@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the open issue-7/8 measurements prepared without a GPU (session 10), any subset of parts:
 #   sweep   KDA decode variants at the large shapes, PDL on: the chunked default against -pf (head-state L2
-#           prefetch), -hints, fla and torch's copy of the same bytes (kda_decode_sweep_h200.py)
+#           prefetch), -hints, the row-chunk schedule (-rows), fla, torch's copy of the same bytes and in-place
+#           copies with the decode's access pattern (kda_decode_sweep_h200.py)
 #   small   the same at batch-1..16 shapes
 #   nopdl   the large shapes with TOKENSPEED_PDL=0
 #   small2  batch-1..8 shapes with the fused norm: split vs chunked (where DECODE_TABLE switches)
@@ -18,7 +19,7 @@ source benchmarks/gpu_env.sh
 has() { [[ $parts == *" $1 "* ]]; }
 export PYTHONPATH=$PYTHONPATH:benchmarks
 big="32:64,96:16,96:64"
-only="bv32-chunked"  # the chunked variants (and the default / legacy and fla, always timed)
+only="bv32-chunked,rows"  # the chunked and row-chunk variants (and the default / legacy and fla, always timed)
 if has tests; then
   PYTEST_N=${PYTEST_N:-8} TIMEOUT=${TESTS_TIMEOUT:-200} bash benchmarks/gpu_tests_h200.sh -k "kda" | tail -4
 fi

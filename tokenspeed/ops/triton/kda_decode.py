@@ -21,6 +21,7 @@ from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
 from tokenspeed.ops.triton.kda_config import DECODE_TABLE, KdaConfig, default_config, legacy_config  # noqa: F401
 from tokenspeed.ops.triton.kda_decode_kernel import _kda_decode_kernel
+from tokenspeed.ops.triton.kda_decode_rows import launch_rows, rows_supported
 
 _COUNTERS: dict[torch.device, Tensor] = {}
 _RETIRED: list[Tensor] = []  # outgrown counter buffers, kept alive: graphs captured earlier still address them
@@ -85,6 +86,7 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
     if cfg.num_stages is not None:
         opts["num_stages"] = cfg.num_stages
     opts["PF_STATE"] = cfg.prefetch_state  # then the device and the pool's alignment: `_pf_state`
+    opts["ROWS"] = cfg.rows  # popped by the launches: the row-chunk schedule is another kernel
     return opts
 
 
@@ -153,10 +155,20 @@ def kda_decode(
     if N == 0 or T == 0:
         return out
     opts = _split(N * H, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
+    gate = g3 if norm else out
+    if opts.pop("ROWS"):
+        why = rows_supported(D, opts["BV"], update_state, step_states, seq_lens)
+        if why is not None:
+            raise ValueError(why)
+        launch_rows(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, gate,
+                    norm_weight, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps, norm=norm,
+                    norm_rows=norm_rows(T, N) if norm else 1, block_v=opts["BV"], num_warps=opts["num_warps"],
+                    num_stages=opts["STAGES"], pdl_on=pdl.enabled(qkv.device, "kda"),
+                    launch_kwargs=pdl.launch_kwargs(qkv.device, "kda"))
+        return out
     opts["PF_STATE"] = _pf_state(opts["PF_STATE"], state, D)
     nv = opts["NV"]
     cnt = _counters(qkv.device, N * H) if ((update_state or norm) and nv > 1) else cu_seqlens
-    gate = g3 if norm else out
     _kda_decode_kernel[(nv, N * H)](
         qkv, qkv.stride(0),
         f3, f3.stride(0), f3.stride(1),
@@ -229,6 +241,8 @@ def kda_replay_layers(
         return
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
+    if opts.pop("ROWS"):
+        raise ValueError("KdaConfig(rows=True) is for decode, not the replay")
     nv = opts["NV"]
     cnt = _counters(qkv.device, L * N * H) if nv > 1 else cu_seqlens
     _kda_decode_kernel[(nv, N * H, L)](

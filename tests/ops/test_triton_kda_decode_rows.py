@@ -1,0 +1,70 @@
+"""The row-chunk KDA decode schedule (`KdaConfig(rows=True)`, ops/triton/kda_decode_rows.py) against the torch
+composition: outputs, both pools, idle slots untouched, padding rows, several tokens per sequence, the fused
+norm epilogue; and the launches it refuses. Interpreter (fp32) on the CPU, bf16 K3 shapes on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ops.test_triton_kda_decode import check, clone, composed, make, poison_idle, run_fused
+from tests.ops.test_triton_kda_norm_epilogue import check as check_norm
+from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # sets up Triton first
+from tokenspeed.ops.triton.kda_config import KdaConfig, config_from_label
+
+
+@cpu_interp
+@pytest.mark.parametrize("D,RB", [(16, 4), (32, 8), (32, 32), (64, 16)])
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_rows_decode_interp(D, RB, lower_bound):
+    """1, 3 (the state and conv window pass between tokens through the pools), 0 and 2 tokens and a padding row;
+    idle slots NaN-poisoned and untouched; outputs poisoned (every row written)."""
+    lens, slots = [1, 3, 0, 2, 1], [4, 1, 6, -1, 0]
+    inp = make(lens, 2, D, torch.float32, "cpu", slots=slots)
+    _, idle = poison_idle(inp)
+    scale = D ** -0.5
+    a, r = clone(inp), clone(inp)
+    o = run_fused(a, lower_bound, scale, config=KdaConfig(RB, rows=True, num_stages=3))
+    o_ref = composed(r, lower_bound, scale)
+    used = [s for s in slots if s >= 0]
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(a["state"][used], r["state"][used]) < 1e-5
+    assert torch.equal(a["conv_state"][used], r["conv_state"][used])
+    assert a["state"][idle].isnan().all() and a["conv_state"][idle].isnan().all()
+
+
+@cpu_interp
+def test_rows_norm_epilogue_interp():
+    """The fused gated RMSNorm on the row-chunk schedule equals the Triton norm of its plain output bit for bit
+    and the reference within 1e-5 (decode and a 3-token sequence beside a padding row)."""
+    check_norm([1, 3, 1], 2, 32, slots=[2, -1, 5], config=KdaConfig(8, rows=True))
+
+
+@cpu_interp
+def test_rows_refuses_what_it_cannot_run():
+    """Verify (no pool update), a head dim that is not a power of two, and the multi-layer replay are clear
+    errors, not a silent fallback; the label round-trips."""
+    from tokenspeed.ops.triton.kda_decode import kda_decode
+
+    cfg = KdaConfig(8, rows=True)
+    assert config_from_label(cfg.label) == cfg and cfg.label == "bv8-rows-w4"
+    inp = make([1, 2], 1, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="is for decode"):
+        kda_decode(**clone(inp), lower_bound=-5.0, scale=1.0, update_state=False, config=cfg)
+    odd = make([1], 1, 48, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        kda_decode(**clone(odd), lower_bound=-5.0, scale=1.0, config=KdaConfig(16, rows=True))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("cfg", ["bv32-rows-w4-s3", "bv16-rows-w4-s4", "bv32-rows-w8-s2"])
+@pytest.mark.parametrize("lens", [[1] * 3, [2, 1, 4]])
+def test_rows_k3_gpu(lens, cfg):
+    check(lens, 12, 128, torch.bfloat16, "cuda", config=config_from_label(cfg))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_rows_96_heads_and_padding_gpu():
+    check([1, 1, 1, 1], 96, 128, torch.bfloat16, "cuda", slots=[3, -1, 7, 0], config=KdaConfig(32, rows=True,
+                                                                                                  num_stages=3))
