@@ -21,6 +21,11 @@ to the chain costs, overlap included. Every GEMV output of the last chain is che
 1e-2). GEMV launch configs: the routing table's where it picks the Triton GEMV, else `default_config`.
 Output: --out/gemv_pdl_chain_h200.json and a table on stdout. About 20-40 s, mostly Triton compiles.
 --prefetch-l2-mb changes the "l2" mode's joint prefetch cap (gemv.PREFETCH_L2_BYTES, 24 MiB) for a second run.
+--configs adds rows (PDL on, "regs" prefetch) with one stage's launch config replaced, e.g.
+    --configs "o_proj=dot:64:256:16:4:3;o_proj=dot:32:512:8:4:3"
+(kind:block_n:block_k:split_k:num_warps:num_stages). With K / split_k == block_k a program's whole weight slice
+is its first tile, which "regs" loads before the PDL wait: the entire weight stream can overlap the producer,
+where the table's configs (timed after a short producer) only prefetch their first tile.
 """
 
 from __future__ import annotations
@@ -161,17 +166,36 @@ def run_config(stages, weights, src, x, cfgs, on: bool, prefetch: str, args, dev
             "prefix_us": prefix_us, "per_kernel_us": per_kernel, "rel_err": errs, "ok": ok}
 
 
+def parse_configs(spec: str, stages: list) -> list[tuple[str, dict]]:
+    """--configs "stage=kind:block_n:block_k:split_k:num_warps:num_stages;..." -> [(stage, gemv config kwargs)]."""
+    out = []
+    names = {s[0] for s in stages}
+    for item in filter(None, (x.strip() for x in spec.split(";"))):
+        stage, _, cfg = item.partition("=")
+        fields = cfg.split(":")
+        if stage not in names or len(fields) != 6:
+            raise ValueError(f"--configs entries are STAGE=kind:block_n:block_k:split_k:num_warps:num_stages with "
+                             f"STAGE in {sorted(names)}; got {item!r}")
+        kind, *ints = fields
+        bn, bk, split, warps, stages_ = (int(v) for v in ints)
+        out.append((stage, {"kind": kind, "block_n": bn, "block_k": bk, "split_k": split, "num_warps": warps,
+                            "num_stages": stages_}))
+    return out
+
+
 def report(rows: list[dict], names: list[str]) -> None:
     print(f"\n{'pdl':>3} {'prefetch':>8} | " + " | ".join(f"{n:>9}" for n in names) + f" | {'chain us':>8} | vs base")
     base = next(r["chain_us"] for r in rows if r["pdl"] and r["prefetch"] == "none")
     for r in rows:
         cells = " | ".join(f"{r['per_kernel_us'][n]:9.2f}" for n in names)
+        tag = f"  [{r['override']}]" if r.get("override") else ""
         print(f"{'on' if r['pdl'] else 'off':>3} {r['prefetch']:>8} | {cells} | {r['chain_us']:8.2f} | "
-              f"{r['chain_us'] - base:+6.2f}" + ("" if r["ok"] else "  CHECK FAILED " + str(r["rel_err"])))
+              f"{r['chain_us'] - base:+6.2f}{tag}" + ("" if r["ok"] else "  CHECK FAILED " + str(r["rel_err"])))
     print("(per kernel: the increment of the chain's time when that kernel is added; base: PDL on, prefetch none)")
 
 
-def run_chain(out: Path, dev: str, dry: bool, reps: int, chains: int = 12, producer_cycles: int = 10_000) -> dict:
+def run_chain(out: Path, dev: str, dry: bool, reps: int, chains: int = 12, producer_cycles: int = 10_000,
+              configs: str = "") -> dict:
     """Run every (PDL, prefetch) config, print the table, write out/gemv_pdl_chain_h200.json; returns it."""
     args = argparse.Namespace(reps=reps, chains=chains, producer_cycles=producer_cycles)
     t0 = time.perf_counter()
@@ -186,6 +210,16 @@ def run_chain(out: Path, dev: str, dry: bool, reps: int, chains: int = 12, produ
     x = torch.empty_like(src)
     cfgs = stage_configs(stages, dtype)
     rows = [run_config(stages, weights, src, x, cfgs, on, m, args, dev) for on, m in MODES]
+    for stage, cfg in parse_configs(configs, stages):
+        label = f"{stage}=" + ":".join(str(cfg[k]) for k in ("kind", "block_n", "block_k", "split_k", "num_warps",
+                                                             "num_stages"))
+        try:
+            row = run_config(stages, weights, src, x, {**cfgs, stage: cfg}, True, "regs", args, dev)
+        except Exception as e:  # noqa: BLE001 - a config that does not build or run is reported, the rest go on
+            print(f"{label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        row["override"] = label
+        rows.append(row)
     names = ["producer"] + [s[0] for s in stages]
     report(rows, names)
     meta = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu (Triton interpreter)",
@@ -212,6 +246,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--chains", type=int, default=12, help="chains per graph")
     ap.add_argument("--producer-cycles", type=int, default=10_000, help="SM clocks the producer spins (~5 us)")
+    ap.add_argument("--configs", default="", help="extra rows: STAGE=kind:block_n:block_k:split_k:warps:stages;...")
     ap.add_argument("--prefetch-l2-mb", type=float, default=None,
                     help="override gemv.PREFETCH_L2_BYTES (the resident programs' joint L2 prefetch cap), in MiB")
     args = ap.parse_args()
@@ -219,7 +254,7 @@ def main() -> None:
         ap.error("--device cpu needs --dry-run (the interpreter is not a speed)")
     if args.prefetch_l2_mb is not None:
         k_gemv.PREFETCH_L2_BYTES = int(args.prefetch_l2_mb * (1 << 20))
-    run_chain(Path(args.out), args.device, args.dry_run, args.reps, args.chains, args.producer_cycles)
+    run_chain(Path(args.out), args.device, args.dry_run, args.reps, args.chains, args.producer_cycles, args.configs)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@
 #   stepab  the batch-2 decode step of kimi-linear-48b-a3b: the default (chunked from 64 pairs) vs split forced
 #           (TOKENSPEED_KDA_DECODE)
 #   sizing  the batch-1 decode step against the graphs' sizing (graph_sizing_h200.py)
+#   chain   GEMV configs whose whole weight slice is loaded before the PDL wait vs the table's, in the batch-1
+#           o_proj -> router -> in_proj chain after a 5 / 10 us producer (gemv_pdl_chain_h200.py --configs)
 #   margin  what each op costs inside the batch-1 / 64 decode graph of kimi-linear-48b-a3b (marginal_cost_h200.py)
 #   tests   the KDA GPU tests (decode, norm epilogue, replay) over pytest-xdist workers
 #   bash benchmarks/kda_round_h200.sh "tests sweep nopdl margin"
@@ -46,6 +48,14 @@ if has nopdl; then
 fi
 if has sizing; then
   timeout 200 python3 benchmarks/graph_sizing_h200.py --out "$OUT/graph_sizing_h200.json" 2>&1 | tail -32
+fi
+if has chain; then
+  cfgs="o_proj=dot:64:256:16:4:3;o_proj=dot:32:512:8:4:3;o_proj=dot:64:512:8:8:3;o_proj=dot:128:256:16:8:3"
+  cfgs="$cfgs;in_proj=dot:64:256:9:4:3;in_proj=dot:32:256:9:4:4"
+  for cyc in 10000 20000; do
+    timeout 150 python3 benchmarks/gemv_pdl_chain_h200.py --producer-cycles $cyc --configs "$cfgs" \
+      --out "$OUT/chain_$cyc" 2>&1 | grep -B1 -A14 "^pdl prefetch"
+  done
 fi
 if has margin; then
   timeout 300 python3 benchmarks/marginal_cost_h200.py --batches "${MARGIN_BATCHES:-1,64}" \
