@@ -5,7 +5,7 @@
 #           copies with the decode's access pattern (kda_decode_sweep_h200.py)
 #   small   the same at batch-1..16 shapes
 #   nopdl   the large shapes with TOKENSPEED_PDL=0
-#   small2  batch-1..8 shapes with the fused norm: split vs chunked (where DECODE_TABLE switches)
+#   small2  batch-1..8 shapes with the fused norm: split vs chunked vs rows (where DECODE_TABLE switches)
 #   stepab  the batch-2 decode step of kimi-linear-48b-a3b: the default (chunked from 64 pairs) vs split forced
 #           (TOKENSPEED_KDA_DECODE)
 #   sizing  the batch-1 decode step against the graphs' sizing (graph_sizing_h200.py)
@@ -35,7 +35,7 @@ if has small; then
 fi
 if has small2; then
   timeout 200 python3 benchmarks/kda_decode_sweep_h200.py --norm --shapes "32:1,12:1,96:1,32:2,32:4,32:8" \
-    --only "bv64-split,bv32-split-w4,bv32-chunked-w4-s3" --out "$OUT/kda_decode_sweep_h200_small2.json" 2>&1 \
+    --only "bv64-split,bv32-split-w4,bv32-chunked-w4-s3,rows" --out "$OUT/kda_decode_sweep_h200_small2.json" 2>&1 \
     | tee "$OUT/kda_sweep_small2.log" | grep -A12 "best per shape"
 fi
 if has stepab; then
