@@ -7,6 +7,9 @@ batch 1, in CUDA graphs on one H200.
 
 The chain (one decode layer's GEMVs, M = 1, bf16 weights, Kimi-Linear shapes):
     producer -> o_proj [2304 x 4096] -> router [256 x 2304], fp32 out -> in_proj [12576 x 2304]
+or, with --geometry k3, h200-baseline.md's K3 shapes (the issue's GEMV targets), each reading the producer's x:
+    producer -> down_tp8 [448 x 7168] -> shared_gate_up_tp8 [1536 x 7168] -> down_full [3584 x 7168]
+             -> kda_in_tp8 [6284 x 7168]
 The producer is a one-program Triton kernel that spins ~5 us on the SM clock (--producer-cycles) and then writes
 x: the latency-bound kernel (a norm, the attention) that precedes a projection in a decode step. It follows the
 PDL protocol like the engine's kernels (waits first, then releases its dependents), so with PDL on the GEMV's
@@ -55,6 +58,9 @@ from tokenspeed.ops.triton import pdl
 # (name, N, K, out dtype, input: "x" or an earlier stage's name)
 STAGES = [("o_proj", 2304, 4096, None, "x"), ("router", 256, 2304, torch.float32, "o_proj"),
           ("in_proj", 12576, 2304, None, "o_proj")]
+# --geometry k3: h200-baseline.md's K3 shapes (the issue's GEMV targets), each reading the producer's x [1, 7168]
+K3_STAGES = [("down_tp8", 448, 7168, None, "x"), ("shared_gate_up_tp8", 1536, 7168, None, "x"),
+             ("down_full", 3584, 7168, None, "x"), ("kda_in_tp8", 6284, 7168, None, "x")]
 DRY_STAGES = [("o_proj", 48, 64, None, "x"), ("router", 16, 48, torch.float32, "o_proj"),
               ("in_proj", 80, 48, None, "o_proj")]
 ROTATE_BYTES = 192 << 20
@@ -194,12 +200,28 @@ def report(rows: list[dict], names: list[str]) -> None:
     print("(per kernel: the increment of the chain's time when that kernel is added; base: PDL on, prefetch none)")
 
 
+def best_in_chain(rows: list[dict], stages: list, dtype: torch.dtype) -> dict:
+    """Per stage, the smallest increment over the PDL rows (the stage's in-chain cost) and its weight bytes over
+    that time as a fraction of 4.27 TB/s; printed."""
+    best = {}
+    for name, N, K, _, _ in stages:
+        r = min((r for r in rows if r["pdl"] and r["ok"]), key=lambda r: r["per_kernel_us"][name], default=None)
+        if r is None:
+            continue
+        us = r["per_kernel_us"][name]
+        frac = N * K * dtype.itemsize / (us * 1e-6) / 4.27e12 if us > 0 else float("inf")
+        best[name] = {"us": us, "fraction_of_hbm": frac, "row": r.get("override") or r["prefetch"]}
+        print(f"best in chain {name:>18} [{N} x {K}]: {us:7.2f} us = {100 * frac:5.1f}% of 4.27 TB/s "
+              f"({best[name]['row']})")
+    return best
+
+
 def run_chain(out: Path, dev: str, dry: bool, reps: int, chains: int = 12, producer_cycles: int = 10_000,
-              configs: str = "") -> dict:
+              configs: str = "", geometry: str = "kimi-linear") -> dict:
     """Run every (PDL, prefetch) config, print the table, write out/gemv_pdl_chain_h200.json; returns it."""
     args = argparse.Namespace(reps=reps, chains=chains, producer_cycles=producer_cycles)
     t0 = time.perf_counter()
-    stages = DRY_STAGES if dry else STAGES
+    stages = DRY_STAGES if dry else K3_STAGES if geometry == "k3" else STAGES
     dtype = torch.float32 if dry else torch.bfloat16
     chain_bytes = sum(N * K for _, N, K, _, _ in stages) * dtype.itemsize
     copies = 1 if dry else max(2, -(-ROTATE_BYTES // chain_bytes))
@@ -222,15 +244,16 @@ def run_chain(out: Path, dev: str, dry: bool, reps: int, chains: int = 12, produ
         rows.append(row)
     names = ["producer"] + [s[0] for s in stages]
     report(rows, names)
+    best = best_in_chain(rows, stages, dtype)
     meta = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu (Triton interpreter)",
             "torch": torch.__version__, "triton": triton.__version__, "commit": os.environ.get("BENCH_COMMIT", "unknown"),
-            "date": time.strftime("%Y-%m-%d"), "dtype": str(dtype), "M": 1,
+            "date": time.strftime("%Y-%m-%d"), "dtype": str(dtype), "M": 1, "geometry": geometry,
             "stages": [{"name": n, "N": N, "K": K, "out_dtype": str(o or dtype), "input": i, "config": cfgs[n]}
                        for n, N, K, o, i in stages],
             "weight_sets": copies, "chain_weight_bytes": chain_bytes, "chains_per_graph": chains, "reps": reps,
             "producer_cycles": producer_cycles, "prefetch_l2_bytes": k_gemv.PREFETCH_L2_BYTES,
             "elapsed_s": time.perf_counter() - t0, "dry_run": dry,
-            "median_chain_us": statistics.median(r["chain_us"] for r in rows)}
+            "median_chain_us": statistics.median(r["chain_us"] for r in rows), "best_in_chain": best}
     result = {"meta": meta, "rows": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "gemv_pdl_chain_h200.json").write_text(json.dumps(result, indent=1))
@@ -246,6 +269,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--chains", type=int, default=12, help="chains per graph")
     ap.add_argument("--producer-cycles", type=int, default=10_000, help="SM clocks the producer spins (~5 us)")
+    ap.add_argument("--geometry", default="kimi-linear", choices=["kimi-linear", "k3"],
+                    help="kimi-linear: o_proj -> router -> in_proj; k3: h200-baseline.md's K3 shapes, all reading x")
     ap.add_argument("--configs", default="", help="extra rows: STAGE=kind:block_n:block_k:split_k:warps:stages;...")
     ap.add_argument("--prefetch-l2-mb", type=float, default=None,
                     help="override gemv.PREFETCH_L2_BYTES (the resident programs' joint L2 prefetch cap), in MiB")
@@ -254,7 +279,8 @@ def main() -> None:
         ap.error("--device cpu needs --dry-run (the interpreter is not a speed)")
     if args.prefetch_l2_mb is not None:
         k_gemv.PREFETCH_L2_BYTES = int(args.prefetch_l2_mb * (1 << 20))
-    run_chain(Path(args.out), args.device, args.dry_run, args.reps, args.chains, args.producer_cycles, args.configs)
+    run_chain(Path(args.out), args.device, args.dry_run, args.reps, args.chains, args.producer_cycles, args.configs,
+              args.geometry)
 
 
 if __name__ == "__main__":

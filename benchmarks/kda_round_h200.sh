@@ -10,7 +10,8 @@
 #           (TOKENSPEED_KDA_DECODE)
 #   sizing  the batch-1 decode step against the graphs' sizing (graph_sizing_h200.py)
 #   chain   GEMV configs whose whole weight slice is loaded before the PDL wait vs the table's, in the batch-1
-#           o_proj -> router -> in_proj chain after a 5 / 10 us producer (gemv_pdl_chain_h200.py --configs)
+#           o_proj -> router -> in_proj chain after a 5 / 10 us producer, and h200-baseline.md's K3 shapes (the
+#           issue's GEMV targets) after a 5 us producer (gemv_pdl_chain_h200.py --configs, --geometry k3)
 #   margin  what each op costs inside the batch-1 / 64 decode graph of kimi-linear-48b-a3b (marginal_cost_h200.py)
 #   tests   the KDA GPU tests (decode, norm epilogue, replay) over pytest-xdist workers
 #   bash benchmarks/kda_round_h200.sh "tests sweep nopdl margin"
@@ -54,8 +55,12 @@ if has chain; then
   cfgs="$cfgs;in_proj=dot:64:256:9:4:3;in_proj=dot:32:256:9:4:4"
   for cyc in 10000 20000; do
     timeout 150 python3 benchmarks/gemv_pdl_chain_h200.py --producer-cycles $cyc --configs "$cfgs" \
-      --out "$OUT/chain_$cyc" 2>&1 | grep -B1 -A14 "^pdl prefetch"
+      --out "$OUT/chain_$cyc" 2>&1 | grep -B1 -A16 "^pdl prefetch"
   done
+  k3="down_tp8=dot:64:256:28:4:3;down_tp8=dot:32:512:14:4:3;shared_gate_up_tp8=dot:64:256:28:4:3"
+  k3="$k3;shared_gate_up_tp8=dot:64:512:14:8:3;down_full=dot:64:256:28:4:3;kda_in_tp8=dot:64:256:28:4:3"
+  timeout 200 python3 benchmarks/gemv_pdl_chain_h200.py --geometry k3 --configs "$k3" --out "$OUT/chain_k3" 2>&1 \
+    | grep -B1 -A20 "^pdl prefetch"
 fi
 if has margin; then
   timeout 300 python3 benchmarks/marginal_cost_h200.py --batches "${MARGIN_BATCHES:-1,64}" \
