@@ -55,6 +55,28 @@ def test_rows_refuses_what_it_cannot_run():
         kda_decode(**clone(odd), lower_bound=-5.0, scale=1.0, config=KdaConfig(16, rows=True))
 
 
+@cpu_interp
+def test_rows_not_in_the_replay(monkeypatch):
+    """The multi-layer replay refuses an explicit row-chunk config, and a decode config forced to it through
+    TOKENSPEED_KDA_DECODE leaves the replay on its own schedule (same pools as without the variable)."""
+    from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors
+    from tokenspeed.ops.triton import kda_config
+    from tokenspeed.ops.triton.kda_decode import kda_replay_layers
+
+    def replay(**kw):
+        inp = clone(make([1, 1], 1, 64, torch.float32, "cpu"))  # head dim >= 64: the decode table applies
+        table = KdaLayerTable.build([KdaLayerTensors(*(inp[k] for k in KdaLayerTensors._fields))] * 2, strict=True)
+        kda_replay_layers(table, inp["state_indices"], inp["cu_seqlens"], None, lower_bound=-5.0, **kw)
+        return inp["state"], inp["conv_state"]
+
+    with pytest.raises(ValueError, match="not the replay"):
+        replay(config=KdaConfig(16, rows=True))
+    plain = replay()
+    monkeypatch.setenv(kda_config.DECODE_ENV, "bv16-rows-w4")
+    forced = replay()
+    assert all(torch.equal(a, b) for a, b in zip(plain, forced, strict=True))
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("cfg", ["bv32-rows-w4-s3", "bv16-rows-w4-s4", "bv32-rows-w8-s2"])

@@ -239,6 +239,10 @@ def kda_replay_layers(
     f3 = _check_layer(qkv, f, b, cw, conv_state, dt_bias, state, N, cu_seqlens, seq_lens)
     if N == 0 or T == 0:
         return
+    if config is None:  # a decode config forced through DECODE_ENV may be the decode-only row-chunk schedule
+        config = default_config(N * H * L, D, triton.cdiv(T, N))
+        if config.rows:
+            config = legacy_config(N * H * L, D)
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
     if opts.pop("ROWS"):

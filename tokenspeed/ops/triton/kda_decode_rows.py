@@ -9,8 +9,8 @@ contiguous block of block_v * D * 4 bytes (16 KB at head dim 128, 32 rows), in t
   2. nu = beta (v - pred); each chunk read again (from L2: pass 1 just brought it in), updated
      S[k, :] = decay_k S[k, :] + k_k nu, written back, and o += q_k S[k, :] accumulated.
 So HBM traffic is the same as the chunked schedule's (one read and one write of the state); L2 serves the second
-read. The arithmetic is the chunked schedule's per element, but the K sums add four partial sums, so results
-differ from it by fp32 rounding only.
+read. The arithmetic is the chunked schedule's per element, but the K sums add D / block_v partial sums, so
+results differ from it by fp32 rounding only.
 
 Decode only: the pool is updated (no verify, no step states, no per-sequence count), one program per
 (sequence, head), tokens of a sequence one after another; head dim a power of two that block_v divides. The
