@@ -343,16 +343,22 @@ def poison_idle(inp):
 @pytest.mark.parametrize("D,BV,stages", CHUNK_CASES)
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_chunked_decode_interp(D, BV, stages, lower_bound):
-    """Chunked decode: 1, 3 (several tokens: the state and conv window pass between tokens through the pools), 0 and
-    2 tokens, a padding row; idle slots NaN-poisoned and untouched; outputs poisoned (every row written)."""
+    """Chunked decode on `check_poisoned_decode`'s batch."""
     from tokenspeed.ops.triton.kda_decode import KdaConfig
 
+    check_poisoned_decode(KdaConfig(BV, chunked=True, num_stages=stages), 1, D, lower_bound)
+
+
+def check_poisoned_decode(config, H: int, D: int, lower_bound: float | None) -> None:
+    """One fp32 decode launch with `config` vs the composition: 1, 3 (several tokens: the state and conv window pass
+    between tokens through the pools), 0 and 2 tokens, a padding row; idle slots NaN-poisoned and untouched;
+    outputs poisoned (every row written)."""
     lens, slots = [1, 3, 0, 2, 1], [4, 1, 6, -1, 0]
-    inp = make(lens, 1, D, torch.float32, "cpu", slots=slots)
+    inp = make(lens, H, D, torch.float32, "cpu", slots=slots)
     _, idle = poison_idle(inp)
     scale = D ** -0.5
     a, r = clone(inp), clone(inp)
-    o = run_fused(a, lower_bound, scale, config=KdaConfig(BV, chunked=True, num_stages=stages))
+    o = run_fused(a, lower_bound, scale, config=config)
     o_ref = composed(r, lower_bound, scale)
     used = [s for s in slots if s >= 0]
     assert rel_err(o, o_ref) < 1e-5 and rel_err(a["state"][used], r["state"][used]) < 1e-5

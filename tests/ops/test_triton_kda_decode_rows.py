@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ops.test_triton_kda_decode import check, clone, composed, make, poison_idle, run_fused
+from tests.ops.test_triton_kda_decode import check, check_poisoned_decode, clone, make
 from tests.ops.test_triton_kda_norm_epilogue import check as check_norm
-from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # sets up Triton first
+from tests.ops.triton_env import cpu_interp, needs_cuda  # sets up Triton first
 from tokenspeed.ops.triton.kda_config import KdaConfig, config_from_label
 
 
@@ -17,19 +17,9 @@ from tokenspeed.ops.triton.kda_config import KdaConfig, config_from_label
 @pytest.mark.parametrize("D,RB", [(16, 4), (32, 8), (32, 32), (64, 16)])
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_rows_decode_interp(D, RB, lower_bound):
-    """1, 3 (the state and conv window pass between tokens through the pools), 0 and 2 tokens and a padding row;
-    idle slots NaN-poisoned and untouched; outputs poisoned (every row written)."""
-    lens, slots = [1, 3, 0, 2, 1], [4, 1, 6, -1, 0]
-    inp = make(lens, 2, D, torch.float32, "cpu", slots=slots)
-    _, idle = poison_idle(inp)
-    scale = D ** -0.5
-    a, r = clone(inp), clone(inp)
-    o = run_fused(a, lower_bound, scale, config=KdaConfig(RB, rows=True, num_stages=3))
-    o_ref = composed(r, lower_bound, scale)
-    used = [s for s in slots if s >= 0]
-    assert rel_err(o, o_ref) < 1e-5 and rel_err(a["state"][used], r["state"][used]) < 1e-5
-    assert torch.equal(a["conv_state"][used], r["conv_state"][used])
-    assert a["state"][idle].isnan().all() and a["conv_state"][idle].isnan().all()
+    """Two heads on `check_poisoned_decode`'s batch: several tokens per sequence, a padding row, poisoned idle
+    slots and outputs."""
+    check_poisoned_decode(KdaConfig(RB, rows=True, num_stages=3), 2, D, lower_bound)
 
 
 @cpu_interp
