@@ -108,10 +108,11 @@ def scaled(cfg: KdaConfig, D: int) -> KdaConfig:
     return cfg._replace(block_v=max(2, cfg.block_v * D // 128))
 
 
-def make_inputs(H: int, N: int, D: int, dev: str, dtype: torch.dtype, seed: int = 0) -> dict:
-    """One KDA layer's decode inputs: N sequences of one token, pools of 2N + 8 slots, random slots."""
+def make_inputs(H: int, N: int, D: int, dev: str, dtype: torch.dtype, seed: int = 0, q: int = 1) -> dict:
+    """One KDA layer's decode inputs: N sequences of q tokens (1: decode; a verify window: k + 1), pools of 2N + 8
+    slots, random slots."""
     gen = torch.Generator(device=dev).manual_seed(seed)  # drawn on the device: the 96 x 64 pool is 855 MB
-    T, C, S = N, 3 * H * D, 2 * N + 8
+    T, C, S = N * q, 3 * H * D, 2 * N + 8
 
     def r(*shape, s=1.0):
         return torch.randn(*shape, generator=gen, device=dev) * s
@@ -122,7 +123,7 @@ def make_inputs(H: int, N: int, D: int, dev: str, dtype: torch.dtype, seed: int 
         "conv_weight": r(C, 4, s=0.5), "conv_state": r(S, C, 3).to(dtype),
         "A_log": r(H, s=0.5), "dt_bias": r(H, D, s=0.5), "state": r(S, H, D, D, s=0.3),
         "state_indices": torch.randperm(S, generator=gen, device=dev)[:N],
-        "cu_seqlens": torch.arange(N + 1, dtype=torch.int64).to(dev),
+        "cu_seqlens": (torch.arange(N + 1, dtype=torch.int64) * q).to(dev),
     }
 
 
@@ -162,10 +163,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def parity(inp: dict, ref: dict, o_ref: torch.Tensor, cfg: KdaConfig, scale: float, dev: str) -> dict:
-    """One launch of cfg on fresh pool copies vs the reference's outputs and pools."""
+def parity(inp: dict, ref: dict, o_ref: torch.Tensor, cfg: KdaConfig, scale: float, dev: str,
+           update: bool = True) -> dict:
+    """One launch of cfg on fresh pool copies vs the reference's outputs and pools (verify, update False: both
+    pools left as they were)."""
     a = clone_pools(inp)
-    o = k_kda.kda_decode(**a, lower_bound=LOWER, scale=scale, config=cfg)
+    o = k_kda.kda_decode(**a, lower_bound=LOWER, scale=scale, config=cfg, update_state=update)
     sync(dev)
     slots = inp["state_indices"]
     idle = torch.ones(inp["state"].shape[0], dtype=torch.bool, device=slots.device)
@@ -310,21 +313,22 @@ def precompile(tasks: list[tuple], jobs: int) -> dict:
 def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: list[KdaConfig], args,
                 rec: KernelRecorder) -> dict:
     scale = D ** -0.5
-    inp = make_inputs(H, N, D, dev, dtype, seed=H * 1000 + N)
-    state_bytes = N * H * D * D * 4 * 2
+    q, update = (args.verify, False) if args.verify else (1, True)  # --verify K: windows of K tokens, pools read
+    inp = make_inputs(H, N, D, dev, dtype, seed=H * 1000 + N, q=q)
+    state_bytes = N * H * D * D * 4 * (2 if update else 1)
     ref = clone_pools(inp)
-    o_ref = public_ops._kda_decode_reference(**ref, lower_bound=LOWER, scale=scale, update_state=True,
+    o_ref = public_ops._kda_decode_reference(**ref, lower_bound=LOWER, scale=scale, update_state=update,
                                              step_states=None)
     sync(dev)
     work = clone_pools(inp)  # the timed launches advance this copy in place
     norm = {}  # --norm: the timed launches also apply the model's fused gated RMSNorm epilogue (parity: without)
     if args.norm:
         gen = torch.Generator(device=dev).manual_seed(7)
-        norm = {"norm_gate": torch.randn(N, H * D, generator=gen, device=dev).to(dtype),
+        norm = {"norm_gate": torch.randn(N * q, H * D, generator=gen, device=dev).to(dtype),
                 "norm_weight": torch.randn(D, generator=gen, device=dev)}
     calls = args.calls or (20 if N * H < 512 else 5)
     cold = args.cold == "on" or (args.cold == "auto" and state_bytes / 2 < COLD_BELOW)
-    default = k_kda.default_config(N * H, D, 1)
+    default = k_kda.default_config(N * H, D, q)
     legacy = k_kda.legacy_config(N * H, D)
     variants = list(variants)
     for c in (legacy, default):  # both always measured
@@ -339,10 +343,10 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
         t0 = time.time()
         try:
             rec.last = None
-            v.update(parity(inp, ref, o_ref, cfg, scale, dev))
+            v.update(parity(inp, ref, o_ref, cfg, scale, dev, update))
             v.update(rec.info())
             v.update(measure(lambda c=cfg, w=work: k_kda.kda_decode(**w, **norm, lower_bound=LOWER, scale=scale,
-                                                                     config=c),
+                                                                     config=c, update_state=update),
                              dev, calls, args.reps, cold, state_bytes))
         except Exception as e:  # noqa: BLE001 - one failing variant is reported and skipped
             v["error"] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -354,7 +358,7 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
         row["variants"].append(v)
         print(fmt_variant(v), flush=True)
     fla = {"label": "fla fused_recurrent_kda"}
-    if not args.no_fla:
+    if not args.no_fla and update:  # (verify: fla's recurrence writes a final state; not the same work)
         try:
             fn = fla_fn(inp, H, N, D, dev)
             if fn is None:
@@ -367,7 +371,7 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
     row["fla"] = fla
     row["copy"] = copy_ceiling(state_bytes, dev, calls, args.reps, cold)
     print(fmt_variant(row["copy"]), flush=True)
-    row["patterns"] = pattern_ceilings(inp, H, D, dev, calls, args.reps, cold, state_bytes)
+    row["patterns"] = pattern_ceilings(inp, H, D, dev, calls, args.reps, cold, state_bytes) if update else []
     for v in row["patterns"]:
         print(fmt_variant(v), flush=True)
     ok = [v for v in row["variants"] if v.get("us") is not None and v.get("parity_ok")]
@@ -420,6 +424,8 @@ def main() -> None:
                     help="also time with L2 flushed before every call: auto = states below 120 MB (docstring)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--norm", action="store_true", help="time the launches with the fused output norm, as the model")
+    ap.add_argument("--verify", type=int, default=0,
+                    help="K > 0: verify windows of K tokens per sequence (pools read, not written; no row-chunk, no fla)")
     ap.add_argument("--jobs", type=int, default=None,
                     help="processes that precompile the variants first (default: min(8, CPUs) on CUDA; 0: none)")
     ap.add_argument("--pdl", default="on", choices=["on", "off"],
@@ -439,11 +445,14 @@ def main() -> None:
     if args.only:
         keys = args.only.split(",")
         variants = [c for c in variants if any(k in c.label for k in keys)]
+    if args.verify:
+        variants = [c for c in variants if not c.rows]  # the row-chunk schedule is decode only
     t0 = time.time()
     pre = None
     jobs = args.jobs if args.jobs is not None else (min(8, os.cpu_count() or 1) if dev == "cuda" else 0)
     if jobs > 0:  # (on the CPU only a plumbing check: the interpreter caches nothing)
-        extra = {c for H, N in shapes for c in (k_kda.legacy_config(N * H, D), k_kda.default_config(N * H, D, 1))}
+        extra = {c for H, N in shapes
+                 for c in (k_kda.legacy_config(N * H, D), k_kda.default_config(N * H, D, args.verify or 1))}
         cfgs = variants + [c for c in extra if c not in variants]
         tasks = [(H, D, tuple(c), dev) for H in sorted({h for h, _ in shapes}) for c in cfgs]
         pre = precompile(tasks, jobs)
@@ -452,10 +461,12 @@ def main() -> None:
     rows = []
     try:
         for H, N in shapes:
-            print(f"== H={H} N={N} D={D}: state {N * H * D * D * 8 / 1e6:.1f} MB read+written, "
-                  f"floor {N * H * D * D * 8 / HBM * 1e6:.1f} us at 4.27 TB/s; default "
-                  f"{k_kda.default_config(N * H, D, 1).label}, legacy {k_kda.legacy_config(N * H, D).label}",
-                  flush=True)
+            nbytes = N * H * D * D * (4 if args.verify else 8)
+            what = f"read (verify, {args.verify} tokens)" if args.verify else "read+written"
+            print(f"== H={H} N={N} D={D}: state {nbytes / 1e6:.1f} MB {what}, "
+                  f"floor {nbytes / HBM * 1e6:.1f} us at 4.27 TB/s; default "
+                  f"{k_kda.default_config(N * H, D, args.verify or 1).label}, "
+                  f"legacy {k_kda.legacy_config(N * H, D).label}", flush=True)
             rows.append(sweep_shape(H, N, D, dev, dtype, variants, args, rec))
     finally:
         k_kda._kda_decode_kernel = rec.fn

@@ -5,6 +5,8 @@
 #           copies with the decode's access pattern (kda_decode_sweep_h200.py)
 #   small   the same at batch-1..16 shapes
 #   nopdl   the large shapes with TOKENSPEED_PDL=0
+#   verify  4-token verify windows (EAGLE3's) at batch 1..64, 32 and 96 heads: split (legacy_config, the default
+#           for verify) vs the chunked schedule
 #   small2  batch-1..8 shapes with the fused norm: split vs chunked vs rows (where DECODE_TABLE switches)
 #   stepab  the batch-2 decode step of kimi-linear-48b-a3b: the default (chunked from 64 pairs) vs split forced
 #           (TOKENSPEED_KDA_DECODE)
@@ -42,6 +44,11 @@ fi
 if has stepab; then
   timeout 200 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab 2 \
     --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_KDA_DECODE=bv32-split-w4" --out "$OUT" 2>&1 | grep "PDL A/B"
+fi
+if has verify; then
+  timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --verify 4 --norm --shapes "32:1,32:4,32:16,32:64,96:16,96:64" \
+    --only "split,bv32-chunked-w4-s3,bv16-chunked" --out "$OUT/kda_decode_sweep_h200_verify.json" 2>&1 \
+    | tee "$OUT/kda_sweep_verify.log" | grep -A12 "best per shape"
 fi
 if has nopdl; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" --pdl off \
