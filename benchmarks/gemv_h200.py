@@ -24,6 +24,13 @@ SPLIT_K, num_warps, num_stages), checks every config's output against torch's (r
 the fastest passing config. GB/s = weight bytes / time; % HBM is against 4.27 TB/s (the measured D2D copy rate
 of the baseline doc; the copy rate is re-measured here and recorded too).
 
+--producer-cycles C (in context): x is written instead by a one-program PDL kernel that spins C SM clocks first
+(`gemv_pdl_chain_h200.produce`: the latency-bound kernel before a projection in a decode step), that kernel alone
+is subtracted, and the sweep adds "whole-slice" configs (K / split_k == block_k, so the "regs" prefetch loads each
+program's whole weight slice before its PDL wait). A time is then what the projection adds to the step, overlap
+included: our PDL launches stream weights while the producer runs, cuBLAS starts after it. Write such a table
+elsewhere (--table) and A/B it in the step before it replaces the packaged one.
+
 Two A/B comparisons ride along (their rows are in the JSON; the reduce A/B rows also compete for the table):
 - split-K reduction: the sweep runs with the default one-launch reduction (`reduce="fused"`: the last split of
   each n-tile sums the partials); the fastest split-K config of each (shape, M) is timed again with
@@ -124,7 +131,20 @@ def wave_split(n_blocks: int, K: int, block_k: int, programs: int) -> int:
     return max(1, min(programs // max(n_blocks, 1), triton.cdiv(K, block_k)))
 
 
-def sweep(M: int, N: int, K: int, elt: int, num_sms: int, wide: bool, dry: bool) -> list[GemvConfig]:
+def whole_slice(N: int, K: int, num_sms: int) -> set[GemvConfig]:
+    """Tensor-core configs whose programs each own one BLOCK_K step (split_k = K / block_k), so the "regs"
+    prefetch loads a program's whole weight slice before the PDL wait; only those with at most 4 programs per SM
+    (more could not be resident beside the producer)."""
+    out = set()
+    for bn, bk, warps in ((64, 256, 4), (32, 512, 4), (64, 512, 8), (128, 256, 8), (32, 256, 4)):
+        split = triton.cdiv(K, bk)
+        if K % bk == 0 and triton.cdiv(N, bn) * split <= 4 * num_sms:
+            out.add(GemvConfig("dot", bn, bk, split, warps, 3))
+    return out
+
+
+def sweep(M: int, N: int, K: int, elt: int, num_sms: int, wide: bool, dry: bool,
+          in_context: bool = False) -> list[GemvConfig]:
     """The launch configs tried for one (M, N, K): the tile shapes that won a wide H200 sweep (tensor-core kernel;
     the CUDA-core kernel only at M <= 2, where it wins some tiny layers), each with the split-K that fills one and
     two waves of programs (>= 4 K steps per split, and for small layers >= 1 step: more, shorter programs) and the
@@ -145,6 +165,8 @@ def sweep(M: int, N: int, K: int, elt: int, num_sms: int, wide: bool, dry: bool)
     elif N * K * elt < (32 << 20):
         depths = (1, 4)
     cfgs = {k_gemv.default_config(M, N, K, elt, num_sms)}
+    if in_context and elt <= 2:
+        cfgs |= whole_slice(N, K, num_sms)
     for kind, bases in (("fma", fma), ("dot", dot)):
         if kind == "dot" and elt > 2:
             continue
@@ -243,6 +265,10 @@ def bench_shape(name: str, N: int, K: int, ms: list[int], args: argparse.Namespa
         src = torch.randn(M, K, generator=gen, device=dev, dtype=torch.float32).to(dtype)
         x = src.clone()
         prep = partial(x.copy_, src)
+        if args.producer_cycles:  # in context: a PDL kernel that spins, then writes x
+            from gemv_pdl_chain_h200 import produce  # benchmarks/ (the script's own folder is on sys.path)
+
+            prep = partial(produce, src, x, args.producer_cycles, dev == "cuda")
         base = {"shape": f"{N}x{K}", "names": name, "N": N, "K": K, "M": M, "weight_bytes": wbytes,
                 "copies": copies, "n_calls": n_calls}
         t_prep = timer(lambda i, prep=prep: prep(), n_calls, args.reps)
@@ -250,7 +276,7 @@ def bench_shape(name: str, N: int, K: int, ms: list[int], args: argparse.Namespa
         rows.append({**time_it("torch", partial(_torch_call, x, ws)), "config": None, "rel_err": 0.0, "ok": True,
                      "prep_us": t_prep})
         ref = torch.nn.functional.linear(x, ws[0])
-        cfgs = sweep(M, N, K, elt, num_sms, args.sweep == "wide", args.dry_run)
+        cfgs = sweep(M, N, K, elt, num_sms, args.sweep == "wide", args.dry_run, bool(args.producer_cycles))
         if time.perf_counter() - t_start > args.budget_s:
             cfgs = [k_gemv.default_config(M, N, K, elt, num_sms)]
             base["budget_cut"] = True
@@ -422,6 +448,8 @@ def main() -> None:
     ap.add_argument("--margin", type=float, default=0.02)
     ap.add_argument("--budget-s", type=float, default=170.0, help="after this, only the default config is timed")
     ap.add_argument("--no-table", action="store_true", help="do not write the routing table")
+    ap.add_argument("--producer-cycles", type=int, default=0,
+                    help="in context: x written by a PDL kernel spinning this many SM clocks (docstring); 0: a copy")
     ap.add_argument("--chain", action="store_true", help="instead of the sweep: the PDL / weight-prefetch A/B on a "
                     "decode-layer chain (benchmarks/gemv_pdl_chain_h200.py; --out, --reps, --device, --dry-run)")
     args = ap.parse_args()
@@ -475,7 +503,8 @@ def main() -> None:
         sm_clock = None
     meta = {"device": dev_name, "num_sms": num_sms, "torch": torch.__version__, "triton": triton.__version__,
             "dtype": str(dtype), "hbm_ref_Bps": HBM, "copy_rate_Bps": copy, "rotate_bytes": ROTATE_BYTES,
-            "reps": args.reps, "margin": args.margin, "sweep": args.sweep, "elapsed_s": elapsed,
+            "reps": args.reps, "margin": args.margin, "sweep": args.sweep, "producer_cycles": args.producer_cycles,
+            "elapsed_s": elapsed,
             "dry_run": args.dry_run, "sm_clock_mhz_at_end": sm_clock, **ab_summary}
     (out / "gemv_h200.json").write_text(json.dumps({"meta": meta, "winners": wins, "rows": rows}, indent=1))
     plot(wins, out / "gemv_h200.png")

@@ -11,6 +11,9 @@
 #   stepab  the batch-2 decode step of kimi-linear-48b-a3b: the default (chunked from 64 pairs) vs split forced
 #           (TOKENSPEED_KDA_DECODE)
 #   sizing  the batch-1 decode step against the graphs' sizing (graph_sizing_h200.py)
+#   ctx     the GEMV sweep in context (gemv_h200.py --producer-cycles 20000: after a 10 us PDL producer, whole-slice
+#           configs added) on the batch-1 projections of kimi-linear and the K3 baseline shapes, M 1 / 4; its
+#           table goes to $OUT (the packaged one is not touched)
 #   chain   GEMV configs whose whole weight slice is loaded before the PDL wait vs the table's, in the batch-1
 #           o_proj -> router -> in_proj chain after a 5 / 10 us producer, and h200-baseline.md's K3 shapes (the
 #           issue's GEMV targets) after a 5 us producer (gemv_pdl_chain_h200.py --configs, --geometry k3)
@@ -68,6 +71,11 @@ if has chain; then
   k3="$k3;shared_gate_up_tp8=dot:64:512:14:8:3;down_full=dot:64:256:28:4:3;kda_in_tp8=dot:64:256:28:4:3"
   timeout 200 python3 benchmarks/gemv_pdl_chain_h200.py --geometry k3 --configs "$k3" --out "$OUT/chain_k3" 2>&1 \
     | grep -B1 -A20 "^pdl prefetch"
+fi
+if has ctx; then
+  timeout 300 python3 benchmarks/gemv_h200.py --producer-cycles 20000 --ms 1,4 --budget-s 240 \
+    --shapes "2304x4096,256x2304,12576x2304,6720x2304,448x7168,1536x7168,3584x7168,6284x7168" \
+    --out "$OUT/gemv_ctx" --table "$OUT/gemv_ctx/gemv_table_ctx.json" 2>&1 | grep -A30 "N x K"
 fi
 if has margin; then
   timeout 300 python3 benchmarks/marginal_cost_h200.py --batches "${MARGIN_BATCHES:-1,64}" \
