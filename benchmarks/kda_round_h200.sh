@@ -14,6 +14,7 @@
 #   ctx     the GEMV sweep in context (gemv_h200.py --producer-cycles 20000: after a 10 us PDL producer, whole-slice
 #           configs added) on the batch-1 projections of kimi-linear and the K3 baseline shapes, M 1 / 4; its
 #           table goes to $OUT (the packaged one is not touched)
+#   ctxab   the batch-1 / 4 decode step with that table over the packaged one vs the packaged one (run after ctx)
 #   chain   GEMV configs whose whole weight slice is loaded before the PDL wait vs the table's, in the batch-1
 #           o_proj -> router -> in_proj chain after a 5 / 10 us producer, and h200-baseline.md's K3 shapes (the
 #           issue's GEMV targets) after a 5 us producer (gemv_pdl_chain_h200.py --configs, --geometry k3)
@@ -76,6 +77,10 @@ if has ctx; then
   timeout 300 python3 benchmarks/gemv_h200.py --producer-cycles 20000 --ms 1,4 --budget-s 240 \
     --shapes "2304x4096,256x2304,12576x2304,6720x2304,448x7168,1536x7168,3584x7168,6284x7168" \
     --out "$OUT/gemv_ctx" --table "$OUT/gemv_ctx/gemv_table_ctx.json" 2>&1 | grep -A30 "N x K"
+fi
+if has ctxab; then
+  timeout 240 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab 1,4 \
+    --pdl-configs "1:regs:0;1:regs:0:table=$OUT/gemv_ctx/gemv_table_ctx.json" --out "$OUT" 2>&1 | grep "PDL A/B"
 fi
 if has margin; then
   timeout 300 python3 benchmarks/marginal_cost_h200.py --batches "${MARGIN_BATCHES:-1,64}" \

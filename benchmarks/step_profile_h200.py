@@ -31,6 +31,7 @@ import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from graph_timing import events_ms
@@ -166,11 +167,19 @@ class _EveryShapeGemv(dict):
 
 
 def _linear_setting(config: str) -> str:
-    """The 4th field of a --pdl-configs entry: "table" (the committed routing table; default) or "gemv"."""
+    """The 4th field of a --pdl-configs entry: "table" (the committed routing table; default), "gemv", or
+    "table=PATH" (that table's entries over the committed one's, e.g. one from gemv_h200.py --producer-cycles)."""
     lin = (config.split(":") + ["", "", ""])[3] or "table"
-    if lin not in ("table", "gemv"):
-        raise ValueError(f"linear setting must be table or gemv; got {lin!r} in {config!r}")
+    if lin not in ("table", "gemv") and not lin.startswith("table="):
+        raise ValueError(f"linear setting must be table, gemv or table=PATH; got {lin!r} in {config!r}")
     return lin
+
+
+def _merged_table(path: str) -> dict:
+    """The committed routing table with the entries of the table at `path` put over it (raw JSON form)."""
+    base = json.loads(dispatch.LINEAR_TABLE_PATH.read_text())
+    extra = json.loads(Path(path).read_text())
+    return {**base, "entries": {**base.get("entries", {}), **extra.get("entries", {})}}
 
 
 def pdl_ab(model, batch: int, ctx: int, configs: list[str], steps: int = 8, rounds: int = 5) -> dict:
@@ -192,8 +201,11 @@ def pdl_ab(model, batch: int, ctx: int, configs: list[str], steps: int = 8, roun
                 else:
                     os.environ[k] = v
             os.environ.update(_config_env(cfg))
-            if _linear_setting(cfg) == "gemv":
+            lin = _linear_setting(cfg)
+            if lin == "gemv":
                 dispatch.set_linear_table(dispatch.LinearTable(dispatch.linear_table().dtypes, _EveryShapeGemv()))
+            elif lin.startswith("table="):
+                dispatch.set_linear_table(_merged_table(lin.removeprefix("table=")))
             g = graphs[cfg] = DecodeGraphs(model, buf, batch, pps, scratch_page=batch * pps)
             g.capture()
             dispatch.set_linear_table(None)
