@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the open issue-7/8 measurements prepared without a GPU (session 10), any subset of parts:
+# Device calls for the open issue-7/8 measurements prepared without a GPU (sessions 10-11), any subset of parts:
 #   sweep   KDA decode variants at the large shapes, PDL on: the chunked default against -pf (head-state L2
 #           prefetch), -hints, the row-chunk schedule (-rows), fla, torch's copy of the same bytes and in-place
 #           copies with the decode's access pattern (kda_decode_sweep_h200.py)
@@ -20,7 +20,7 @@
 #           issue's GEMV targets) after a 5 us producer (gemv_pdl_chain_h200.py --configs, --geometry k3)
 #   margin  what each op costs inside the batch-1 / 64 decode graph of kimi-linear-48b-a3b (marginal_cost_h200.py)
 #   tests   the KDA GPU tests (decode, norm epilogue, replay) over pytest-xdist workers
-#   bash benchmarks/kda_round_h200.sh "tests sweep nopdl margin"
+#   bash benchmarks/kda_round_h200.sh "sweep small2 verify"; then "chain ctx ctxab" (one call each: <= 10 min)
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "
@@ -66,12 +66,12 @@ if has chain; then
   cfgs="$cfgs;in_proj=dot:64:256:9:4:3;in_proj=dot:32:256:9:4:4"
   for cyc in 10000 20000; do
     timeout 150 python3 benchmarks/gemv_pdl_chain_h200.py --producer-cycles $cyc --configs "$cfgs" \
-      --out "$OUT/chain_$cyc" 2>&1 | grep -B1 -A16 "^pdl prefetch"
+      --out "$OUT/chain_$cyc" 2>&1 | grep -B1 -A24 "^pdl prefetch"
   done
   k3="down_tp8=dot:64:256:28:4:3;down_tp8=dot:32:512:14:4:3;shared_gate_up_tp8=dot:64:256:28:4:3"
   k3="$k3;shared_gate_up_tp8=dot:64:512:14:8:3;down_full=dot:64:256:28:4:3;kda_in_tp8=dot:64:256:28:4:3"
   timeout 200 python3 benchmarks/gemv_pdl_chain_h200.py --geometry k3 --configs "$k3" --out "$OUT/chain_k3" 2>&1 \
-    | grep -B1 -A20 "^pdl prefetch"
+    | grep -B1 -A24 "^pdl prefetch"
 fi
 if has ctx; then
   timeout 300 python3 benchmarks/gemv_h200.py --producer-cycles 20000 --ms 1,4 --budget-s 240 \
