@@ -25,10 +25,11 @@ to the chain costs, overlap included. Every GEMV output of the last chain is che
 Output: --out/gemv_pdl_chain_h200.json and a table on stdout. About 20-40 s, mostly Triton compiles.
 --prefetch-l2-mb changes the "l2" mode's joint prefetch cap (gemv.PREFETCH_L2_BYTES, 24 MiB) for a second run.
 --configs adds rows (PDL on, "regs" prefetch) with one stage's launch config replaced, e.g.
-    --configs "o_proj=dot:64:256:16:4:3;o_proj=dot:32:512:8:4:3"
+    --configs "o_proj=dot:64:256:16:4:1;o_proj=dot:32:512:8:4:1"
 (kind:block_n:block_k:split_k:num_warps:num_stages). With K / split_k == block_k a program's whole weight slice
 is its first tile, which "regs" loads before the PDL wait: the entire weight stream can overlap the producer,
-where the table's configs (timed after a short producer) only prefetch their first tile.
+where the table's configs (timed after a short producer) only prefetch their first tile. Give such configs one
+stage: their K loop has nothing left after the peeled step, and each stage reserves shared memory.
 """
 
 from __future__ import annotations

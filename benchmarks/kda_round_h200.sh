@@ -62,14 +62,15 @@ if has sizing; then
   timeout 200 python3 benchmarks/graph_sizing_h200.py --out "$OUT/graph_sizing_h200.json" 2>&1 | tail -32
 fi
 if has chain; then
-  cfgs="o_proj=dot:64:256:16:4:3;o_proj=dot:32:512:8:4:3;o_proj=dot:64:512:8:8:3;o_proj=dot:128:256:16:8:3"
-  cfgs="$cfgs;in_proj=dot:64:256:9:4:3;in_proj=dot:32:256:9:4:4"
+  # one stage: the whole slice is the peeled first step; more stages only reserve shared memory (160 KB at 3)
+  cfgs="o_proj=dot:64:256:16:4:1;o_proj=dot:32:512:8:4:1;o_proj=dot:64:512:8:8:1;o_proj=dot:128:256:16:8:1"
+  cfgs="$cfgs;in_proj=dot:64:256:9:4:1;in_proj=dot:32:256:9:4:1"
   for cyc in 10000 20000; do
     timeout 150 python3 benchmarks/gemv_pdl_chain_h200.py --producer-cycles $cyc --configs "$cfgs" \
       --out "$OUT/chain_$cyc" 2>&1 | grep -B1 -A24 "^pdl prefetch"
   done
-  k3="down_tp8=dot:64:256:28:4:3;down_tp8=dot:32:512:14:4:3;shared_gate_up_tp8=dot:64:256:28:4:3"
-  k3="$k3;shared_gate_up_tp8=dot:64:512:14:8:3;down_full=dot:64:256:28:4:3;kda_in_tp8=dot:64:256:28:4:3"
+  k3="down_tp8=dot:64:256:28:4:1;down_tp8=dot:32:512:14:4:1;shared_gate_up_tp8=dot:64:256:28:4:1"
+  k3="$k3;shared_gate_up_tp8=dot:32:512:14:4:1;down_full=dot:32:512:14:4:1;kda_in_tp8=dot:32:512:14:4:1"
   timeout 200 python3 benchmarks/gemv_pdl_chain_h200.py --geometry k3 --configs "$k3" --out "$OUT/chain_k3" 2>&1 \
     | grep -B1 -A24 "^pdl prefetch"
 fi
