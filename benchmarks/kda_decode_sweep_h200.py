@@ -137,25 +137,47 @@ def sync(dev: str) -> None:
 
 
 class KernelRecorder:
-    """Stands in for `_kda_decode_kernel` in the kda_decode module: records the compiled kernel each launch
-    returns (registers, spills, shared memory of the variant)."""
+    """Stands in for `_kda_decode_kernel` in the kda_decode module and `_kda_decode_rows_kernel` in
+    kda_decode_rows (`install`; `uninstall` puts them back): records the compiled kernel each launch returns
+    (registers, spills, shared memory of the variant)."""
 
-    def __init__(self, fn):
-        self.fn, self.last = fn, None
+    def __init__(self):
+        self.last = None
+        self._real: list[tuple[object, str, object]] = []
 
-    def __getitem__(self, grid):
-        launch = self.fn[grid]
+    def install(self) -> None:
+        from tokenspeed.ops.triton import kda_decode_rows
 
-        def run(*args, **kwargs):
-            self.last = launch(*args, **kwargs)
-            return self.last
-        return run
+        for module, name in ((k_kda, "_kda_decode_kernel"), (kda_decode_rows, "_kda_decode_rows_kernel")):
+            fn = getattr(module, name)
+            self._real.append((module, name, fn))
+            setattr(module, name, _Recorded(fn, self))
+
+    def uninstall(self) -> None:
+        for module, name, fn in self._real:
+            setattr(module, name, fn)
+        self._real.clear()
 
     def info(self) -> dict:
         k = self.last
         md = getattr(k, "metadata", None)
         return {"regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
                 "shared_bytes": getattr(md, "shared", None)}
+
+
+class _Recorded:
+    """One kernel's stand-in: launches it and hands the compiled kernel to the recorder."""
+
+    def __init__(self, fn, rec: KernelRecorder):
+        self.fn, self.rec = fn, rec
+
+    def __getitem__(self, grid):
+        launch = self.fn[grid]
+
+        def run(*args, **kwargs):
+            self.rec.last = launch(*args, **kwargs)
+            return self.rec.last
+        return run
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -456,8 +478,8 @@ def main() -> None:
         cfgs = variants + [c for c in extra if c not in variants]
         tasks = [(H, D, tuple(c), dev) for H in sorted({h for h, _ in shapes}) for c in cfgs]
         pre = precompile(tasks, jobs)
-    rec = KernelRecorder(k_kda._kda_decode_kernel)
-    k_kda._kda_decode_kernel = rec
+    rec = KernelRecorder()
+    rec.install()
     rows = []
     try:
         for H, N in shapes:
@@ -469,7 +491,7 @@ def main() -> None:
                   f"legacy {k_kda.legacy_config(N * H, D).label}", flush=True)
             rows.append(sweep_shape(H, N, D, dev, dtype, variants, args, rec))
     finally:
-        k_kda._kda_decode_kernel = rec.fn
+        rec.uninstall()
     try:
         import fla
         fla_version = getattr(fla, "__version__", None)
