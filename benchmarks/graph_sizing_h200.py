@@ -14,15 +14,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import os
-import platform
 import statistics
-import sys
-import time
 
 import torch
-from graph_timing import events_ms
+from graph_timing import events_ms, write_result
 from serving_h200 import decode_batch, decode_setup
 from step_profile_h200 import kernels_of
 
@@ -75,15 +70,8 @@ def main() -> None:
     print(f"kernels, {last} minus {first} (us summed over one step, launches):")
     for r in table[:25]:
         print(f"  {r['us_delta']:+8.1f}  {r['kernel']}  {r[first]} -> {r[last]}")
-    res = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "python": platform.python_version(), "commit": os.environ.get("BENCH_COMMIT", "unknown"),
-                   "command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d"),
-                   "geometry": args.geometry, "batch": args.batch, "ctx": args.ctx}, "sizes": rows,
-           "kernel_diff": table}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result(args.out, {"sizes": rows, "kernel_diff": table}, geometry=args.geometry, batch=args.batch,
+                 ctx=args.ctx)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
 """Shared by the H200 benchmarks: CUDA-event timing of eager calls, side-stream warm-up before a graph capture,
-and the median GPU time of a captured graph's replay."""
+the median GPU time of a captured graph's replay, and the JSON result file with the run's environment."""
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import statistics
+import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -41,3 +46,15 @@ def replay_ms(graph: torch.cuda.CUDAGraph, reps: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         graph.replay()
     return events_ms(graph.replay, reps, warmup=0)
+
+
+def write_result(path: str, body: dict, **env: object) -> None:
+    """Write {"env": GPU, torch, Python, commit ($BENCH_COMMIT), command, date, plus `env`; **body} as JSON to
+    `path` (folders made) and say so."""
+    info = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+            "python": platform.python_version(), "commit": os.environ.get("BENCH_COMMIT", "unknown"),
+            "command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d"), **env}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"env": info, **body}, f, indent=1)
+    print(f"wrote {path}")

@@ -21,11 +21,7 @@ Writes one JSON: per batch, the full step time, and per entry its step time, mar
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any, Self
@@ -206,14 +202,9 @@ def main() -> None:
     t0 = time.time()
     with torch.no_grad():
         rows = [marginal(model, int(b), args.ctx, entries, args.rounds) for b in args.batches.split(",")]
-    res = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "python": platform.python_version(), "commit": os.environ.get("BENCH_COMMIT", "unknown"),
-                   "command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d"),
-                   "seconds": time.time() - t0, "geometry": args.geometry}, "rows": rows}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    from graph_timing import write_result
+
+    write_result(args.out, {"rows": rows}, seconds=time.time() - t0, geometry=args.geometry)
 
 
 if __name__ == "__main__":

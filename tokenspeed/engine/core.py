@@ -393,7 +393,8 @@ def _warn_if_slow(seconds: float, batch: ScheduledBatch, read_back: ScheduledBat
 
 def _needs_sync(params: SamplingParams | None) -> bool:
     """Requests that the synchronous step serves: penalties, min_tokens (the sampler reads the host tokens),
-    logit_bias, logprobs and prompt logprobs. Greedy and plain sampled (temperature, top-k/p, min-p, seeds) requests do not."""
+    logit_bias, logprobs and prompt logprobs. Greedy and plain sampled (temperature, top-k/p, min-p, seeds)
+    requests do not."""
     if params is None:
         return False
     return not samples_on_device(params) or params.prompt_logprobs is not None

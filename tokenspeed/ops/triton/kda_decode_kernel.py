@@ -66,8 +66,9 @@ BR = NORM_ROWS rows are normed per step (several tokens per sequence: verify, pr
 PDL (`tokenspeed.ops.triton.pdl`; Hopper, compiled code only): before `gdc_wait` a single-layer launch reads only its
 slot and bounds (`state_indices[n]`, `cu_seqlens[n:n+2]`), the recurrent-state pool (split: its [BK, BV] tile into
 registers; chunked verify: the first tile; chunked decode: a bulk L2 prefetch of the head's state rows, PF_STATE,
-issued with or without PDL on sm_90 when the rows are 16-byte aligned and `KdaConfig.prefetch_state` asks; off by default), A_log, and issues L2 prefetch hints for the conv weight, conv state, dt_bias and norm weight
-rows it reads first. Prefetch hints are correct whatever wrote the memory (no data is consumed). The state pool is
+issued with or without PDL on sm_90 when the rows are 16-byte aligned and `KdaConfig.prefetch_state` asks; off by
+default), A_log, and issues L2 prefetch hints for the conv weight, conv state, dt_bias and norm weight rows it
+reads first. Prefetch hints are correct whatever wrote the memory (no data is consumed). The state pool is
 written only by KDA ops of earlier steps (never by either of the two launches before this one). Slots and bounds come
 from a host-to-device copy, which the protocol allows pre-wait only when it was written at least two launches earlier:
 in the model the batch's slots and cu_seqlens are copied in before the step's first kernel (one copy of the batch's host
