@@ -135,8 +135,8 @@ def whole_slice(N: int, K: int, num_sms: int) -> set[GemvConfig]:
     """Tensor-core configs whose programs each own one BLOCK_K step (split_k = K / block_k), so the "regs"
     prefetch loads a program's whole weight slice before the PDL wait; only those with at most 4 programs per SM
     (more could not be resident beside the producer). One stage: the K loop has no step left after the peeled
-    one, and more stages only reserve shared memory (64 x 256 tiles: 160 KB at 3 stages, 40 KB at 1; sm_90
-    build, 126-168 registers)."""
+    one, and more stages only reserve shared memory (o_proj's 64 x 256 tiles at M = 1: 160 KB at 3 stages, 40 KB
+    and 137 registers at 1; `pdl_compile_sm90.py --only whole`)."""
     out = set()
     for bn, bk, warps in ((64, 256, 4), (32, 512, 4), (64, 512, 8), (128, 256, 8), (32, 256, 4)):
         split = triton.cdiv(K, bk)

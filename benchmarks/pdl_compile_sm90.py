@@ -1,5 +1,6 @@
 """Compile the PDL variants of the decode kernels for sm_90 on a host without a GPU and check their machine code:
-GEMV (every prefetch mode, both kinds, split-K fused and two-launch), RMSNorm (plain, gated, residual), gated
+GEMV (every prefetch mode, both kinds, split-K fused and two-launch, a whole weight slice per program at 1 and 3
+stages), RMSNorm (plain, gated, residual), gated
 activation, causal conv1d (conv + state kernels), AttnRes mix (split, tile and online schedules), and the
 spinning producer of benchmarks/gemv_pdl_chain_h200.py.
 
@@ -72,13 +73,19 @@ def gemv_variants() -> list[tuple[str, Callable[[], object], str | None, bool]]:
               ("launch_reduce", 1, 256, 2304, bf, {"reduce": "launch", "split_k": 8}),
               ("router_table", 1, 256, 2304, bf, {"kind": "fma", "block_n": 4, "block_k": 512, "split_k": 4,
                                                   "out_dtype": torch.float32})]
+    whole = {"kind": "dot", "block_n": 64, "block_k": 256, "split_k": 16, "num_warps": 4}  # K / split == block_k
+    # the whole weight slice loaded before the wait ("regs" only): 1 stage as gemv_h200.whole_slice uses, and 3
+    # for the shared memory the pipeliner would reserve for a loop with no step left
+    shapes += [("o_proj_whole_s1", 1, 2304, 4096, bf, {**whole, "num_stages": 1}),
+               ("o_proj_whole_s3", 1, 2304, 4096, bf, {**whole, "num_stages": 3})]
     out = []
     for tag, M, N, K, dt, kw in shapes:
         x, w = torch.zeros(M, K, dtype=dt), torch.zeros(N, K, dtype=dt)
-        for mode in gemv.PREFETCHES:
+        for mode in ("regs",) if "whole" in tag else gemv.PREFETCHES:
             cfg = gemv.resolve_config(M, N, K, dt.itemsize, x.device, **{k: v for k, v in kw.items()
                                                                           if k != "out_dtype"})
-            pipelined = cfg.kind == "dot" and K % 16 == 0  # a K not 16-aligned gives 2-byte loads: no cp.async
+            # a K not 16-aligned gives 2-byte loads, and a whole slice leaves no loop step: no cp.async
+            pipelined = cfg.kind == "dot" and K % 16 == 0 and "whole" not in tag
             out.append((f"gemv {tag} {mode}", lambda x=x, w=w, kw=kw, mode=mode: gemv.gemv(x, w, prefetch=mode, **kw),
                         mode, pipelined))
     return out
