@@ -24,7 +24,6 @@ from sm90_compile import TARGET, Launch, catch_launches, compile_launch, cubin_u
 
 from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors
 from tokenspeed.ops.triton import kda_decode as kd
-from tokenspeed.ops.triton import kda_decode_rows as kdr
 
 H, D = 32, 128
 
@@ -61,12 +60,11 @@ def variants() -> list[tuple[str, callable]]:
                 (f"decode-b1-hints{sfx}", call(1, 1, hints=True)),
                 (f"decode-b8-chunked{sfx}", call(8, 1)),
                 (f"decode-b8-chunked-s1{sfx}", call(8, 1, num_stages=1)),
+                (f"decode-b8-chunked-vfirst{sfx}", call(8, 1, state_v_first=True)),
                 (f"decode-b1-d96{sfx}", call(1, 1, d=96)),
                 (f"verify-b2-q4{sfx}", call(2, 4, update_state=False)),
                 (f"verify-b2-q4-chunked{sfx}", call(2, 4, update_state=False, chunked=True)),
-                (f"tail-b1-q64{sfx}", call(1, 64)),
-                (f"decode-b8-rows{sfx}", call(8, 1, config=kd.KdaConfig(32, rows=True, num_stages=3))),
-                (f"decode-b8-rows16-s4{sfx}", call(8, 1, config=kd.KdaConfig(16, rows=True, num_stages=4)))]
+                (f"tail-b1-q64{sfx}", call(1, 64))]
     layers = [KdaLayerTensors(*(_layer(2, 4)[k] for k in KdaLayerTensors._fields)) for _ in range(3)]
     table = KdaLayerTable.build(layers, strict=True)
     acc = torch.zeros(2, dtype=torch.int64)
@@ -78,7 +76,7 @@ def variants() -> list[tuple[str, callable]]:
 
 def capture(thunk, use_pdl: bool = True) -> Launch:
     """The one launch `thunk` makes, with PDL forced on or off (launch keyword dropped)."""
-    calls = catch_launches({kd: ("_kda_decode_kernel",), kdr: ("_kda_decode_rows_kernel",)}, thunk, pdl_on=use_pdl,
+    calls = catch_launches({kd: ("_kda_decode_kernel",)}, thunk, pdl_on=use_pdl,
                            drop_launch_pdl=True)
     assert len(calls) == 1, calls
     return calls[0]

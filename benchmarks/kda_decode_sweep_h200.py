@@ -94,10 +94,6 @@ VARIANTS = [
     KdaConfig(32, chunked=True, num_stages=1),
     KdaConfig(32, chunked=True, num_stages=3, hints=True),
     KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True),  # the chunked default + the state L2 prefetch
-    KdaConfig(32, rows=True, num_stages=3),  # contiguous 16 KB row chunks, two passes (kda_decode_rows.py)
-    KdaConfig(16, rows=True, num_stages=4),  # 8 KB row chunks, 96 registers: 5 programs per SM
-    KdaConfig(16, rows=True, num_stages=3),
-    KdaConfig(32, rows=True, num_warps=8, num_stages=3),
 ]
 # Dropped after the H200 run at dc34ac2 (benchmarks/README.md): whole-head split programs (BV 128, 8 / 16 warps;
 # 156-216 spilled registers, 23-31 us at 32 x 1 vs 8.9) and half heads on 8 warps (BV 64; 16.7 us).
@@ -137,8 +133,7 @@ def sync(dev: str) -> None:
 
 
 class KernelRecorder:
-    """Stands in for `_kda_decode_kernel` in the kda_decode module and `_kda_decode_rows_kernel` in
-    kda_decode_rows (`install`; `uninstall` puts them back): records the compiled kernel each launch returns
+    """Stands in for `_kda_decode_kernel` in the kda_decode module (`install`; `uninstall` puts it back): records the compiled kernel each launch returns
     (registers, spills, shared memory of the variant)."""
 
     def __init__(self):
@@ -146,12 +141,9 @@ class KernelRecorder:
         self._real: list[tuple[object, str, object]] = []
 
     def install(self) -> None:
-        from tokenspeed.ops.triton import kda_decode_rows
-
-        for module, name in ((k_kda, "_kda_decode_kernel"), (kda_decode_rows, "_kda_decode_rows_kernel")):
-            fn = getattr(module, name)
-            self._real.append((module, name, fn))
-            setattr(module, name, _Recorded(fn, self))
+        fn = k_kda._kda_decode_kernel
+        self._real.append((k_kda, "_kda_decode_kernel", fn))
+        k_kda._kda_decode_kernel = _Recorded(fn, self)
 
     def uninstall(self) -> None:
         for module, name, fn in self._real:
@@ -185,13 +177,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
+def v_first_pools(inp: dict) -> dict:
+    """The inputs with the recurrent-state pool transposed to [slots, H, V, K] (`kda_decode(state_v_first=True)`)."""
+    return {**inp, "state": inp["state"].transpose(-1, -2).contiguous()}
+
+
 def parity(inp: dict, ref: dict, o_ref: torch.Tensor, cfg: KdaConfig, scale: float, dev: str,
-           update: bool = True) -> dict:
+           update: bool = True, v_first: bool = False) -> dict:
     """One launch of cfg on fresh pool copies vs the reference's outputs and pools (verify, update False: both
-    pools left as they were)."""
-    a = clone_pools(inp)
-    o = k_kda.kda_decode(**a, lower_bound=LOWER, scale=scale, config=cfg, update_state=update)
+    pools left as they were). v_first: the launch runs on a [V, K] copy of the state pool, compared transposed back."""
+    a = clone_pools(v_first_pools(inp) if v_first else inp)
+    o = k_kda.kda_decode(**a, lower_bound=LOWER, scale=scale, config=cfg, update_state=update, state_v_first=v_first)
     sync(dev)
+    if v_first:
+        a["state"] = a["state"].transpose(-1, -2)
     slots = inp["state_indices"]
     idle = torch.ones(inp["state"].shape[0], dtype=torch.bool, device=slots.device)
     idle[slots] = False
@@ -304,11 +303,11 @@ def pattern_ceilings(inp: dict, H: int, D: int, dev: str, calls: int, reps: int,
 
 def _warm_one(task: tuple) -> tuple:
     """Worker: compile one (H, D, config) by a tiny launch (N = 1) with the sweep's specialisation."""
-    H, D, cfg_fields, dev = task
+    H, D, cfg_fields, dev, v_first = task
     cfg = KdaConfig(*cfg_fields)
     try:
         inp = make_inputs(H, 1, D, dev, torch.bfloat16 if dev == "cuda" else torch.float32)
-        k_kda.kda_decode(**inp, lower_bound=LOWER, scale=D ** -0.5, config=cfg)
+        k_kda.kda_decode(**inp, lower_bound=LOWER, scale=D ** -0.5, config=cfg, state_v_first=v_first)
         sync(dev)
         return H, cfg.label, None
     except Exception as e:  # noqa: BLE001 - reported by the caller; the main process hits it again
@@ -342,7 +341,8 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
     o_ref = public_ops._kda_decode_reference(**ref, lower_bound=LOWER, scale=scale, update_state=update,
                                              step_states=None)
     sync(dev)
-    work = clone_pools(inp)  # the timed launches advance this copy in place
+    v_first = bool(args.v_first)
+    work = clone_pools(v_first_pools(inp) if v_first else inp)  # the timed launches advance this copy in place
     norm = {}  # --norm: the timed launches also apply the model's fused gated RMSNorm epilogue (parity: without)
     if args.norm:
         gen = torch.Generator(device=dev).manual_seed(7)
@@ -356,19 +356,21 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
     for c in (legacy, default):  # both always measured
         if c not in variants:
             variants.append(c)
-    row = {"H": H, "N": N, "D": D, "norm": bool(args.norm), "state_bytes": state_bytes,
+    row = {"H": H, "N": N, "D": D, "norm": bool(args.norm), "v_first": v_first, "state_bytes": state_bytes,
            "floor_us": state_bytes / HBM * 1e6,
            "default": default.label, "legacy": legacy.label, "calls_per_graph": calls, "cold_l2": cold,
            "variants": []}
     for cfg in variants:
-        v = {"label": cfg.label, "config": cfg._asdict(), "is_default": cfg == default, "is_legacy": cfg == legacy}
+        v = {"label": cfg.label + ("-vfirst" if v_first else ""), "config": cfg._asdict(),
+             "is_default": cfg == default, "is_legacy": cfg == legacy}
         t0 = time.time()
         try:
             rec.last = None
-            v.update(parity(inp, ref, o_ref, cfg, scale, dev, update))
+            v.update(parity(inp, ref, o_ref, cfg, scale, dev, update, v_first))
             v.update(rec.info())
             v.update(measure(lambda c=cfg, w=work: k_kda.kda_decode(**w, **norm, lower_bound=LOWER, scale=scale,
-                                                                     config=c, update_state=update),
+                                                                     config=c, update_state=update,
+                                                                     state_v_first=v_first),
                              dev, calls, args.reps, cold, state_bytes))
         except Exception as e:  # noqa: BLE001 - one failing variant is reported and skipped
             v["error"] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -445,6 +447,8 @@ def main() -> None:
     ap.add_argument("--cold", default="auto", choices=["auto", "on", "off"],
                     help="also time with L2 flushed before every call: auto = states below 120 MB (docstring)")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--v-first", action="store_true",
+                    help="every variant on a [V, K] state pool (kda_decode(state_v_first=True)): contiguous V tiles")
     ap.add_argument("--norm", action="store_true", help="time the launches with the fused output norm, as the model")
     ap.add_argument("--verify", type=int, default=0,
                     help="K > 0: verify windows of K tokens per sequence (pools read, not written; no row-chunk, no fla)")
@@ -467,8 +471,6 @@ def main() -> None:
     if args.only:
         keys = args.only.split(",")
         variants = [c for c in variants if any(k in c.label for k in keys)]
-    if args.verify:
-        variants = [c for c in variants if not c.rows]  # the row-chunk schedule is decode only
     t0 = time.time()
     pre = None
     jobs = args.jobs if args.jobs is not None else (min(8, os.cpu_count() or 1) if dev == "cuda" else 0)
@@ -476,7 +478,7 @@ def main() -> None:
         extra = {c for H, N in shapes
                  for c in (k_kda.legacy_config(N * H, D), k_kda.default_config(N * H, D, args.verify or 1))}
         cfgs = variants + [c for c in extra if c not in variants]
-        tasks = [(H, D, tuple(c), dev) for H in sorted({h for h, _ in shapes}) for c in cfgs]
+        tasks = [(H, D, tuple(c), dev, args.v_first) for H in sorted({h for h, _ in shapes}) for c in cfgs]
         pre = precompile(tasks, jobs)
     rec = KernelRecorder()
     rec.install()

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Device calls for the open issue-7/8 measurements prepared without a GPU (sessions 10-11), any subset of parts:
 #   sweep   KDA decode variants at the large shapes, PDL on: the chunked default against -pf (head-state L2
-#           prefetch), -hints, the row-chunk schedule (-rows), fla, torch's copy of the same bytes and in-place
-#           copies with the decode's access pattern (kda_decode_sweep_h200.py)
+#           prefetch), -hints, fla, torch's copy of the same bytes and in-place copies with the decode's access
+#           pattern (kda_decode_sweep_h200.py)
+#   vfirst  the large shapes' chunked variants on a [V, K] state pool (--v-first: contiguous 16 KB V tiles) beside
+#           the [K, V] pool's, same harness
 #   small   the same at batch-1..16 shapes
 #   nopdl   the large shapes with TOKENSPEED_PDL=0
 #   verify  4-token verify windows (EAGLE3's) at batch 1..64, 32 and 96 heads: split (legacy_config, the default
 #           for verify) vs the chunked schedule
-#   small2  batch-1..8 shapes with the fused norm: split vs chunked vs rows (where DECODE_TABLE switches)
+#   small2  batch-1..8 shapes with the fused norm: split vs chunked (where DECODE_TABLE switches)
 #   stepab  the batch-2 decode step of kimi-linear-48b-a3b: the default (chunked from 64 pairs) vs split forced
 #           (TOKENSPEED_KDA_DECODE)
 #   sizing  the batch-1 decode step against the graphs' sizing (graph_sizing_h200.py)
@@ -18,6 +20,7 @@
 #   chain   GEMV configs whose whole weight slice is loaded before the PDL wait vs the table's, in the batch-1
 #           o_proj -> router -> in_proj chain after a 5 / 10 us producer, and h200-baseline.md's K3 shapes (the
 #           issue's GEMV targets) after a 5 us producer (gemv_pdl_chain_h200.py --configs, --geometry k3)
+#   k3      only the chain's K3 part (h200-baseline.md's shapes after a 5 us producer)
 #   margin  what each op costs inside the batch-1 / 64 decode graph of kimi-linear-48b-a3b (marginal_cost_h200.py)
 #   tests   the KDA GPU tests (decode, norm epilogue, replay) over pytest-xdist workers
 #   bash benchmarks/kda_round_h200.sh "sweep small2 verify"; then "chain ctx ctxab" (one call each: <= 10 min)
@@ -28,7 +31,7 @@ source benchmarks/gpu_env.sh
 has() { [[ $parts == *" $1 "* ]]; }
 export PYTHONPATH=$PYTHONPATH:benchmarks
 big="32:64,96:16,96:64"
-only="bv32-chunked,rows"  # the chunked and row-chunk variants (and the default / legacy and fla, always timed)
+only="bv32-chunked"  # the chunked variants (and the default / legacy and fla, always timed)
 if has tests; then
   PYTEST_N=${PYTEST_N:-8} TIMEOUT=${TESTS_TIMEOUT:-200} bash benchmarks/gpu_tests_h200.sh -k "kda" | tail -4
 fi
@@ -36,13 +39,20 @@ if has sweep; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" \
     --out "$OUT/kda_decode_sweep_h200.json" 2>&1 | tee "$OUT/kda_sweep.log" | grep -A12 "best per shape"
 fi
+if has vfirst; then
+  for lay in "" "--v-first"; do
+    timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "chunked" $lay \
+      --out "$OUT/kda_decode_sweep_h200_kv${lay:+_vfirst}.json" 2>&1 | tee "$OUT/kda_sweep_kv${lay:+_vfirst}.log" \
+      | grep -A4 "best per shape"
+  done
+fi
 if has small; then
   timeout 200 python3 benchmarks/kda_decode_sweep_h200.py --shapes "32:1,96:1,32:4,32:16" --only "bv32-chunked-w4-s3" \
     --out "$OUT/kda_decode_sweep_h200_small.json" 2>&1 | tee "$OUT/kda_sweep_small.log" | grep -A12 "best per shape"
 fi
 if has small2; then
   timeout 200 python3 benchmarks/kda_decode_sweep_h200.py --norm --shapes "32:1,12:1,96:1,32:2,32:4,32:8" \
-    --only "bv64-split,bv32-split-w4,bv32-chunked-w4-s3,rows" --out "$OUT/kda_decode_sweep_h200_small2.json" 2>&1 \
+    --only "bv64-split,bv32-split-w4,bv32-chunked-w4-s3" --out "$OUT/kda_decode_sweep_h200_small2.json" 2>&1 \
     | tee "$OUT/kda_sweep_small2.log" | grep -A12 "best per shape"
 fi
 if has stepab; then
@@ -69,6 +79,8 @@ if has chain; then
     timeout 150 python3 benchmarks/gemv_pdl_chain_h200.py --producer-cycles $cyc --configs "$cfgs" \
       --out "$OUT/chain_$cyc" 2>&1 | grep -B1 -A24 "^pdl prefetch"
   done
+fi
+if has chain || has k3; then
   k3="down_tp8=dot:64:256:28:4:1;down_tp8=dot:32:512:14:4:1;shared_gate_up_tp8=dot:64:256:28:4:1"
   k3="$k3;shared_gate_up_tp8=dot:32:512:14:4:1;down_full=dot:32:512:14:4:1;kda_in_tp8=dot:32:512:14:4:1"
   timeout 200 python3 benchmarks/gemv_pdl_chain_h200.py --geometry k3 --configs "$k3" --out "$OUT/chain_k3" 2>&1 \

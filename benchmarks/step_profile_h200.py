@@ -176,10 +176,10 @@ def _linear_setting(config: str) -> str:
 
 
 def _merged_table(path: str) -> dict:
-    """The committed routing table with the entries of the table at `path` put over it (raw JSON form)."""
-    base = json.loads(dispatch.LINEAR_TABLE_PATH.read_text())
-    extra = json.loads(Path(path).read_text())
-    return {**base, "entries": {**base.get("entries", {}), **extra.get("entries", {})}}
+    """The committed routing table with the M buckets of the table at `path` put over it (raw JSON form)."""
+    from gemv_table_merge import merge  # benchmarks/ (the script's folder is on sys.path)
+
+    return merge(json.loads(dispatch.LINEAR_TABLE_PATH.read_text()), json.loads(Path(path).read_text()))
 
 
 def pdl_ab(model, batch: int, ctx: int, configs: list[str], steps: int = 8, rounds: int = 5) -> dict:

@@ -516,3 +516,32 @@ def test_dispatch_cuda_gpu(monkeypatch):
 @needs_cuda
 def test_seq_lens_replay_gpu():
     check_seq_lens([4] * 9, [0, 1, 2, 3, 4, 4, 2, 7, 1], **K3_TP8, dtype=torch.bfloat16, device="cuda")
+
+
+def transposed_pool(inp):
+    """`clone(inp)` with the recurrent-state pool held [V, K] per head (`kda_decode(state_v_first=True)`)."""
+    out = clone(inp)
+    out["state"] = tailed(inp["state"].transpose(-1, -2).contiguous())
+    return out
+
+
+@cpu_interp
+@pytest.mark.parametrize("opts", [{"BV": 8}, {"BV": 8, "chunked": True, "num_stages": 2},
+                                  {"BV": 16, "chunked": True, "num_stages": 1}], ids=["split", "chunked", "chunked-s1"])
+@pytest.mark.parametrize("update", [True, False], ids=["decode", "verify"])
+def test_state_v_first_matches_kv_layout_interp(opts, update):
+    """A [V, K] state pool gives the [K, V] pool's outputs, new state (transposed) and per-token verify states,
+    padding slots and idle slots included: the layout moves addresses, not arithmetic."""
+    lens = [1, 1, 1] if update else [3, 2, 1]
+    inp = make(lens, 2, 32, torch.float32, "cpu", slots=[4, -1, 1])
+    T = sum(lens)
+    steps_kv, steps_vk = ((None, None) if update else
+                          (torch.full((T, 2, 32, 32), float("nan")), torch.full((T, 2, 32, 32), float("nan"))))
+    kv, vk = clone(inp), transposed_pool(inp)
+    o_kv = run_fused(kv, -5.0, 32 ** -0.5, update_state=update, step_states=steps_kv, **opts)
+    o_vk = run_fused(vk, -5.0, 32 ** -0.5, update_state=update, step_states=steps_vk, state_v_first=True, **opts)
+    assert torch.equal(o_vk, o_kv)
+    assert torch.equal(vk["state"].transpose(-1, -2), kv["state"])
+    assert torch.equal(vk["conv_state"], kv["conv_state"])
+    if not update:
+        assert torch.equal(steps_vk.transpose(-1, -2).nan_to_num(7.0), steps_kv.nan_to_num(7.0))

@@ -31,9 +31,7 @@ class KdaConfig(NamedTuple):
     (sm_90), so the state streams in while the program computes q / k / gate (before the PDL wait under PDL),
     where the GPU and the pool's alignment allow it. Off by default: on the H200 it cost 13% at 96 heads x 64
     sequences, 9% at 32 x 64, 1% in the batch-4 / 16 decode step and nothing at batch 1 (benchmarks/README.md).
-    rows (decode only; opt-in, not timed on the H200 yet): one program per (sequence, head) walks the state in
-    contiguous [block_v, D] row chunks, two passes per token (`kda_decode_rows.py`); chunked / hints /
-    prefetch_state do not apply."""
+    """
 
     block_v: int
     chunked: bool = False
@@ -41,11 +39,10 @@ class KdaConfig(NamedTuple):
     num_stages: int | None = None
     hints: bool = False
     prefetch_state: bool = False
-    rows: bool = False
 
     @property
     def label(self) -> str:
-        sched = "rows" if self.rows else "chunked" if self.chunked else "split"
+        sched = "chunked" if self.chunked else "split"
         s = f"bv{self.block_v}-{sched}-w{self.num_warps}"
         s += f"-s{self.num_stages}" if self.num_stages is not None else ""
         return s + ("-hints" if self.hints else "") + ("-pf" if self.prefetch_state else "")
@@ -75,7 +72,7 @@ DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
 
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
-_LABEL = re.compile(r"bv(\d+)-(split|chunked|rows)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?")
+_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?")
 
 
 def config_from_label(label: str) -> KdaConfig:
@@ -85,8 +82,7 @@ def config_from_label(label: str) -> KdaConfig:
         raise ValueError(f"{label!r} is not a KDA decode config label such as bv32-split-w4 or bv32-chunked-w4-s3")
     bv, sched, warps, stages, hints, pf = m.groups()
     return KdaConfig(int(bv), chunked=sched == "chunked", num_warps=int(warps),
-                     num_stages=int(stages) if stages else None, hints=bool(hints), prefetch_state=bool(pf),
-                     rows=sched == "rows")
+                     num_stages=int(stages) if stages else None, hints=bool(hints), prefetch_state=bool(pf))
 
 
 def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:

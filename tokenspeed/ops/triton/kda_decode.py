@@ -21,7 +21,6 @@ from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
 from tokenspeed.ops.triton.kda_config import DECODE_TABLE, KdaConfig, default_config, legacy_config  # noqa: F401
 from tokenspeed.ops.triton.kda_decode_kernel import _kda_decode_kernel
-from tokenspeed.ops.triton.kda_decode_rows import launch_rows, rows_supported
 
 _COUNTERS: dict[torch.device, Tensor] = {}
 _RETIRED: list[Tensor] = []  # outgrown counter buffers, kept alive: graphs captured earlier still address them
@@ -86,7 +85,6 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
     if cfg.num_stages is not None:
         opts["num_stages"] = cfg.num_stages
     opts["PF_STATE"] = cfg.prefetch_state  # then the device and the pool's alignment: `_pf_state`
-    opts["ROWS"] = cfg.rows  # popped by the launches: the row-chunk schedule is another kernel
     return opts
 
 
@@ -124,6 +122,7 @@ def kda_decode(
     norm_gate: Tensor | None = None,
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
+    state_v_first: bool = False,
 ) -> Tensor:
     """Triton `ops.kda_decode` (same contract). `config` (a `KdaConfig`; default `default_config(N * H, D,
     ceil(T / N))`) and the overrides BV / num_warps / hints / chunked / num_stages (fields of it) set the launch.
@@ -131,6 +130,10 @@ def kda_decode(
     norm_gate ([T, H, D] or [T, H * D], unit last stride: a column view of a wider projection is read in place) and
     norm_weight [D]: the returned o is `gated_rms_norm(o, norm_gate, norm_weight, norm_eps)` of the plain result,
     fused as an epilogue (`_norm_rows`). Rows the kernel does not compute (past `seq_lens`) stay zero.
+
+    state_v_first: the pool (and step_states) hold each head's state transposed, [V, K] (element (k, v) at
+    v * D + k), so a [K, block_v] tile is block_v contiguous rows; the math is the same. Kernel-level only (a pool
+    layout measured by benchmarks/kda_decode_sweep_h200.py --v-first; the model's pools are [K, V]).
 
     On Hopper the launch is a programmatic dependent (`tokenspeed.ops.triton.pdl`; module docstring, "PDL"):
     `state_indices`, `cu_seqlens` and the two pools are read before the kernel waits for the previous one, so
@@ -156,16 +159,6 @@ def kda_decode(
         return out
     opts = _split(N * H, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     gate = g3 if norm else out
-    if opts.pop("ROWS"):
-        why = rows_supported(D, opts["BV"], update_state, step_states, seq_lens)
-        if why is not None:
-            raise ValueError(why)
-        launch_rows(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, gate,
-                    norm_weight, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps, norm=norm,
-                    norm_rows=norm_rows(T, N) if norm else 1, block_v=opts["BV"], num_warps=opts["num_warps"],
-                    num_stages=opts["STAGES"], pdl_on=pdl.enabled(qkv.device, "kda"),
-                    launch_kwargs=pdl.launch_kwargs(qkv.device, "kda"))
-        return out
     opts["PF_STATE"] = _pf_state(opts["PF_STATE"], state, D)
     nv = opts["NV"]
     cnt = _counters(qkv.device, N * H) if ((update_state or norm) and nv > 1) else cu_seqlens
@@ -182,7 +175,7 @@ def kda_decode(
         float(lower_bound) if lower_bound is not None else 0.0, float(scale), float(norm_eps),
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=bool(update_state), STORE_STEPS=step_states is not None,
         HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, NORM=norm,
-        NORM_ROWS=norm_rows(T, N) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"),
+        NORM_ROWS=norm_rows(T, N) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"), V_FIRST=bool(state_v_first),
         **opts, **pdl.launch_kwargs(qkv.device, "kda"),
     )
     return out
@@ -239,14 +232,10 @@ def kda_replay_layers(
     f3 = _check_layer(qkv, f, b, cw, conv_state, dt_bias, state, N, cu_seqlens, seq_lens)
     if N == 0 or T == 0:
         return
-    if config is None:  # a decode config forced through DECODE_ENV may be the decode-only row-chunk schedule
+    if config is None:
         config = default_config(N * H * L, D, triton.cdiv(T, N))
-        if config.rows:
-            config = legacy_config(N * H * L, D)
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
-    if opts.pop("ROWS"):
-        raise ValueError("KdaConfig(rows=True) is for decode, not the replay")
     nv = opts["NV"]
     cnt = _counters(qkv.device, L * N * H) if nv > 1 else cu_seqlens
     _kda_decode_kernel[(nv, N * H, L)](

@@ -351,6 +351,7 @@ def _kda_decode_kernel(
     NORM_ROWS: tl.constexpr = 1,
     PDL: tl.constexpr = False,
     PF_STATE: tl.constexpr = False,
+    V_FIRST: tl.constexpr = False,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
@@ -398,7 +399,15 @@ def _kda_decode_kernel(
     cs = CS + slot * stride_css
 
     # Recurrent state [K, BV] of this head / V-block: read once, kept in registers, written once.
-    p_s = S + slot * stride_ss + h * D * D + ok[:, None] * D + ov[None, :]
+    # Element (k, v) of a head's state: k * D + v ([K, V] pools), or v * D + k (V_FIRST: [V, K] pools, where a
+    # [K, BV] tile is BV contiguous rows). vstep: the offset of the next V tile.
+    if V_FIRST:
+        s_off = ov[None, :] * D + ok[:, None]
+        vstep = BV * D
+    else:
+        s_off = ok[:, None] * D + ov[None, :]
+        vstep = BV
+    p_s = S + slot * stride_ss + h * D * D + s_off
     ms = mk[:, None] & mv[None, :]
     if CHUNKS == 1:
         b_s = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
@@ -457,7 +466,7 @@ def _kda_decode_kernel(
                 else:
                     tl.store(O + (t * H + h) * D + ov, o.to(OUT_TY), mask=lv)
             if STORE_STEPS:
-                tl.store(STEP + (t * H + h) * D * D + ok[:, None] * D + ov[None, :], b_s, mask=ms,
+                tl.store(STEP + (t * H + h) * D * D + s_off, b_s, mask=ms,
                          cache_modifier=".cs")
     elif UPDATE:
         # Chunked, one program per head (decode, replay): token by token. The token's q / k / gate once, then the
@@ -494,9 +503,9 @@ def _kda_decode_kernel(
                     more = (ovc * 0 + c + 1) < CHUNKS  # none after the last tile
                     if not EVEN_V:
                         more = more & (ovc + BV < D)
-                    nxt = tl.load(p_s + (c + 1) * BV, mask=lk[:, None] & more[None, :], other=0.0)
+                    nxt = tl.load(p_s + (c + 1) * vstep, mask=lk[:, None] & more[None, :], other=0.0)
                 else:
-                    b_s = _load_state(p_s + c * BV, lk[:, None] & lvc[None, :], EVEN_K and EVEN_V, HINTS)
+                    b_s = _load_state(p_s + c * vstep, lk[:, None] & lvc[None, :], EVEN_K and EVEN_V, HINTS)
                     b_s = tl.where(msc, b_s, 0.0)
                 if STORE_OUT:
                     yv = _load_lanes(O + (t * H + h) * D + ovc, lvc, EVEN_V).to(tl.float32)
@@ -506,7 +515,7 @@ def _kda_decode_kernel(
                 b_s, o = _delta_step(b_s, q, k, decay, beta, yv, mvc, STORE_OUT)
                 if STORE_OUT:
                     _store_out(O, t, H, h, D, ovc, o, lvc, EVEN_V)
-                _store_state(p_s + c * BV, b_s, msc, HINTS)
+                _store_state(p_s + c * vstep, b_s, msc, HINTS)
             # this token's window reads (all threads) -> barrier -> the shifted window written -> barrier
             _store_conv_states3(QKV, stride_qkv, cs, stride_csc, stride_csw, t, 1, 2 * HD + h * D + ow, mw, cq, ck,
                                 mk)
@@ -529,7 +538,7 @@ def _kda_decode_kernel(
             more = (ovc * 0 + c + 1) < CHUNKS  # prefetch the next tile (none after the last)
             if not EVEN_V:
                 more = more & (ovc + BV < D)
-            nxt = tl.load(p_s + (c + 1) * BV, mask=lk[:, None] & more[None, :], other=0.0)
+            nxt = tl.load(p_s + (c + 1) * vstep, mask=lk[:, None] & more[None, :], other=0.0)
             for i in range(seq_len):
                 t = bos + i
                 q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft,
@@ -541,7 +550,7 @@ def _kda_decode_kernel(
                 if STORE_OUT:
                     _store_out(O, t, H, h, D, ovc, o, lvc, EVEN_V)
                 if STORE_STEPS:
-                    tl.store(STEP + (t * H + h) * D * D + ok[:, None] * D + ovc[None, :], b_s, mask=msc,
+                    tl.store(STEP + (t * H + h) * D * D + s_off + c * vstep, b_s, mask=msc,
                              cache_modifier=".cs")
         if NORM:
             tl.debug_barrier()  # every tile's o stores (all threads of this program) before the rows are read
