@@ -9,7 +9,9 @@
 #   nopdl   the large shapes with TOKENSPEED_PDL=0
 #   verify  4-token verify windows (EAGLE3's) at batch 1..64, 32 and 96 heads: split (legacy_config, the default
 #           for verify) vs the chunked schedule
-#   small2  batch-1..8 shapes with the fused norm: split vs chunked (where DECODE_TABLE switches)
+#   small2  batch-1..8 shapes with the fused norm: split vs chunked (where DECODE_TABLE switches); small2vf the same
+#           on a [V, K] pool (the model's layout)
+#   serve   decode of kimi-linear-48b-a3b through CUDA graphs, batch 1 / 4 / 16 / 64 at 4K and 32K (serving_h200.py)
 #   stepab  the batch-2 decode step of kimi-linear-48b-a3b: the default (chunked from 64 pairs) vs split forced
 #           (TOKENSPEED_KDA_DECODE)
 #   sizing  the batch-1 decode step against the graphs' sizing (graph_sizing_h200.py)
@@ -54,6 +56,15 @@ if has small2; then
   timeout 200 python3 benchmarks/kda_decode_sweep_h200.py --norm --shapes "32:1,12:1,96:1,32:2,32:4,32:8" \
     --only "bv64-split,bv32-split-w4,bv32-chunked-w4-s3" --out "$OUT/kda_decode_sweep_h200_small2.json" 2>&1 \
     | tee "$OUT/kda_sweep_small2.log" | grep -A12 "best per shape"
+fi
+if has small2vf; then
+  timeout 200 python3 benchmarks/kda_decode_sweep_h200.py --norm --v-first --shapes "32:1,12:1,96:1,32:2,32:4,32:8" \
+    --only "bv64-split,bv32-split-w4,bv32-chunked-w4-s3,bv16-split" --out "$OUT/kda_decode_sweep_h200_small2vf.json" \
+    2>&1 | tee "$OUT/kda_sweep_small2vf.log" | grep -A12 "best per shape"
+fi
+if has serve; then
+  timeout 420 python3 benchmarks/serving_h200.py --geometries kimi-linear-48b-a3b \
+    --skip tiny,transformers,engine,prefill,profile,parity --out "$OUT" 2>&1 | tail -14
 fi
 if has stepab; then
   timeout 200 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab 2 \

@@ -73,7 +73,9 @@ def test_kda_layer_matches_section_2_4() -> None:
         with torch.no_grad():
             got = layer(x, batch, cache)
         assert rel_err(got, expected) < 1e-5, preset
-        assert rel_err(cache.kda_recurrent[0][1], state) < 1e-5, preset
+        pooled = cache.kda_recurrent[0][1]  # [V, K] per head in the model's pools (CacheBuffers docstring)
+        assert cache.kda_state_v_first
+        assert rel_err(pooled.transpose(-1, -2), state) < 1e-5, preset
         assert cache.kda_recurrent[0][0].abs().max() == 0  # other slot untouched
 
 

@@ -28,15 +28,18 @@ def _inputs(lens: list[int], H: int = 2, K: int = 32, seed: int = 0, device: str
     )
 
 
-def _run(inp: dict, lower_bound: float | None, slots: list[int], device: str = "cpu", dtype=torch.float32
-         ) -> tuple[Tensor, Tensor]:
+def _run(inp: dict, lower_bound: float | None, slots: list[int], device: str = "cpu", dtype=torch.float32,
+         v_first: bool = False) -> tuple[Tensor, Tensor]:
+    """o and the pool after the op ([K, V] per head whatever the layout it ran on: v_first runs on a [V, K] copy)."""
     state = inp["state"].to(device, copy=True)
+    if v_first:
+        state = state.transpose(-1, -2).contiguous()
     o = ops.kda_prefill(
         *(inp[n].to(device, dtype) for n in ("q", "k", "v", "f", "b")), inp["A_log"].to(device),
         inp["dt_bias"].to(device), lower_bound, scale=inp["q"].shape[-1] ** -0.5, state=state,
         state_indices=torch.tensor(slots, device=device), cu_seqlens=torch.tensor(inp["cu_host"], device=device),
-        cu_seqlens_host=inp["cu_host"])
-    return o.float().cpu(), state.cpu()
+        cu_seqlens_host=inp["cu_host"], state_v_first=v_first)
+    return o.float().cpu(), (state.transpose(-1, -2) if v_first else state).cpu()
 
 
 @pytest.mark.parametrize("lens", [[40, 17, 3], [5, 9, 1]])
@@ -55,6 +58,18 @@ def test_equals_composition_and_touches_only_its_slots(lens: list[int], lower_bo
     torch.testing.assert_close(state[slots], ref_final, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[1], inp["state"][1], rtol=0, atol=0)  # not in the batch
     torch.testing.assert_close(state[4], inp["state"][4], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lens", [[40, 17, 3], [5, 9, 1]])  # the chunked and the recurrent form
+def test_v_first_pool_gives_the_kv_result(lens: list[int]) -> None:
+    """A [V, K] pool (`state_v_first`, the model's layout) gives the same o and, transposed, the same pool (up to
+    the rounding of matmuls on transposed operands: ~1e-8 here)."""
+    inp = _inputs(lens)
+    o, state = _run(inp, -5.0, [3, 0, 2])
+    o_vf, state_vf = _run(inp, -5.0, [3, 0, 2], v_first=True)
+    torch.testing.assert_close(o_vf, o, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(state_vf, state, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(state_vf[[1, 4]], inp["state"][[1, 4]], rtol=0, atol=0)  # not in the batch
 
 
 needs_fla = pytest.mark.skipif(not (torch.cuda.is_available() and dispatch.fla_available()),
@@ -77,6 +92,9 @@ def test_fused_fla_chunk_matches_reference(lower_bound: float | None, K: int) ->
     err_s = ((state_gpu - state_ref).norm() / state_ref.norm()).item()
     assert err_o < 1e-2 and err_s < 1e-2, (err_o, err_s)
     torch.testing.assert_close(state_gpu[[2, 4]], inp["state"][[2, 4]], rtol=0, atol=0)
+    o_vf, state_vf = _run(inp, lower_bound, slots, "cuda", torch.bfloat16, v_first=True)  # the model's layout
+    torch.testing.assert_close(o_vf, o_gpu, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(state_vf, state_gpu, rtol=1e-6, atol=1e-6)
 
 
 def test_fla_host_offsets_shared_within_a_forward() -> None:

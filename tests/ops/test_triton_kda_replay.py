@@ -213,3 +213,24 @@ def test_multi_layer_replay_graph_gpu(N, chunked):
     for x, w in zip(layers, want):
         assert rel_err(x["state"][slots], w["state"][slots]) < 1e-5
         assert torch.equal(x["conv_state"][slots], w["conv_state"][slots])
+
+
+@cpu_interp
+@pytest.mark.parametrize("mode", ["reference", "triton"])
+def test_replay_on_v_first_pools(mode, monkeypatch):
+    """[V, K] recurrent pools (`state_v_first`, the model's layout): the replay (one Triton launch, or the per-layer
+    reference through [K, V] views) leaves the pools the [K, V] replay leaves, transposed; idle slots untouched."""
+    H, D, L, S = 2, 16, 2, 11
+    lens, slots = [3] * 4, [4, -1, 9, 2]
+    accepted = torch.tensor([3, 1, 2, 0])
+    used = [s for s in slots if s >= 0]
+    layers = make_layers(L, lens, H, D, slots, S)
+    want = reference_replay(layers, accepted, monkeypatch)
+    for inp in layers:
+        inp["state"] = inp["state"].transpose(-1, -2).contiguous()
+    monkeypatch.setenv("TOKENSPEED_OPS", mode)
+    table = KdaLayerTable.build([tensors(inp) for inp in layers])
+    ops.kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], accepted, lower_bound=LOWER,
+                          state_v_first=True)
+    got = [t.transpose(-1, -2) if i % 2 else t for i, t in enumerate(pools(layers))]
+    assert_pools_match(got, want, used)

@@ -186,13 +186,21 @@ class ReplayInputs:
     b: Tensor  # [T, heads] beta logits before the sigmoid (model dtype)
 
 
+# The KDA recurrent pools hold each head's state as [V, K]: the fused decode kernel's [K, block_v] tiles are then
+# block_v contiguous rows. H200 at 3f6f223 (benchmarks/README.md): 96 heads x 64 sequences 224-228 us (83-84% of
+# HBM) against 243 us for [K, V] in the same run; 32 x 64 80 vs 89 us.
+KDA_STATE_V_FIRST = True
+
+
 @dataclass
 class CacheBuffers:
     """Device buffers of the per-request model state, indexed by the ordinal of a layer among its kind.
 
     mla_latent[i]: [num_pages, page_size, kv_lora_rank + rope_dim] (bf16, fp32 or fp8 e4m3 with mla_kv_scale)
     kda_conv[i]: [num_slots, 3 * local KDA channels, conv_kernel - 1] (activation dtype; last column newest)
-    kda_recurrent[i]: [num_slots, local KDA heads, head_dim, head_dim] fp32 ([K, V] per head)
+    kda_recurrent[i]: [num_slots, local KDA heads, head_dim, head_dim] fp32, each head's state transposed ([V, K],
+    element (k, v) at v * head_dim + k) when kda_state_v_first (the default, KDA_STATE_V_FIRST), else [K, V]; the
+    KDA ops take the layout as `state_v_first`. Slots are copied (prefix checkpoints, offload) as opaque bytes.
     """
 
     page_size: int
@@ -200,6 +208,7 @@ class CacheBuffers:
     kda_conv: list[Tensor]
     kda_recurrent: list[Tensor]
     mla_kv_scale: float = 1.0
+    kda_state_v_first: bool = KDA_STATE_V_FIRST  # the kda_recurrent layout every KDA op of the model is told
     replay: dict[int, ReplayInputs] = field(default_factory=dict)  # KDA layer ordinal -> last verify's inputs
 
     @classmethod

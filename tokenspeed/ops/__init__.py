@@ -301,6 +301,7 @@ def kda_decode(
     norm_gate: Tensor | None = None,
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
+    state_v_first: bool = False,
 ) -> Tensor:
     """KDA decode / k-token verify from the raw projections, fused on CUDA (one launch per layer).
 
@@ -320,6 +321,8 @@ def kda_decode(
     norm_gate ([T, H, D] or [T, H*D], unit last stride; may be a column view of a wider projection) with
     norm_weight [D]: o is returned as `gated_rms_norm(o, norm_gate, norm_weight, norm_eps)` (the KDA output norm),
     fused into the kernel's epilogue on CUDA, composed otherwise.
+    state_v_first: `state` (and `step_states`) hold each head's state transposed, [V, K]: the layout of the model's
+    pools (`models.batch.KDA_STATE_V_FIRST`), where the fused kernel's [K, block_v] tiles are contiguous rows.
     """
     if step_states is not None and update_state:
         raise ValueError("step_states is for verify (update_state=False)")
@@ -331,7 +334,11 @@ def kda_decode(
             qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens,
             lower_bound=lower_bound, scale=scale, update_state=update_state, step_states=step_states,
             seq_lens=seq_lens, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps,
+            state_v_first=state_v_first,
         )
+    if state_v_first:  # the reference works on [K, V] views of the same memory (written through them)
+        state = state.transpose(-1, -2)
+        step_states = step_states.transpose(-1, -2) if step_states is not None else None
     o = _kda_decode_reference(qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices,
                               cu_seqlens, lower_bound=lower_bound, scale=scale, update_state=update_state,
                               step_states=step_states, seq_lens=seq_lens)
@@ -347,10 +354,12 @@ def kda_replay_layers(
     seq_lens: Tensor | None,
     *,
     lower_bound: float | None,
+    state_v_first: bool = False,
 ) -> None:
     """`kda_decode(*layer, state_indices, cu_seqlens, lower_bound=lower_bound, update_state=True,
-    seq_lens=seq_lens)` for every layer of `table`, outputs discarded: the KDA state replay of accepted drafts over
-    all KDA layers of a model at once (`ops.kda_layers.KdaLayerTable`, built once per set of tensors).
+    seq_lens=seq_lens, state_v_first=state_v_first)` for every layer of `table`, outputs discarded: the KDA state
+    replay of accepted drafts over all KDA layers of a model at once (`ops.kda_layers.KdaLayerTable`, built once per
+    set of tensors).
 
     Shared by all layers: state_indices [N] (a slot < 0 is a padding row: nothing touched), cu_seqlens [N+1],
     seq_lens [N] int64 (tokens of each sequence to apply, clamped to 0..q_len_n; None: all). Mutates, per layer,
@@ -364,11 +373,11 @@ def kda_replay_layers(
     if _dispatch.use_triton(base.qkv, base.f, base.b, base.conv_state, base.state, state_indices) \
             and _dispatch.kda_replay_layers_unsupported(table) is None:
         _dispatch.kernels("kda_decode").kda_replay_layers(table, state_indices, cu_seqlens, seq_lens,
-                                                          lower_bound=lower_bound)
+                                                          lower_bound=lower_bound, state_v_first=state_v_first)
         return
     for layer in table.layers:
         kda_decode(*layer, state_indices, cu_seqlens, lower_bound=lower_bound, scale=1.0, update_state=True,
-                   seq_lens=seq_lens)
+                   seq_lens=seq_lens, state_v_first=state_v_first)
 
 
 def _kda_decode_reference(qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, *,
@@ -471,6 +480,7 @@ def kda_prefill(
     state_indices: Tensor,
     cu_seqlens: Tensor,
     cu_seqlens_host: list[int],
+    state_v_first: bool = False,
 ) -> Tensor:
     """KDA over a varlen batch from the conv outputs and the raw gate / beta logits, continuing each sequence
     from its state slot: `kda_scan(l2_normalize(q), l2_normalize(k), v, kda_gate(f, A_log, dt_bias, lower_bound),
@@ -481,8 +491,12 @@ def kda_prefill(
     overwritten with the final states; cu_seqlens [N+1] on the device, cu_seqlens_host its host copy. On CUDA with
     fla-core, bf16/fp16 chunked forms run fla's `chunk_kda` with the L2 norm, gate and beta sigmoid inside its
     kernels (`dispatch.kda_fused_chunk_supported`); fp32 (validation) keeps the composed path.
+    state_v_first: the pool holds each head's state as [V, K] (as `kda_decode`); the scan reads and writes it
+    through a [K, V] view (its slots are gathered and scattered once per call).
     Returns o [T, H, V] in v.dtype.
     """
+    if state_v_first:
+        state = state.transpose(-1, -2)
     lens = [e - s for s, e in itertools.pairwise(cu_seqlens_host)]
     form = "chunk" if lens and max(lens) > KDA_CHUNK_MIN_TOKENS else "recurrent"
     if (form == "chunk" and _dispatch.use_triton(q, k, v, state) and q.is_cuda and _dispatch.fla_available()

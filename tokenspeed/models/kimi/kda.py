@@ -137,7 +137,8 @@ class KDAAttention(nn.Module):
             o = ops.kda_decode(projected, f, b, self.conv_weight, conv_state, self.A_log, self.dt_bias, rec_state,
                                batch.kda_slots, batch.cu_seqlens, lower_bound=self.lower_bound,
                                scale=1.0 / math.sqrt(hd), update_state=not batch.verify,
-                               norm_gate=gate.view(t, h, hd), norm_weight=self.o_norm.weight, norm_eps=self.eps)
+                               norm_gate=gate.view(t, h, hd), norm_weight=self.o_norm.weight, norm_eps=self.eps,
+                               state_v_first=cache.kda_state_v_first)
         else:
             slots = batch.kda_slots
             if batch.verify:  # scratch copies: the committed state is never written by a verification
@@ -149,7 +150,8 @@ class KDAAttention(nn.Module):
             q, k, v = qkv.view(3, t, h, hd).unbind(0)
             o = ops.kda_prefill(q, k, v, f.view(t, h, hd), b, self.A_log, self.dt_bias, self.lower_bound,
                                 scale=1.0 / math.sqrt(hd), state=rec_state, state_indices=slots,
-                                cu_seqlens=batch.cu_seqlens, cu_seqlens_host=batch.cu_seqlens_host)
+                                cu_seqlens=batch.cu_seqlens, cu_seqlens_host=batch.cu_seqlens_host,
+                                state_v_first=cache.kda_state_v_first)
             o = ops.gated_rms_norm(o, gate.view(t, h, hd), self.o_norm.weight, self.eps)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
 

@@ -132,8 +132,7 @@ def kda_decode(
     fused as an epilogue (`_norm_rows`). Rows the kernel does not compute (past `seq_lens`) stay zero.
 
     state_v_first: the pool (and step_states) hold each head's state transposed, [V, K] (element (k, v) at
-    v * D + k), so a [K, block_v] tile is block_v contiguous rows; the math is the same. Kernel-level only (a pool
-    layout measured by benchmarks/kda_decode_sweep_h200.py --v-first; the model's pools are [K, V]).
+    v * D + k), so a [K, block_v] tile is block_v contiguous rows; the math is the same (`ops.kda_decode`).
 
     On Hopper the launch is a programmatic dependent (`tokenspeed.ops.triton.pdl`; module docstring, "PDL"):
     `state_indices`, `cu_seqlens` and the two pools are read before the kernel waits for the previous one, so
@@ -175,8 +174,8 @@ def kda_decode(
         float(lower_bound) if lower_bound is not None else 0.0, float(scale), float(norm_eps),
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=bool(update_state), STORE_STEPS=step_states is not None,
         HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, NORM=norm,
-        NORM_ROWS=norm_rows(T, N) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"), V_FIRST=bool(state_v_first),
-        **opts, **pdl.launch_kwargs(qkv.device, "kda"),
+        NORM_ROWS=norm_rows(T, N) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"),
+        V_FIRST=bool(state_v_first), **opts, **pdl.launch_kwargs(qkv.device, "kda"),
     )
     return out
 
@@ -218,6 +217,7 @@ def kda_replay_layers(
     hints: bool | None = None,
     chunked: bool | None = None,
     num_stages: int | None = None,
+    state_v_first: bool = False,
 ) -> None:
     """Triton `ops.kda_replay_layers` (same contract): every layer of `table` in one launch, grid
     (NV, N * H, L), no outputs (the q path is not computed); config and overrides as in `kda_decode` (the default
@@ -250,6 +250,7 @@ def kda_replay_layers(
         qkv, 0, 0, A_log,  # the norm epilogue's gate / weight: unused (no outputs)
         float(lower_bound) if lower_bound is not None else 0.0, 1.0, 0.0,
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=True, STORE_STEPS=False, HAS_LENS=seq_lens is not None,
-        MULTI_LAYER=True, STORE_OUT=False, NORM=False, PDL=pdl.enabled(qkv.device, "kda"), **opts,
+        MULTI_LAYER=True, STORE_OUT=False, NORM=False, PDL=pdl.enabled(qkv.device, "kda"),
+        V_FIRST=bool(state_v_first), **opts,
         **pdl.launch_kwargs(qkv.device, "kda"),
     )
