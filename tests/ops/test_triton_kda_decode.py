@@ -292,10 +292,10 @@ def test_pad_config_and_dispatch_region():
     from tokenspeed.ops import dispatch
     from tokenspeed.ops.triton.kda_decode import default_config, kda_decode
 
-    assert [default_config(8, d)[0] for d in (16, 32, 64, 128)] == [16, 32, 32, 32]
+    assert [default_config(8, d)[0] for d in (16, 32, 64, 128)] == [16, 32, 16, 16]  # < 32 pairs: BV 16
     assert [default_config(200, d)[0] for d in (16, 32, 64, 128)] == [16, 32, 32, 32]
     assert [default_config(n, 128).chunked for n in (32, 63, 64, 6144)] == [False, False, True, True]
-    assert [default_config(8, d)[0] for d in (24, 48, 80, 96, 100)] == [32, 64, 16, 32, 32]
+    assert [default_config(8, d)[0] for d in (24, 48, 80, 96, 100)] == [32, 64, 16, 16, 16]
     assert [default_config(200, d)[0] for d in (48, 80, 96, 192)] == [64, 16, 32, 32]
     inp = make([1], 1, 48, torch.float32, "cpu")
     for bv in (24, 128):

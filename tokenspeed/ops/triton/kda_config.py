@@ -61,14 +61,17 @@ def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:
 # the last row whose bound is <= the count applies. Written for head dim 128; other head dims adapt block_v with
 # `_fit_bv`. To be set from benchmarks/kda_decode_sweep_h200.py (H200); until then a prediction.
 DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
-    (0, KdaConfig(32)),                                  # few heads: split V over 4 programs (latency-bound)
+    (0, KdaConfig(16)),                                  # under 32 pairs: split V over 8 programs per head
+    (32, KdaConfig(32)),                                 # few heads: split V over 4 programs (latency-bound)
     (64, KdaConfig(32, chunked=True, num_stages=3)),     # one program per head, pipelined tiles
 )
 # From the H200 sweep (benchmarks/kda_decode_sweep_h200.py, results/kda_decode_sweep_h200.json, graph replay):
 # 32 heads x 1: split BV 32 6.06 us vs chunked 6.98; 32 x 8: chunked 9.71 us vs split BV 64 15.87 (81% of HBM);
 # 32 x 16: 17.1 vs 31.4 (92%); 96 x 64: 245 us vs 390 (77%; fla's fused_recurrent_kda 253 us). With the fused
 # output norm, cold L2 (dc34ac2): 32 x 2 (64 pairs) chunked 9.04 vs split 10.66 us, 96 x 1 10.43 vs 11.84, but
-# 32 x 1 9.32 vs 8.92 and 12 x 1 9.07 vs 8.69, so the chunked row starts at 64 pairs (was 128).
+# 32 x 1 9.32 vs 8.92 and 12 x 1 9.07 vs 8.69, so the chunked row starts at 64 pairs (was 128). On the [V, K]
+# pools (7b6bd82, fused norm, cold L2): 12 x 1 (K3's TP8 rank) split BV 16 7.89 us vs BV 32 8.42; 32 x 1 BV 32
+# 8.55 vs BV 16 8.74, so BV 16 below 32 pairs.
 
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
