@@ -7,8 +7,8 @@
 #           the [K, V] pool's, same harness
 #   small   the same at batch-1..16 shapes
 #   nopdl   the large shapes with TOKENSPEED_PDL=0
-#   verify  4-token verify windows (EAGLE3's) at batch 1..64, 32 and 96 heads: split (legacy_config, the default
-#           for verify) vs the chunked schedule
+#   verify  4-token verify windows (EAGLE3's) at batch 1..64, 32 and 96 heads, [V, K] pools: split (legacy_config,
+#           the default for verify) vs the chunked schedule
 #   small2  batch-1..8 shapes with the fused norm: split vs chunked (where DECODE_TABLE switches); small2vf the same
 #           on a [V, K] pool (the model's layout)
 #   serve   decode of kimi-linear-48b-a3b through CUDA graphs, batch 1 / 4 / 16 / 64 at 4K and 32K (serving_h200.py)
@@ -71,7 +71,8 @@ if has stepab; then
     --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_KDA_DECODE=bv32-split-w4" --out "$OUT" 2>&1 | grep "PDL A/B"
 fi
 if has verify; then
-  timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --verify 4 --norm --shapes "32:1,32:4,32:16,32:64,96:16,96:64" \
+  timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --verify 4 --norm --v-first \
+    --shapes "32:1,32:4,32:16,32:64,96:16,96:64" \
     --only "split,bv32-chunked-w4-s3,bv16-chunked" --out "$OUT/kda_decode_sweep_h200_verify.json" 2>&1 \
     | tee "$OUT/kda_sweep_verify.log" | grep -A12 "best per shape"
 fi
