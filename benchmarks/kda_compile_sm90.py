@@ -64,6 +64,9 @@ def variants() -> list[tuple[str, callable]]:
                 (f"decode-b1-d96{sfx}", call(1, 1, d=96)),
                 (f"verify-b2-q4{sfx}", call(2, 4, update_state=False)),
                 (f"verify-b2-q4-chunked{sfx}", call(2, 4, update_state=False, chunked=True)),
+                (f"verify-b2-q4-window{sfx}", call(2, 4, update_state=False, config=kd.KdaConfig(32, window=True))),
+                (f"verify-b2-q4-window-bv64{sfx}", call(2, 4, update_state=False,
+                                                        config=kd.KdaConfig(64, window=True))),
                 (f"tail-b1-q64{sfx}", call(1, 64))]
     layers = [KdaLayerTensors(*(_layer(2, 4)[k] for k in KdaLayerTensors._fields)) for _ in range(3)]
     table = KdaLayerTable.build(layers, strict=True)

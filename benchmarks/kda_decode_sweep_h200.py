@@ -94,6 +94,9 @@ VARIANTS = [
     KdaConfig(32, chunked=True, num_stages=1),
     KdaConfig(32, chunked=True, num_stages=3, hints=True),
     KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True),  # the chunked default + the state L2 prefetch
+    KdaConfig(32, window=True),  # split, conv window in registers, next token's inputs ahead (verify windows)
+    KdaConfig(64, window=True),
+    KdaConfig(16, window=True),
 ]
 # Dropped after the H200 run at dc34ac2 (benchmarks/README.md): whole-head split programs (BV 128, 8 / 16 warps;
 # 156-216 spilled registers, 23-31 us at 32 x 1 vs 8.9) and half heads on 8 warps (BV 64; 16.7 us).

@@ -72,8 +72,8 @@ if has stepab; then
 fi
 if has verify; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --verify 4 --norm --v-first \
-    --shapes "32:1,32:4,32:16,32:64,96:16,96:64" \
-    --only "split,bv32-chunked-w4-s3,bv16-chunked" --out "$OUT/kda_decode_sweep_h200_verify.json" 2>&1 \
+    --shapes "${VERIFY_SHAPES:-32:1,32:4,32:16,32:64,96:16,96:64}" \
+    --only "${VERIFY_ONLY:-split,bv32-chunked-w4-s3,bv16-chunked}" --out "$OUT/kda_decode_sweep_h200_verify.json" 2>&1 \
     | tee "$OUT/kda_sweep_verify.log" | grep -A12 "best per shape"
 fi
 if has nopdl; then

@@ -545,3 +545,48 @@ def test_state_v_first_matches_kv_layout_interp(opts, update):
     assert torch.equal(vk["conv_state"], kv["conv_state"])
     if not update:
         assert torch.equal(steps_vk.transpose(-1, -2).nan_to_num(7.0), steps_kv.nan_to_num(7.0))
+
+
+@cpu_interp
+@pytest.mark.parametrize("D,BV,lower_bound", [(32, 8, -5.0), (48, 16, None)])  # split V; a padded head dim
+@pytest.mark.parametrize("mode", ["commit", "verify", "seq_lens", "norm"])
+def test_window_loop_is_bit_identical_interp(D, BV, lower_bound, mode):
+    """`KdaConfig(window=True)` (conv window in registers, next token's inputs loaded ahead) gives the plain loop's
+    outputs, pools and per-token states bit for bit: several tokens per sequence, a padding slot, a one-token
+    sequence, a zero-length one, seq_lens past and below the window, the fused norm; and the composition's."""
+    from tokenspeed.ops.triton.kda_decode import KdaConfig
+
+    lens = [3, 1, 0, 4]
+    inp = make(lens, 2, D, torch.float32, "cpu", slots=[4, -1, 6, 1])
+    T = sum(lens)
+    kw = {}
+    if mode == "verify":
+        kw = {"update_state": False}
+    elif mode == "seq_lens":
+        kw = {"seq_lens": torch.tensor([2, 1, 0, 9])}
+    elif mode == "norm":
+        g = torch.Generator().manual_seed(3)
+        kw = {"norm_gate": torch.randn(T, 2 * D, generator=g), "norm_weight": torch.randn(D, generator=g)}
+    runs = []
+    for cfg in (KdaConfig(BV), KdaConfig(BV, window=True)):
+        a = clone(inp)
+        steps = torch.full((T, 2, D, D), float("nan")) if mode == "verify" else None
+        o = run_fused(a, lower_bound, D ** -0.5, config=cfg, step_states=steps, **kw)
+        runs.append((o, a["state"], a["conv_state"], steps))
+    for x, y in zip(runs[0], runs[1]):
+        if x is not None:
+            assert torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
+    if mode == "commit":
+        check(lens, 2, D, torch.float32, "cpu", lower_bound, slots=[4, -1, 6, 1],
+              config=KdaConfig(BV, window=True))
+
+
+def test_window_config_label_and_refusal():
+    from tokenspeed.ops.triton.kda_config import config_from_label
+    from tokenspeed.ops.triton.kda_decode import KdaConfig, kda_decode
+
+    cfg = KdaConfig(16, window=True)
+    assert cfg.label == "bv16-split-w4-win" and config_from_label(cfg.label) == cfg
+    with pytest.raises(ValueError, match="split schedule"):
+        kda_decode(**make([2], 1, 32, torch.float32, "cpu"), lower_bound=-5.0, scale=1.0,
+                   config=KdaConfig(16, chunked=True, window=True))

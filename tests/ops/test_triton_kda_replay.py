@@ -234,3 +234,20 @@ def test_replay_on_v_first_pools(mode, monkeypatch):
                           state_v_first=True)
     got = [t.transpose(-1, -2) if i % 2 else t for i, t in enumerate(pools(layers))]
     assert_pools_match(got, want, used)
+
+
+@cpu_interp
+def test_window_replay_equals_per_layer_reference(monkeypatch):
+    """The multi-layer replay with the carried conv window (`KdaConfig(window=True)`) vs the per-layer reference."""
+    from tokenspeed.ops.triton import kda_decode as mod
+
+    H, D, L, S = 2, 16, 2, 11
+    lens, slots = [4] * 4, [4, -1, 9, 2]
+    accepted = torch.tensor([4, 2, 3, 0])
+    used = [s for s in slots if s >= 0]
+    layers = make_layers(L, lens, H, D, slots, S)
+    want = reference_replay(layers, accepted, monkeypatch)
+    table = KdaLayerTable.build([tensors(inp) for inp in layers], strict=True)
+    mod.kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], accepted, lower_bound=LOWER,
+                          config=mod.KdaConfig(8, window=True))
+    assert_pools_match(pools(layers), want, used)

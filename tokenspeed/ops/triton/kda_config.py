@@ -31,6 +31,10 @@ class KdaConfig(NamedTuple):
     (sm_90), so the state streams in while the program computes q / k / gate (before the PDL wait under PDL),
     where the GPU and the pool's alignment allow it. Off by default: on the H200 it cost 13% at 96 heads x 64
     sequences, 9% at 32 x 64, 1% in the batch-4 / 16 decode step and nothing at batch 1 (benchmarks/README.md).
+    window (split only; for several tokens per sequence: verify, replay, prompt tails): the conv window and weights
+    carried in registers through the token loop and each next token's inputs loaded one token ahead, before this
+    token's recurrence (`_split_window_tokens`); bit-identical results. Opt-in until timed on the H200: 4-token
+    verify windows run at 7-9% of HBM on the plain loop (benchmarks/README.md).
     """
 
     block_v: int
@@ -39,13 +43,15 @@ class KdaConfig(NamedTuple):
     num_stages: int | None = None
     hints: bool = False
     prefetch_state: bool = False
+    window: bool = False
 
     @property
     def label(self) -> str:
         sched = "chunked" if self.chunked else "split"
         s = f"bv{self.block_v}-{sched}-w{self.num_warps}"
         s += f"-s{self.num_stages}" if self.num_stages is not None else ""
-        return s + ("-hints" if self.hints else "") + ("-pf" if self.prefetch_state else "")
+        return s + ("-hints" if self.hints else "") + ("-pf" if self.prefetch_state else "") + (
+            "-win" if self.window else "")
 
 
 def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:
@@ -75,7 +81,7 @@ DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
 
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
-_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?")
+_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?(-win)?")
 
 
 def config_from_label(label: str) -> KdaConfig:
@@ -83,9 +89,10 @@ def config_from_label(label: str) -> KdaConfig:
     m = _LABEL.fullmatch(label.strip())
     if m is None:
         raise ValueError(f"{label!r} is not a KDA decode config label such as bv32-split-w4 or bv32-chunked-w4-s3")
-    bv, sched, warps, stages, hints, pf = m.groups()
+    bv, sched, warps, stages, hints, pf, win = m.groups()
     return KdaConfig(int(bv), chunked=sched == "chunked", num_warps=int(warps),
-                     num_stages=int(stages) if stages else None, hints=bool(hints), prefetch_state=bool(pf))
+                     num_stages=int(stages) if stages else None, hints=bool(hints), prefetch_state=bool(pf),
+                     window=bool(win))
 
 
 def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:

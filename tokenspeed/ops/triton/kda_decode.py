@@ -85,6 +85,9 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
     if cfg.num_stages is not None:
         opts["num_stages"] = cfg.num_stages
     opts["PF_STATE"] = cfg.prefetch_state  # then the device and the pool's alignment: `_pf_state`
+    if cfg.window and cfg.chunked:
+        raise ValueError("KdaConfig(window=True) is for the split schedule (chunked=False)")
+    opts["WINDOW"] = cfg.window
     return opts
 
 

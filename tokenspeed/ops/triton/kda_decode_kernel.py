@@ -166,6 +166,29 @@ def _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ch, m, l
 
 
 @triton.jit
+def _conv_weights(CW, ch, lane, EVEN: tl.constexpr):
+    """The four taps w[ch, 0..3] of the width-4 conv as fp32 vectors (padded lanes 0; `_conv_tap`'s loads)."""
+    return (_load_lanes(CW + ch * 4 + 0, lane, EVEN), _load_lanes(CW + ch * 4 + 1, lane, EVEN),
+            _load_lanes(CW + ch * 4 + 2, lane, EVEN), _load_lanes(CW + ch * 4 + 3, lane, EVEN))
+
+
+@triton.jit
+def _row_input(QKV, stride_qkv, t, ch, m):
+    """Pre-conv input of channels `ch` at token row t as fp32; 0 off `m` (padded lanes, rows past the sequence)."""
+    return tl.load(QKV + t * stride_qkv + ch, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _silu_window(w0, w1, w2, w3, x0, x1, x2, x3, OUT_TY: tl.constexpr):
+    """`_conv_silu` from a window held in registers: the same products, summed in the same order, same rounding."""
+    y = w0 * x0
+    y += w1 * x1
+    y += w2 * x2
+    y += w3 * x3
+    return (y / (1.0 + tl.exp(-y))).to(OUT_TY).to(tl.float32)
+
+
+@triton.jit
 def _conv_tail(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len, ch, m):
     """The last 3 inputs of [old state, new tokens] of channels `ch`: the new conv state, read (not yet written)."""
     x0 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, seq_len - 3, ch, m)
@@ -320,6 +343,80 @@ def _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D: tl.constexpr,
 
 
 @triton.jit
+def _split_window_tokens(QKV, stride_qkv, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh, CW, cs, stride_csc,
+                         stride_csw, DT, O, STEP, b_s, h, H, D: tl.constexpr, bos, seq_len, ok, ov, cq, ck, cv, mk, mv,
+                         lk, lv, ms, s_off, rate, lower_bound, scale, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
+                         HAS_LB: tl.constexpr, STORE_OUT: tl.constexpr, STORE_STEPS: tl.constexpr,
+                         OUT_TY: tl.constexpr):
+    """The split schedule's token loop with the conv window carried (WINDOW, for several tokens per sequence):
+    the conv weights and dt_bias loaded once, the window's three older inputs kept in registers, and each next
+    token's new input row, f and b loaded one token ahead, before this token's recurrence, so their latency
+    overlaps it. Same arithmetic as the plain loop (bit-identical). Returns the [BK, BV] tile after the last token;
+    writes o (STORE_OUT) and the per-token states (STORE_STEPS) as the plain loop does."""
+    live = (ok * 0 + seq_len) > 0
+    livev = (ov * 0 + seq_len) > 0
+    if STORE_OUT:
+        wq0, wq1, wq2, wq3 = _conv_weights(CW, cq, lk, EVEN_K)
+        q0 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, -3, cq, mk)
+        q1 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, -2, cq, mk)
+        q2 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, -1, cq, mk)
+        q3 = _row_input(QKV, stride_qkv, bos, cq, mk & live)
+    wk0, wk1, wk2, wk3 = _conv_weights(CW, ck, lk, EVEN_K)
+    k0 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, -3, ck, mk)
+    k1 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, -2, ck, mk)
+    k2 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, -1, ck, mk)
+    k3 = _row_input(QKV, stride_qkv, bos, ck, mk & live)
+    wv0, wv1, wv2, wv3 = _conv_weights(CW, cv, lv, EVEN_V)
+    v0 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, -3, cv, mv)
+    v1 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, -2, cv, mv)
+    v2 = _conv_input(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, -1, cv, mv)
+    v3 = _row_input(QKV, stride_qkv, bos, cv, mv & livev)
+    dtb = _load_lanes(DT + h * D + ok, lk, EVEN_K).to(tl.float32)
+    f = tl.load(F + bos * stride_ft + h * stride_fh + ok, mask=lk & live, other=0.0).to(tl.float32)
+    braw = tl.load(Bt + bos * stride_bt + h * stride_bh, mask=seq_len > 0, other=0.0).to(tl.float32)
+    for i in range(seq_len):
+        t = bos + i
+        # token i + 1's raw inputs first (zeros past the sequence): in flight during token i's recurrence
+        nk = (ok * 0 + i + 1) < seq_len
+        if STORE_OUT:
+            qx = _row_input(QKV, stride_qkv, t + 1, cq, mk & nk)
+        kx = _row_input(QKV, stride_qkv, t + 1, ck, mk & nk)
+        vx = _row_input(QKV, stride_qkv, t + 1, cv, mv & ((ov * 0 + i + 1) < seq_len))
+        fx = tl.load(F + (t + 1) * stride_ft + h * stride_fh + ok, mask=lk & nk, other=0.0).to(tl.float32)
+        bx = tl.load(Bt + (t + 1) * stride_bt + h * stride_bh, mask=i + 1 < seq_len, other=0.0).to(tl.float32)
+
+        if STORE_OUT:
+            yq = _silu_window(wq0, wq1, wq2, wq3, q0, q1, q2, q3, OUT_TY)
+            q = yq * tl.rsqrt(tl.sum(yq * yq, axis=0) + 1e-6) * scale
+        yk = _silu_window(wk0, wk1, wk2, wk3, k0, k1, k2, k3, OUT_TY)
+        yv = _silu_window(wv0, wv1, wv2, wv3, v0, v1, v2, v3, OUT_TY)
+        k = yk * tl.rsqrt(tl.sum(yk * yk, axis=0) + 1e-6)
+        xg = f + dtb
+        if HAS_LB:
+            g = lower_bound / (1.0 + tl.exp(-(rate * xg)))
+        else:
+            sp = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))
+            g = -rate * sp
+        beta = 1.0 / (1.0 + tl.exp(-braw))
+
+        b_s = b_s * tl.exp(g)[:, None]
+        pred = tl.sum(b_s * k[:, None], axis=0)
+        nu = beta * (yv - pred)
+        b_s = b_s + k[:, None] * nu[None, :]
+        if STORE_OUT:
+            o = tl.where(mv, tl.sum(b_s * q[:, None], axis=0), 0.0)
+            _store_out(O, t, H, h, D, ov, o, lv, EVEN_V)
+        if STORE_STEPS:
+            tl.store(STEP + (t * H + h) * D * D + s_off, b_s, mask=ms, cache_modifier=".cs")
+        if STORE_OUT:
+            q0, q1, q2, q3 = q1, q2, q3, qx
+        k0, k1, k2, k3 = k1, k2, k3, kx
+        v0, v1, v2, v3 = v1, v2, v3, vx
+        f, braw = fx, bx
+    return b_s
+
+
+@triton.jit
 def _kda_decode_kernel(
     QKV, stride_qkv,
     F, stride_ft, stride_fh,
@@ -352,6 +449,7 @@ def _kda_decode_kernel(
     PDL: tl.constexpr = False,
     PF_STATE: tl.constexpr = False,
     V_FIRST: tl.constexpr = False,
+    WINDOW: tl.constexpr = False,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
@@ -432,7 +530,12 @@ def _kda_decode_kernel(
     if HAS_LENS:  # only the first LENS[n] tokens of the sequence's rows (KDA replay of accepted drafts)
         seq_len = tl.maximum(tl.minimum(tl.load(LENS + n).to(tl.int64), seq_len), 0)
 
-    if CHUNKS == 1:
+    if CHUNKS == 1 and WINDOW:
+        b_s = _split_window_tokens(QKV, stride_qkv, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh, CW, cs,
+                                   stride_csc, stride_csw, DT, O, STEP, b_s, h, H, D, bos, seq_len, ok, ov, cq, ck,
+                                   cv, mk, mv, lk, lv, ms, s_off, rate, lower_bound, scale, EVEN_K, EVEN_V, HAS_LB,
+                                   STORE_OUT, STORE_STEPS, OUT_TY)
+    elif CHUNKS == 1:
         for i in range(seq_len):  # (the original code, kept verbatim: the same SASS as before the chunked paths)
             t = bos + i
             # Short conv + SiLU: the window is re-read per token (L1/L2 hits) instead of carried in registers.
