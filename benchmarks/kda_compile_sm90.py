@@ -24,6 +24,7 @@ from sm90_compile import TARGET, Launch, catch_launches, compile_launch, cubin_u
 
 from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors
 from tokenspeed.ops.triton import kda_decode as kd
+from tokenspeed.ops.triton import kda_verify_wy as kdw
 
 H, D = 32, 128
 
@@ -67,6 +68,10 @@ def variants() -> list[tuple[str, callable]]:
                 (f"verify-b2-q4-window{sfx}", call(2, 4, update_state=False, config=kd.KdaConfig(32, window=True))),
                 (f"verify-b2-q4-window-bv64{sfx}", call(2, 4, update_state=False,
                                                         config=kd.KdaConfig(64, window=True))),
+                (f"verify-b2-q4-wy-bv64{sfx}", call(2, 4, update_state=False, config=kd.KdaConfig(64, wy=True))),
+                (f"verify-b2-q4-wy-bv32{sfx}", call(2, 4, update_state=False, config=kd.KdaConfig(32, wy=True))),
+                (f"verify-b2-q4-wy-bv64-w8{sfx}", call(2, 4, update_state=False,
+                                                       config=kd.KdaConfig(64, num_warps=8, wy=True))),
                 (f"tail-b1-q64{sfx}", call(1, 64))]
     layers = [KdaLayerTensors(*(_layer(2, 4)[k] for k in KdaLayerTensors._fields)) for _ in range(3)]
     table = KdaLayerTable.build(layers, strict=True)
@@ -79,7 +84,7 @@ def variants() -> list[tuple[str, callable]]:
 
 def capture(thunk, use_pdl: bool = True) -> Launch:
     """The one launch `thunk` makes, with PDL forced on or off (launch keyword dropped)."""
-    calls = catch_launches({kd: ("_kda_decode_kernel",)}, thunk, pdl_on=use_pdl,
+    calls = catch_launches({kd: ("_kda_decode_kernel",), kdw: ("_kda_verify_wy_kernel",)}, thunk, pdl_on=use_pdl,
                            drop_launch_pdl=True)
     assert len(calls) == 1, calls
     return calls[0]

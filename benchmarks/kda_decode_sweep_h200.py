@@ -97,6 +97,9 @@ VARIANTS = [
     KdaConfig(32, window=True),  # split, conv window in registers, next token's inputs ahead (verify windows)
     KdaConfig(64, window=True),
     KdaConfig(16, window=True),
+    KdaConfig(64, wy=True),  # verify only: the window's tokens together (chunk / WY form, kda_verify_wy.py)
+    KdaConfig(64, num_warps=8, wy=True),
+    KdaConfig(32, wy=True),
 ]
 # Dropped after the H200 run at dc34ac2 (benchmarks/README.md): whole-head split programs (BV 128, 8 / 16 warps;
 # 156-216 spilled registers, 23-31 us at 32 x 1 vs 8.9) and half heads on 8 warps (BV 64; 16.7 us).
@@ -136,7 +139,8 @@ def sync(dev: str) -> None:
 
 
 class KernelRecorder:
-    """Stands in for `_kda_decode_kernel` in the kda_decode module (`install`; `uninstall` puts it back): records the compiled kernel each launch returns
+    """Stands in for `_kda_decode_kernel` (kda_decode) and `_kda_verify_wy_kernel` (kda_verify_wy) (`install`;
+    `uninstall` puts them back): records the compiled kernel each launch returns
     (registers, spills, shared memory of the variant)."""
 
     def __init__(self):
@@ -144,9 +148,12 @@ class KernelRecorder:
         self._real: list[tuple[object, str, object]] = []
 
     def install(self) -> None:
-        fn = k_kda._kda_decode_kernel
-        self._real.append((k_kda, "_kda_decode_kernel", fn))
-        k_kda._kda_decode_kernel = _Recorded(fn, self)
+        from tokenspeed.ops.triton import kda_verify_wy
+
+        for module, name in ((k_kda, "_kda_decode_kernel"), (kda_verify_wy, "_kda_verify_wy_kernel")):
+            fn = getattr(module, name)
+            self._real.append((module, name, fn))
+            setattr(module, name, _Recorded(fn, self))
 
     def uninstall(self) -> None:
         for module, name, fn in self._real:
@@ -474,6 +481,8 @@ def main() -> None:
     if args.only:
         keys = args.only.split(",")
         variants = [c for c in variants if any(k in c.label for k in keys)]
+    if not args.verify:
+        variants = [c for c in variants if not c.wy]  # the WY schedule is for verify windows only
     t0 = time.time()
     pre = None
     jobs = args.jobs if args.jobs is not None else (min(8, os.cpu_count() or 1) if dev == "cuda" else 0)

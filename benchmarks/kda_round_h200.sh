@@ -25,7 +25,8 @@
 #   k3      only the chain's K3 part (h200-baseline.md's shapes after a 5 us producer)
 #   margin  what each op costs inside the batch-1 / 64 decode graph of kimi-linear-48b-a3b (marginal_cost_h200.py)
 #   tests   the KDA GPU tests (decode, norm epilogue, replay) over pytest-xdist workers
-#   bash benchmarks/kda_round_h200.sh "sweep small2 verify"; then "chain ctx ctxab" (one call each: <= 10 min)
+#   next: VERIFY_ONLY=split,wy bash benchmarks/kda_round_h200.sh "verify" (plain vs -win vs -wy), then GPU tests
+#   (PYTEST_N=12 bash benchmarks/gpu_tests_h200.sh -k "kda") before making either the verify default
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "

@@ -35,6 +35,8 @@ class KdaConfig(NamedTuple):
     carried in registers through the token loop and each next token's inputs loaded one token ahead, before this
     token's recurrence (`_split_window_tokens`); bit-identical results. Opt-in until timed on the H200: 4-token
     verify windows run at 7-9% of HBM on the plain loop (benchmarks/README.md).
+    wy (verify only, K3's bounded gate, power-of-two head dim): the window's tokens together in the chunk (WY)
+    form, one program per (sequence, head) over V tiles of block_v (`kda_verify_wy.py`); opt-in, not timed.
     """
 
     block_v: int
@@ -44,6 +46,7 @@ class KdaConfig(NamedTuple):
     hints: bool = False
     prefetch_state: bool = False
     window: bool = False
+    wy: bool = False
 
     @property
     def label(self) -> str:
@@ -51,7 +54,7 @@ class KdaConfig(NamedTuple):
         s = f"bv{self.block_v}-{sched}-w{self.num_warps}"
         s += f"-s{self.num_stages}" if self.num_stages is not None else ""
         return s + ("-hints" if self.hints else "") + ("-pf" if self.prefetch_state else "") + (
-            "-win" if self.window else "")
+            "-win" if self.window else "") + ("-wy" if self.wy else "")
 
 
 def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:
@@ -81,7 +84,7 @@ DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
 
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
-_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?(-win)?")
+_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?(-win)?(-wy)?")
 
 
 def config_from_label(label: str) -> KdaConfig:
@@ -89,10 +92,10 @@ def config_from_label(label: str) -> KdaConfig:
     m = _LABEL.fullmatch(label.strip())
     if m is None:
         raise ValueError(f"{label!r} is not a KDA decode config label such as bv32-split-w4 or bv32-chunked-w4-s3")
-    bv, sched, warps, stages, hints, pf, win = m.groups()
+    bv, sched, warps, stages, hints, pf, win, wy = m.groups()
     return KdaConfig(int(bv), chunked=sched == "chunked", num_warps=int(warps),
                      num_stages=int(stages) if stages else None, hints=bool(hints), prefetch_state=bool(pf),
-                     window=bool(win))
+                     window=bool(win), wy=bool(wy))
 
 
 def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:

@@ -21,6 +21,7 @@ from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
 from tokenspeed.ops.triton.kda_config import DECODE_TABLE, KdaConfig, default_config, legacy_config  # noqa: F401
 from tokenspeed.ops.triton.kda_decode_kernel import _kda_decode_kernel
+from tokenspeed.ops.triton.kda_verify_wy import launch_wy, wy_unsupported
 
 _COUNTERS: dict[torch.device, Tensor] = {}
 _RETIRED: list[Tensor] = []  # outgrown counter buffers, kept alive: graphs captured earlier still address them
@@ -88,6 +89,7 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
     if cfg.window and cfg.chunked:
         raise ValueError("KdaConfig(window=True) is for the split schedule (chunked=False)")
     opts["WINDOW"] = cfg.window
+    opts["WY"] = cfg.wy  # popped by the launches: the WY verify schedule is another kernel
     return opts
 
 
@@ -161,6 +163,15 @@ def kda_decode(
         return out
     opts = _split(N * H, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     gate = g3 if norm else out
+    if opts.pop("WY"):
+        why = wy_unsupported(D, opts["BV"], triton.cdiv(T, N), lower_bound, update_state, step_states, seq_lens)
+        if why is not None:
+            raise ValueError(why)
+        launch_wy(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, gate,
+                  norm_weight if norm else None, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps,
+                  norm_rows=norm_rows(T, N) if norm else 1, block_v=opts["BV"], num_warps=opts["num_warps"],
+                  tokens_per_seq=triton.cdiv(T, N), state_v_first=state_v_first)
+        return out
     opts["PF_STATE"] = _pf_state(opts["PF_STATE"], state, D)
     nv = opts["NV"]
     cnt = _counters(qkv.device, N * H) if ((update_state or norm) and nv > 1) else cu_seqlens
@@ -239,6 +250,8 @@ def kda_replay_layers(
         config = default_config(N * H * L, D, triton.cdiv(T, N))
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
+    if opts.pop("WY"):
+        raise ValueError("KdaConfig(wy=True) is for verify windows, not the replay")
     nv = opts["NV"]
     cnt = _counters(qkv.device, L * N * H) if nv > 1 else cu_seqlens
     _kda_decode_kernel[(nv, N * H, L)](

@@ -1,0 +1,87 @@
+"""The WY verify schedule (`KdaConfig(wy=True)`, ops/triton/kda_verify_wy.py) against the plain split launch and the
+torch composition on the Triton interpreter (fp32, within 1e-5): windows of one chunk and of two (the state carried
+between chunks), a padding slot (zeros), a one-token and a zero-length sequence, the fused norm, both pool layouts;
+the pools are not written; the launches it refuses. GPU parity at K3 shapes in bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ops.test_triton_kda_decode import clone, composed, make, run_fused, tailed
+from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # sets up Triton first
+from tokenspeed.ops.triton.kda_config import KdaConfig, config_from_label
+from tokenspeed.ops.triton.kda_verify_wy import chunk_tokens
+
+
+def verify_pair(lens, H, D, dtype, device, slots, config, norm=False, v_first=False, lower_bound=-5.0):
+    """(o of the WY launch, o of the plain split launch, o of the composition, pools before / after the WY one)."""
+    inp = make(lens, H, D, dtype, device, slots=slots)
+    T = sum(lens)
+    kw = {"update_state": False}
+    if norm:
+        g = torch.Generator().manual_seed(5)
+        kw.update(norm_gate=torch.randn(T, H * D, generator=g).to(dtype).to(device),
+                  norm_weight=torch.randn(D, generator=g).to(device))
+    a, p = clone(inp), clone(inp)
+    if v_first:
+        a["state"] = tailed(a["state"].transpose(-1, -2).contiguous())
+    o_wy = run_fused(a, lower_bound, D ** -0.5, config=config, state_v_first=v_first, **kw)
+    o_plain = run_fused(p, lower_bound, D ** -0.5, config=KdaConfig(min(16, D)), **kw)
+    r = clone(inp)
+    o_ref = None if norm else composed(r, lower_bound, D ** -0.5)
+    state_after = a["state"].transpose(-1, -2) if v_first else a["state"]
+    return o_wy, o_plain, o_ref, inp, state_after, a["conv_state"]
+
+
+@cpu_interp
+@pytest.mark.parametrize("lens,slots", [([4, 4, 1], [5, -1, 2]), ([3, 9, 1, 0], [1, 6, -1, 3])],
+                         ids=["one-chunk", "two-chunks"])
+@pytest.mark.parametrize("v_first", [False, True], ids=["kv", "vk"])
+def test_wy_verify_matches_plain_and_composition_interp(lens, slots, v_first):
+    o_wy, o_plain, o_ref, inp, state, conv = verify_pair(lens, 2, 32, torch.float32, "cpu", slots,
+                                                         KdaConfig(16, wy=True), v_first=v_first)
+    assert rel_err(o_wy, o_plain) < 1e-5 and rel_err(o_wy, o_ref) < 1e-5
+    cu = torch.tensor([0] + lens).cumsum(0)
+    for n, s in enumerate(slots):
+        if s < 0:
+            assert o_wy[cu[n]:cu[n + 1]].abs().max() == 0 if lens[n] else True
+    assert torch.equal(state, inp["state"]) and torch.equal(conv, inp["conv_state"])  # verify: pools untouched
+
+
+@cpu_interp
+def test_wy_verify_norm_epilogue_interp():
+    o_wy, o_plain, _, _, _, _ = verify_pair([4, 2, 4], 2, 16, torch.float32, "cpu", [0, 3, -1],
+                                            KdaConfig(16, wy=True), norm=True)
+    assert rel_err(o_wy, o_plain) < 1e-5
+
+
+def test_wy_refusals_and_label():
+    from tokenspeed.ops.triton.kda_decode import kda_decode
+
+    cfg = KdaConfig(32, wy=True)
+    assert cfg.label == "bv32-split-w4-wy" and config_from_label(cfg.label) == cfg
+    assert chunk_tokens(4, -5.0) == 4 and chunk_tokens(100, -5.0) == 16 and chunk_tokens(100, -20.0) == 4
+    inp = make([2, 2], 1, 32, torch.float32, "cpu")
+    for kw, msg in (({"update_state": True}, "verify windows"), ({"lower_bound": None}, "bounded gate"),
+                    ({"lower_bound": -100.0}, "bounded gate")):
+        with pytest.raises(ValueError, match=msg):
+            kda_decode(**clone(inp), **{"lower_bound": -5.0, "scale": 1.0, "update_state": False, **kw},
+                       config=cfg)
+    odd = make([2], 1, 48, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="power-of-two head dim"):
+        kda_decode(**clone(odd), lower_bound=-5.0, scale=1.0, update_state=False, config=KdaConfig(16, wy=True))
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,N,q", [(12, 1, 4), (32, 8, 4), (96, 4, 4), (32, 2, 9)])
+@pytest.mark.parametrize("bv,warps", [(64, 4), (32, 4), (64, 8)])
+def test_wy_verify_k3_shapes_gpu(H, N, q, bv, warps):
+    lens = [q] * N
+    slots = list(range(N))
+    slots[-1] = -1 if N > 1 else 0
+    o_wy, o_plain, _, inp, state, _ = verify_pair(lens, H, 128, torch.bfloat16, "cuda", slots,
+                                                  KdaConfig(bv, num_warps=warps, wy=True), norm=True, v_first=True)
+    assert rel_err(o_wy.float(), o_plain.float()) < 1e-2
+    assert torch.equal(state, inp["state"])
