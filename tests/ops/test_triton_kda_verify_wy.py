@@ -85,3 +85,31 @@ def test_wy_verify_k3_shapes_gpu(H, N, q, bv, warps):
                                                   KdaConfig(bv, num_warps=warps, wy=True), norm=True, v_first=True)
     assert rel_err(o_wy.float(), o_plain.float()) < 1e-2
     assert torch.equal(state, inp["state"])
+
+
+@cpu_interp
+def test_verify_env_forces_window_and_wy_where_they_run(monkeypatch):
+    """TOKENSPEED_KDA_VERIFY (MULTI_ENV) forces the config of several-token launches only; a forced `wy` runs
+    verify windows and falls back to its split form where it cannot (a committing tail, the replay), with the same
+    results as the plain launch."""
+    from tokenspeed.ops.triton import kda_config as kc
+    from tokenspeed.ops.triton import kda_verify_wy
+
+    monkeypatch.setenv(kc.MULTI_ENV, "bv64-split-w4-win")
+    assert kc.default_config(32, 128, tokens_per_seq=4) == KdaConfig(64, window=True)
+    assert kc.default_config(32, 128) == kc.DECODE_TABLE[1][1]  # one token: the decode table
+    monkeypatch.setenv(kc.MULTI_ENV, "bv16-split-w4-wy")
+    calls = []
+    real = kda_verify_wy._kda_verify_wy_kernel
+    monkeypatch.setattr(kda_verify_wy, "_kda_verify_wy_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: calls.append(grid) or real[grid]})())
+    inp = make([3, 3], 1, 64, torch.float32, "cpu", slots=[1, 4])  # head dim >= 64: below, legacy_config always
+    a, p = clone(inp), clone(inp)
+    o_env = run_fused(a, -5.0, 0.125, update_state=True)  # a committing tail: wy cannot, split runs
+    monkeypatch.delenv(kc.MULTI_ENV)
+    o_plain = run_fused(p, -5.0, 0.125, update_state=True)
+    assert not calls and torch.equal(o_env, o_plain) and torch.equal(a["state"], p["state"])
+    monkeypatch.setenv(kc.MULTI_ENV, "bv16-split-w4-wy")
+    a = clone(inp)
+    o_wy = run_fused(a, -5.0, 0.125, update_state=False)
+    assert len(calls) == 1 and rel_err(o_wy, o_plain) < 1e-5  # the first tail token's outputs are the same

@@ -84,6 +84,7 @@ DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
 
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
+MULTI_ENV = "TOKENSPEED_KDA_VERIFY"  # the same for launches of several tokens per sequence (verify, replay, tails)
 _LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?(-win)?(-wy)?")
 
 
@@ -102,9 +103,16 @@ def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1)
     """The launch configuration for `num_programs_nh` = N * H (sequence, head) pairs (times L layers for the
     replay), head dim `head_dim` and `tokens_per_seq` = ceil(T / N). Decode (1 token) reads `DECODE_TABLE`
     (or the label in the DECODE_ENV variable, block_v fitted to head_dim); several tokens per sequence (verify,
-    replay) and head dims below 64 keep `legacy_config`."""
-    if tokens_per_seq > 1 or head_dim < 64:
+    replay) and head dims below 64 keep `legacy_config`, or with several tokens the label in MULTI_ENV (its
+    `window` / `wy` variants; a launch that cannot run `wy` drops it: `kda_decode`, `kda_replay_layers`)."""
+    if head_dim < 64:
         return legacy_config(num_programs_nh, head_dim)
+    if tokens_per_seq > 1:
+        forced = os.environ.get(MULTI_ENV, "").strip()
+        if not forced:
+            return legacy_config(num_programs_nh, head_dim)
+        cfg = config_from_label(forced)
+        return cfg._replace(block_v=_fit_bv(min(cfg.block_v, next_pow2(head_dim)), head_dim))
     forced = os.environ.get(DECODE_ENV, "").strip()
     if forced:
         cfg = config_from_label(forced)

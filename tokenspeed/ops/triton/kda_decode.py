@@ -163,10 +163,12 @@ def kda_decode(
         return out
     opts = _split(N * H, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     gate = g3 if norm else out
-    if opts.pop("WY"):
-        why = wy_unsupported(D, opts["BV"], triton.cdiv(T, N), lower_bound, update_state, step_states, seq_lens)
-        if why is not None:
-            raise ValueError(why)
+    wy = opts.pop("WY")
+    why = wy_unsupported(D, opts["BV"], triton.cdiv(T, N), lower_bound, update_state, step_states, seq_lens) \
+        if wy else None
+    if why is not None and config is not None:
+        raise ValueError(why)
+    if wy and why is None:
         launch_wy(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, gate,
                   norm_weight if norm else None, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps,
                   norm_rows=norm_rows(T, N) if norm else 1, block_v=opts["BV"], num_warps=opts["num_warps"],
@@ -250,7 +252,7 @@ def kda_replay_layers(
         config = default_config(N * H * L, D, triton.cdiv(T, N))
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
-    if opts.pop("WY"):
+    if opts.pop("WY") and config is not None:  # a default taken from MULTI_ENV runs its split form
         raise ValueError("KdaConfig(wy=True) is for verify windows, not the replay")
     nv = opts["NV"]
     cnt = _counters(qkv.device, L * N * H) if nv > 1 else cu_seqlens
