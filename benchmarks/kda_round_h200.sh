@@ -23,6 +23,8 @@
 #           o_proj -> router -> in_proj chain after a 5 / 10 us producer, and h200-baseline.md's K3 shapes (the
 #           issue's GEMV targets) after a 5 us producer (gemv_pdl_chain_h200.py --configs, --geometry k3)
 #   k3      only the chain's K3 part (h200-baseline.md's shapes after a 5 us producer)
+#   specab  EAGLE3-style verify at concurrency 1 (spec_h200.py, forced acceptance) with the default verify launches
+#           vs TOKENSPEED_KDA_VERIFY=${SPEC_VERIFY:-bv32-split-w4-win} (kimi-linear's softplus gate: no wy)
 #   margin  what each op costs inside the batch-1 / 64 decode graph of kimi-linear-48b-a3b (marginal_cost_h200.py)
 #   tests   the KDA GPU tests (decode, norm epilogue, replay) over pytest-xdist workers
 #   next: VERIFY_ONLY=split,wy bash benchmarks/kda_round_h200.sh "verify" (plain vs -win vs -wy), then GPU tests
@@ -107,6 +109,13 @@ fi
 if has ctxab; then
   timeout 240 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab 1,4 \
     --pdl-configs "1:regs:0;1:regs:0:table=$OUT/gemv_ctx/gemv_table_ctx.json" --out "$OUT" 2>&1 | grep "PDL A/B"
+fi
+if has specab; then
+  for lab in "" "${SPEC_VERIFY:-bv32-split-w4-win}"; do
+    mkdir -p "$OUT/spec${lab:+_$lab}"
+    TOKENSPEED_KDA_VERIFY="$lab" timeout 240 python3 benchmarks/spec_h200.py --out "$OUT/spec${lab:+_$lab}" 2>&1 \
+      | grep -iE "TPS|replay|verify" | head -8
+  done
 fi
 if has margin; then
   timeout 300 python3 benchmarks/marginal_cost_h200.py --batches "${MARGIN_BATCHES:-1,64}" \
