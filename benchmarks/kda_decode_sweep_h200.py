@@ -461,7 +461,8 @@ def main() -> None:
                     help="every variant on a [V, K] state pool (kda_decode(state_v_first=True)): contiguous V tiles")
     ap.add_argument("--norm", action="store_true", help="time the launches with the fused output norm, as the model")
     ap.add_argument("--verify", type=int, default=0,
-                    help="K > 0: verify windows of K tokens per sequence (pools read, not written; the -wy variants run only here; no fla)")
+                    help="K > 0: verify windows of K tokens per sequence (pools read, not written; "
+                         "the -wy variants run only here; no fla)")
     ap.add_argument("--jobs", type=int, default=None,
                     help="processes that precompile the variants first (default: min(8, CPUs) on CUDA; 0: none)")
     ap.add_argument("--pdl", default="on", choices=["on", "off"],
