@@ -251,3 +251,25 @@ def test_window_replay_equals_per_layer_reference(monkeypatch):
     mod.kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], accepted, lower_bound=LOWER,
                           config=mod.KdaConfig(8, window=True))
     assert_pools_match(pools(layers), want, used)
+
+
+@cpu_interp
+def test_replay_under_a_forced_wy_label_runs_split(monkeypatch):
+    """TOKENSPEED_KDA_VERIFY naming a WY config (verify only) leaves the replay on its split form, same pools;
+    an explicit WY config is refused."""
+    from tokenspeed.ops.triton import kda_config as kc
+    from tokenspeed.ops.triton import kda_decode as mod
+
+    H, D, L, S = 1, 64, 2, 9
+    lens, slots = [3] * 3, [4, -1, 2]
+    accepted = torch.tensor([3, 1, 2])
+    layers = make_layers(L, lens, H, D, slots, S)
+    want = reference_replay(layers, accepted, monkeypatch)
+    monkeypatch.setenv("TOKENSPEED_OPS", "triton")
+    monkeypatch.setenv(kc.MULTI_ENV, "bv32-split-w4-wy")
+    table = KdaLayerTable.build([tensors(inp) for inp in layers], strict=True)
+    ops.kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], accepted, lower_bound=LOWER)
+    assert_pools_match(pools(layers), want, [4, 2])
+    with pytest.raises(ValueError, match="not the replay"):
+        mod.kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], accepted,
+                              lower_bound=LOWER, config=kc.KdaConfig(32, wy=True))

@@ -248,11 +248,12 @@ def kda_replay_layers(
     f3 = _check_layer(qkv, f, b, cw, conv_state, dt_bias, state, N, cu_seqlens, seq_lens)
     if N == 0 or T == 0:
         return
+    explicit = config is not None
     if config is None:
         config = default_config(N * H * L, D, triton.cdiv(T, N))
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
-    if opts.pop("WY") and config is not None:  # a default taken from MULTI_ENV runs its split form
+    if opts.pop("WY") and explicit:  # a default taken from MULTI_ENV runs its split form
         raise ValueError("KdaConfig(wy=True) is for verify windows, not the replay")
     nv = opts["NV"]
     cnt = _counters(qkv.device, L * N * H) if nv > 1 else cu_seqlens
