@@ -55,6 +55,15 @@ def reference_replay(layers: list[dict], accepted: torch.Tensor, monkeypatch) ->
     return out
 
 
+def two_layer_case(lens: list[int], slots: list[int], accepted: list[int], H: int, D: int, num_slots: int,
+                   monkeypatch) -> tuple[list[dict], torch.Tensor, list[torch.Tensor]]:
+    """Two layers' inputs (`make_layers`), the accepted counts as a tensor, and the pools the per-layer reference
+    replay leaves (`reference_replay`)."""
+    layers = make_layers(2, lens, H, D, slots, num_slots)
+    acc = torch.tensor(accepted)
+    return layers, acc, reference_replay(layers, acc, monkeypatch)
+
+
 def count_launches(monkeypatch) -> dict[str, int]:
     """Count the Triton wrappers' calls: one multi-layer launch vs per-layer kda_decode launches."""
     from tokenspeed.ops.triton import kda_decode as mod
@@ -220,12 +229,9 @@ def test_multi_layer_replay_graph_gpu(N, chunked):
 def test_replay_on_v_first_pools(mode, monkeypatch):
     """[V, K] recurrent pools (`state_v_first`, the model's layout): the replay (one Triton launch, or the per-layer
     reference through [K, V] views) leaves the pools the [K, V] replay leaves, transposed; idle slots untouched."""
-    H, D, L, S = 2, 16, 2, 11
-    lens, slots = [3] * 4, [4, -1, 9, 2]
-    accepted = torch.tensor([3, 1, 2, 0])
+    slots = [4, -1, 9, 2]
+    layers, accepted, want = two_layer_case([3] * 4, slots, [3, 1, 2, 0], 2, 16, 11, monkeypatch)
     used = [s for s in slots if s >= 0]
-    layers = make_layers(L, lens, H, D, slots, S)
-    want = reference_replay(layers, accepted, monkeypatch)
     for inp in layers:
         inp["state"] = inp["state"].transpose(-1, -2).contiguous()
     monkeypatch.setenv("TOKENSPEED_OPS", mode)
@@ -241,12 +247,9 @@ def test_window_replay_equals_per_layer_reference(monkeypatch):
     """The multi-layer replay with the carried conv window (`KdaConfig(window=True)`) vs the per-layer reference."""
     from tokenspeed.ops.triton import kda_decode as mod
 
-    H, D, L, S = 2, 16, 2, 11
-    lens, slots = [4] * 4, [4, -1, 9, 2]
-    accepted = torch.tensor([4, 2, 3, 0])
+    slots = [4, -1, 9, 2]
+    layers, accepted, want = two_layer_case([4] * 4, slots, [4, 2, 3, 0], 2, 16, 11, monkeypatch)
     used = [s for s in slots if s >= 0]
-    layers = make_layers(L, lens, H, D, slots, S)
-    want = reference_replay(layers, accepted, monkeypatch)
     table = KdaLayerTable.build([tensors(inp) for inp in layers], strict=True)
     mod.kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], accepted, lower_bound=LOWER,
                           config=mod.KdaConfig(8, window=True))
@@ -260,11 +263,7 @@ def test_replay_under_a_forced_wy_label_runs_split(monkeypatch):
     from tokenspeed.ops.triton import kda_config as kc
     from tokenspeed.ops.triton import kda_decode as mod
 
-    H, D, L, S = 1, 64, 2, 9
-    lens, slots = [3] * 3, [4, -1, 2]
-    accepted = torch.tensor([3, 1, 2])
-    layers = make_layers(L, lens, H, D, slots, S)
-    want = reference_replay(layers, accepted, monkeypatch)
+    layers, accepted, want = two_layer_case([3] * 3, [4, -1, 2], [3, 1, 2], 1, 64, 9, monkeypatch)
     monkeypatch.setenv("TOKENSPEED_OPS", "triton")
     monkeypatch.setenv(kc.MULTI_ENV, "bv32-split-w4-wy")
     table = KdaLayerTable.build([tensors(inp) for inp in layers], strict=True)

@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from tokenspeed.ops.triton import pdl
-from tokenspeed.ops.triton.kda_decode_kernel import _norm_rows, _pdl_sync
+from tokenspeed.ops.triton.kda_decode_kernel import _gate, _norm_rows, _pdl_sync
 
 CHUNK_ROWS = 16  # rows of the chunk matrices (tl.dot's minimum M); a chunk's CT <= CHUNK_ROWS tokens are the first
 CM = tl.constexpr(CHUNK_ROWS)
@@ -139,7 +139,7 @@ def _kda_verify_wy_kernel(
             k = yk * tl.rsqrt(tl.sum(yk * yk, axis=1) + 1e-6)[:, None]
             t = bos + pos
             f = tl.load(F + t[:, None] * stride_ft + h * stride_fh + ok[None, :], mask=mrk, other=0.0)
-            g = lower_bound / (1.0 + tl.exp(-(rate * (f.to(tl.float32) + dtb[None, :]))))
+            g = _gate(f.to(tl.float32) + dtb[None, :], rate, lower_bound, True)
             g = tl.where(mrk, g, 0.0)  # rows past the window: no decay, no update
             braw = tl.load(Bt + t * stride_bt + h * stride_bh, mask=live, other=0.0).to(tl.float32)
             beta = tl.where(live, 1.0 / (1.0 + tl.exp(-braw)), 0.0)
