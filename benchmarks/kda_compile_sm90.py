@@ -74,6 +74,19 @@ def variants() -> list[tuple[str, callable]]:
                                                        config=kd.KdaConfig(64, num_warps=8, wy=True))),
                 (f"verify-b2-q4-wy-bv32-w8{sfx}", call(2, 4, update_state=False,
                                                        config=kd.KdaConfig(32, num_warps=8, wy=True))),
+                (f"verify-b2-q4-wy-bv16{sfx}", call(2, 4, update_state=False, config=kd.KdaConfig(16, wy=True))),
+                (f"verify-b2-q4-wy-bv32-vfirst{sfx}", call(2, 4, update_state=False, state_v_first=True,
+                                                           config=kd.KdaConfig(32, wy=True))),
+                (f"verify-b2-q4-wy-bv64-vfirst{sfx}", call(2, 4, update_state=False, state_v_first=True,
+                                                           config=kd.KdaConfig(64, wy=True))),
+                (f"verify-b2-q4-wy-bv16-vfirst{sfx}", call(2, 4, update_state=False, state_v_first=True,
+                                                           config=kd.KdaConfig(16, wy=True))),
+                (f"verify-b2-q4-wy-bv32-w8-vfirst{sfx}", call(2, 4, update_state=False, state_v_first=True,
+                                                              config=kd.KdaConfig(32, num_warps=8, wy=True))),
+                (f"verify-b2-q4-window-vfirst{sfx}", call(2, 4, update_state=False, state_v_first=True,
+                                                          config=kd.KdaConfig(32, window=True))),
+                (f"verify-b2-q4-wy-bv16-w2{sfx}", call(2, 4, update_state=False,
+                                                       config=kd.KdaConfig(16, num_warps=2, wy=True))),
                 (f"tail-b1-q64{sfx}", call(1, 64))]
     layers = [KdaLayerTensors(*(_layer(2, 4)[k] for k in KdaLayerTensors._fields)) for _ in range(3)]
     table = KdaLayerTable.build(layers, strict=True)

@@ -97,10 +97,12 @@ VARIANTS = [
     KdaConfig(32, window=True),  # split, conv window in registers, next token's inputs ahead (verify windows)
     KdaConfig(64, window=True),
     KdaConfig(16, window=True),
-    KdaConfig(64, wy=True),  # verify only: the window's tokens together (chunk / WY form, kda_verify_wy.py)
-    KdaConfig(64, num_warps=8, wy=True),
+    KdaConfig(64, wy=True),  # verify only: the window's state products at once (chunk form, kda_verify_wy.py)
     KdaConfig(32, wy=True),
-    KdaConfig(32, num_warps=8, wy=True),  # the sm_90 build with the least spilling (320 B of stack a thread)
+    KdaConfig(32, num_warps=8, wy=True),
+    KdaConfig(16, wy=True),
+    KdaConfig(16, num_warps=2, wy=True),
+    KdaConfig(8, wy=True),
 ]
 # Dropped after the H200 run at dc34ac2 (benchmarks/README.md): whole-head split programs (BV 128, 8 / 16 warps;
 # 156-216 spilled registers, 23-31 us at 32 x 1 vs 8.9) and half heads on 8 warps (BV 64; 16.7 us).

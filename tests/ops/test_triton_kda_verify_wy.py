@@ -1,7 +1,8 @@
 """The WY verify schedule (`KdaConfig(wy=True)`, ops/triton/kda_verify_wy.py) against the plain split launch and the
-torch composition on the Triton interpreter (fp32, within 1e-5): windows of one chunk and of two (the state carried
-between chunks), a padding slot (zeros), a one-token and a zero-length sequence, the fused norm, both pool layouts;
-the pools are not written; the launches it refuses. GPU parity at K3 shapes in bf16."""
+torch composition on the Triton interpreter (fp32, within 1e-5): windows of one chunk and of several (the state
+carried between chunks), a padding slot (zeros), a one-token and a zero-length sequence, the fused norm, both pool
+layouts, K3's bounded gate and the softplus gate; the pools are not written; the launches it refuses. GPU parity at
+K3 shapes in bf16."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from tests.ops.test_triton_kda_decode import clone, composed, make, run_fused, tailed
 from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # sets up Triton first
 from tokenspeed.ops.triton.kda_config import KdaConfig, config_from_label
-from tokenspeed.ops.triton.kda_verify_wy import chunk_tokens
+from tokenspeed.ops.triton.kda_verify_wy import window_rows
 
 
 def verify_pair(lens, H, D, dtype, device, slots, config, norm=False, v_first=False, lower_bound=-5.0):
@@ -38,9 +39,11 @@ def verify_pair(lens, H, D, dtype, device, slots, config, norm=False, v_first=Fa
 @pytest.mark.parametrize("lens,slots", [([4, 4, 1], [5, -1, 2]), ([3, 9, 1, 0], [1, 6, -1, 3])],
                          ids=["one-chunk", "two-chunks"])
 @pytest.mark.parametrize("v_first", [False, True], ids=["kv", "vk"])
-def test_wy_verify_matches_plain_and_composition_interp(lens, slots, v_first):
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+def test_wy_verify_matches_plain_and_composition_interp(lens, slots, v_first, lower_bound):
     o_wy, o_plain, o_ref, inp, state, conv = verify_pair(lens, 2, 32, torch.float32, "cpu", slots,
-                                                         KdaConfig(16, wy=True), v_first=v_first)
+                                                         KdaConfig(16, wy=True), v_first=v_first,
+                                                         lower_bound=lower_bound)
     assert rel_err(o_wy, o_plain) < 1e-5 and rel_err(o_wy, o_ref) < 1e-5
     cu = torch.tensor([0] + lens).cumsum(0)
     for n, s in enumerate(slots):
@@ -61,10 +64,9 @@ def test_wy_refusals_and_label():
 
     cfg = KdaConfig(32, wy=True)
     assert cfg.label == "bv32-split-w4-wy" and config_from_label(cfg.label) == cfg
-    assert chunk_tokens(4, -5.0) == 4 and chunk_tokens(100, -5.0) == 16 and chunk_tokens(100, -20.0) == 4
+    assert window_rows(4) == 4 and window_rows(3) == 4 and window_rows(1) == 1 and window_rows(100) == 8
     inp = make([2, 2], 1, 32, torch.float32, "cpu")
-    for kw, msg in (({"update_state": True}, "verify windows"), ({"lower_bound": None}, "bounded gate"),
-                    ({"lower_bound": -100.0}, "bounded gate")):
+    for kw, msg in (({"update_state": True}, "verify windows"),):
         with pytest.raises(ValueError, match=msg):
             kda_decode(**clone(inp), **{"lower_bound": -5.0, "scale": 1.0, "update_state": False, **kw},
                        config=cfg)

@@ -164,13 +164,13 @@ def kda_decode(
     opts = _split(N * H, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     gate = g3 if norm else out
     wy = opts.pop("WY")
-    why = wy_unsupported(D, opts["BV"], triton.cdiv(T, N), lower_bound, update_state, step_states, seq_lens) \
-        if wy else None
+    why = wy_unsupported(D, opts["BV"], update_state, step_states, seq_lens) if wy else None
     if why is not None and config is not None:
         raise ValueError(why)
     if wy and why is None:
+        cnt = _counters(qkv.device, N * H) if norm and opts["BV"] < D else cu_seqlens
         launch_wy(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, gate,
-                  norm_weight if norm else None, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps,
+                  norm_weight if norm else None, cnt, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps,
                   norm_rows=norm_rows(T, N) if norm else 1, block_v=opts["BV"], num_warps=opts["num_warps"],
                   tokens_per_seq=triton.cdiv(T, N), state_v_first=state_v_first)
         return out
