@@ -93,7 +93,11 @@ def variants() -> list[tuple[str, callable]]:
     acc = torch.zeros(2, dtype=torch.int64)
     slots, cu = torch.arange(2), torch.arange(0, 9, 4)
     out += [("replay-3l", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0)),
-            ("replay-3l-chunked", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0, chunked=True))]
+            ("replay-3l-chunked", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0, chunked=True)),
+            ("replay-3l-window", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0,
+                                                              config=kd.KdaConfig(32, window=True))),
+            ("replay-3l-window-bv64", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0,
+                                                                   config=kd.KdaConfig(64, window=True)))]
     return out
 
 

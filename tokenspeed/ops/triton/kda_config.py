@@ -83,6 +83,11 @@ DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
 # 8.55 vs BV 16 8.74, so BV 16 below 32 pairs.
 
 
+# Several tokens per sequence (verify windows, the replay, prompt tails): the split loop with the conv window carried
+# in registers. H200, 4-token verify windows on [V, K] pools (1ab5d4d, benchmarks/README.md): 9.76-10.2 us vs 14.5 at
+# 32 heads x 1, 706 us vs 1002 (legacy BV 64) at 96 x 64, 1.3-1.6x at every shape; BV 64 spills with the window.
+MULTI_DEFAULT = KdaConfig(32, window=True)
+
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
 MULTI_ENV = "TOKENSPEED_KDA_VERIFY"  # the same for launches of several tokens per sequence (verify, replay, tails)
 _LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?(-win)?(-wy)?")
@@ -103,15 +108,13 @@ def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1)
     """The launch configuration for `num_programs_nh` = N * H (sequence, head) pairs (times L layers for the
     replay), head dim `head_dim` and `tokens_per_seq` = ceil(T / N). Decode (1 token) reads `DECODE_TABLE`
     (or the label in the DECODE_ENV variable, block_v fitted to head_dim); several tokens per sequence (verify,
-    replay) and head dims below 64 keep `legacy_config`, or with several tokens the label in MULTI_ENV (its
-    `window` / `wy` variants; a launch that cannot run `wy` drops it: `kda_decode`, `kda_replay_layers`)."""
+    replay, prompt tails) take `MULTI_DEFAULT` or the label in MULTI_ENV (a launch that cannot run `wy` drops it:
+    `kda_decode`, `kda_replay_layers`); head dims below 64 keep `legacy_config`."""
     if head_dim < 64:
         return legacy_config(num_programs_nh, head_dim)
     if tokens_per_seq > 1:
         forced = os.environ.get(MULTI_ENV, "").strip()
-        if not forced:
-            return legacy_config(num_programs_nh, head_dim)
-        cfg = config_from_label(forced)
+        cfg = config_from_label(forced) if forced else MULTI_DEFAULT
         return cfg._replace(block_v=_fit_bv(min(cfg.block_v, next_pow2(head_dim)), head_dim))
     forced = os.environ.get(DECODE_ENV, "").strip()
     if forced:

@@ -70,6 +70,8 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
     cfg = config if config is not None else default_config(num_programs_nh, D, tokens_per_seq)
     over = {"block_v": BV, "num_warps": num_warps, "hints": hints, "chunked": chunked, "num_stages": num_stages}
     cfg = cfg._replace(**{k: v for k, v in over.items() if v is not None})
+    if config is None and cfg.chunked:  # a chunked override of a default with the (split-only) window loop
+        cfg = cfg._replace(window=False)
     bk = next_pow2(D)  # the K axis of the tile, padded (masked) past D
     bv = cfg.block_v
     if not isinstance(bv, int) or bv <= 0 or bv & (bv - 1) or bv > bk:
@@ -251,6 +253,8 @@ def kda_replay_layers(
     explicit = config is not None
     if config is None:
         config = default_config(N * H * L, D, triton.cdiv(T, N))
+        if chunked:  # the window loop is the split schedule's
+            config = config._replace(window=False)
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
     if opts.pop("WY") and explicit:  # a default taken from MULTI_ENV runs its split form
