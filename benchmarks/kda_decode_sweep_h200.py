@@ -97,10 +97,12 @@ VARIANTS = [
     KdaConfig(32, window=True),  # split, conv window in registers, next token's inputs ahead (verify windows)
     KdaConfig(64, window=True),
     KdaConfig(16, window=True),
-    KdaConfig(64, wy=True),  # verify only: the window's state products at once (chunk form, kda_verify_wy.py)
-    KdaConfig(32, wy=True),
-    KdaConfig(32, num_warps=8, wy=True),
+    KdaConfig(64, wy=True),  # verify only: the window's key side once per head, one state product per token
+    KdaConfig(32, wy=True),  # (chunk form, kda_verify_wy.py)
+    KdaConfig(32, num_stages=4, wy=True),
     KdaConfig(16, wy=True),
+    KdaConfig(16, num_stages=4, wy=True),
+    KdaConfig(32, num_warps=2, wy=True),
     KdaConfig(16, num_warps=2, wy=True),
     KdaConfig(8, wy=True),
 ]
@@ -196,11 +198,12 @@ def v_first_pools(inp: dict) -> dict:
 
 
 def parity(inp: dict, ref: dict, o_ref: torch.Tensor, cfg: KdaConfig, scale: float, dev: str,
-           update: bool = True, v_first: bool = False) -> dict:
+           update: bool = True, v_first: bool = False, max_seq_tokens: int | None = None) -> dict:
     """One launch of cfg on fresh pool copies vs the reference's outputs and pools (verify, update False: both
     pools left as they were). v_first: the launch runs on a [V, K] copy of the state pool, compared transposed back."""
     a = clone_pools(v_first_pools(inp) if v_first else inp)
-    o = k_kda.kda_decode(**a, lower_bound=LOWER, scale=scale, config=cfg, update_state=update, state_v_first=v_first)
+    o = k_kda.kda_decode(**a, lower_bound=LOWER, scale=scale, config=cfg, update_state=update, state_v_first=v_first,
+                         max_seq_tokens=max_seq_tokens)
     sync(dev)
     if v_first:
         a["state"] = a["state"].transpose(-1, -2)
@@ -348,6 +351,7 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
                 rec: KernelRecorder) -> dict:
     scale = D ** -0.5
     q, update = (args.verify, False) if args.verify else (1, True)  # --verify K: windows of K tokens, pools read
+    window = q if args.verify else None  # max_seq_tokens, as the model passes for its uniform verify windows
     inp = make_inputs(H, N, D, dev, dtype, seed=H * 1000 + N, q=q)
     state_bytes = N * H * D * D * 4 * (2 if update else 1)
     ref = clone_pools(inp)
@@ -379,11 +383,11 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
         t0 = time.time()
         try:
             rec.last = None
-            v.update(parity(inp, ref, o_ref, cfg, scale, dev, update, v_first))
+            v.update(parity(inp, ref, o_ref, cfg, scale, dev, update, v_first, window))
             v.update(rec.info())
             v.update(measure(lambda c=cfg, w=work: k_kda.kda_decode(**w, **norm, lower_bound=LOWER, scale=scale,
                                                                      config=c, update_state=update,
-                                                                     state_v_first=v_first),
+                                                                     state_v_first=v_first, max_seq_tokens=window),
                              dev, calls, args.reps, cold, state_bytes))
         except Exception as e:  # noqa: BLE001 - one failing variant is reported and skipped
             v["error"] = f"{type(e).__name__}: {str(e)[:500]}"

@@ -15,8 +15,9 @@ from tokenspeed.ops.triton.kda_config import KdaConfig, config_from_label
 from tokenspeed.ops.triton.kda_verify_wy import window_rows
 
 
-def verify_pair(lens, H, D, dtype, device, slots, config, norm=False, v_first=False, lower_bound=-5.0):
-    """(o of the WY launch, o of the plain split launch, o of the composition, pools before / after the WY one)."""
+def verify_pair(lens, H, D, dtype, device, slots, config, norm=False, v_first=False, lower_bound=-5.0, bound=None):
+    """(o of the WY launch, o of the plain split launch, o of the composition, pools before / after the WY one);
+    `bound`: the WY launch's max_seq_tokens."""
     inp = make(lens, H, D, dtype, device, slots=slots)
     T = sum(lens)
     kw = {"update_state": False}
@@ -27,7 +28,7 @@ def verify_pair(lens, H, D, dtype, device, slots, config, norm=False, v_first=Fa
     a, p = clone(inp), clone(inp)
     if v_first:
         a["state"] = tailed(a["state"].transpose(-1, -2).contiguous())
-    o_wy = run_fused(a, lower_bound, D ** -0.5, config=config, state_v_first=v_first, **kw)
+    o_wy = run_fused(a, lower_bound, D ** -0.5, config=config, state_v_first=v_first, max_seq_tokens=bound, **kw)
     o_plain = run_fused(p, lower_bound, D ** -0.5, config=KdaConfig(min(16, D)), **kw)
     r = clone(inp)
     o_ref = None if norm else composed(r, lower_bound, D ** -0.5)
@@ -40,10 +41,13 @@ def verify_pair(lens, H, D, dtype, device, slots, config, norm=False, v_first=Fa
                          ids=["one-chunk", "two-chunks"])
 @pytest.mark.parametrize("v_first", [False, True], ids=["kv", "vk"])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
-def test_wy_verify_matches_plain_and_composition_interp(lens, slots, v_first, lower_bound):
+@pytest.mark.parametrize("told", [False, True], ids=["any-length", "max-told"])
+def test_wy_verify_matches_plain_and_composition_interp(lens, slots, v_first, lower_bound, told):
+    """Without max_seq_tokens the 9-token sequence of "two-chunks" takes the long path (windows of ceil(T / N) = 4
+    in turn); told the maximum, every sequence fits one window."""
     o_wy, o_plain, o_ref, inp, state, conv = verify_pair(lens, 2, 32, torch.float32, "cpu", slots,
                                                          KdaConfig(16, wy=True), v_first=v_first,
-                                                         lower_bound=lower_bound)
+                                                         lower_bound=lower_bound, bound=max(lens) if told else None)
     assert rel_err(o_wy, o_plain) < 1e-5 and rel_err(o_wy, o_ref) < 1e-5
     cu = torch.tensor([0] + lens).cumsum(0)
     for n, s in enumerate(slots):
@@ -64,7 +68,7 @@ def test_wy_refusals_and_label():
 
     cfg = KdaConfig(32, wy=True)
     assert cfg.label == "bv32-split-w4-wy" and config_from_label(cfg.label) == cfg
-    assert window_rows(4) == 4 and window_rows(3) == 4 and window_rows(1) == 1 and window_rows(100) == 8
+    assert window_rows(4) == 4 and window_rows(3) == 4 and window_rows(1) == 1 and window_rows(100) == 16
     inp = make([2, 2], 1, 32, torch.float32, "cpu")
     for kw, msg in (({"update_state": True}, "verify windows"),):
         with pytest.raises(ValueError, match=msg):
@@ -78,13 +82,15 @@ def test_wy_refusals_and_label():
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,N,q", [(12, 1, 4), (32, 8, 4), (96, 4, 4), (32, 2, 9)])
-@pytest.mark.parametrize("bv,warps", [(64, 4), (32, 4), (64, 8)])
-def test_wy_verify_k3_shapes_gpu(H, N, q, bv, warps):
+@pytest.mark.parametrize("bv,warps", [(32, 4), (16, 4), (64, 4)])
+@pytest.mark.parametrize("told", [False, True], ids=["any-length", "max-told"])
+def test_wy_verify_k3_shapes_gpu(H, N, q, bv, warps, told):
     lens = [q] * N
     slots = list(range(N))
     slots[-1] = -1 if N > 1 else 0
     o_wy, o_plain, _, inp, state, _ = verify_pair(lens, H, 128, torch.bfloat16, "cuda", slots,
-                                                  KdaConfig(bv, num_warps=warps, wy=True), norm=True, v_first=True)
+                                                  KdaConfig(bv, num_warps=warps, wy=True), norm=True, v_first=True,
+                                                  bound=q if told else None)
     assert rel_err(o_wy.float(), o_plain.float()) < 1e-2
     assert torch.equal(state, inp["state"])
 

@@ -302,6 +302,7 @@ def kda_decode(
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
     state_v_first: bool = False,
+    max_seq_tokens: int | None = None,
 ) -> Tensor:
     """KDA decode / k-token verify from the raw projections, fused on CUDA (one launch per layer).
 
@@ -323,6 +324,8 @@ def kda_decode(
     fused into the kernel's epilogue on CUDA, composed otherwise.
     state_v_first: `state` (and `step_states`) hold each head's state transposed, [V, K]: the layout of the model's
     pools (`models.batch.KDA_STATE_V_FIRST`), where the fused kernel's [K, block_v] tiles are contiguous rows.
+    max_seq_tokens: a bound on every sequence's token count that the caller guarantees (the model's uniform verify
+    windows); a launch hint only (the fused verify may then compile without its long-sequence path).
     """
     if step_states is not None and update_state:
         raise ValueError("step_states is for verify (update_state=False)")
@@ -334,7 +337,7 @@ def kda_decode(
             qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens,
             lower_bound=lower_bound, scale=scale, update_state=update_state, step_states=step_states,
             seq_lens=seq_lens, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps,
-            state_v_first=state_v_first,
+            state_v_first=state_v_first, max_seq_tokens=max_seq_tokens,
         )
     if state_v_first:  # the reference works on [K, V] views of the same memory (written through them)
         state = state.transpose(-1, -2)

@@ -138,7 +138,7 @@ class KDAAttention(nn.Module):
                                batch.kda_slots, batch.cu_seqlens, lower_bound=self.lower_bound,
                                scale=1.0 / math.sqrt(hd), update_state=not batch.verify,
                                norm_gate=gate.view(t, h, hd), norm_weight=self.o_norm.weight, norm_eps=self.eps,
-                               state_v_first=cache.kda_state_v_first)
+                               state_v_first=cache.kda_state_v_first, max_seq_tokens=batch.uniform_query_len)
         else:
             slots = batch.kda_slots
             if batch.verify:  # scratch copies: the committed state is never written by a verification

@@ -130,6 +130,7 @@ def kda_decode(
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
     state_v_first: bool = False,
+    max_seq_tokens: int | None = None,
 ) -> Tensor:
     """Triton `ops.kda_decode` (same contract). `config` (a `KdaConfig`; default `default_config(N * H, D,
     ceil(T / N))`) and the overrides BV / num_warps / hints / chunked / num_stages (fields of it) set the launch.
@@ -170,11 +171,11 @@ def kda_decode(
     if why is not None and config is not None:
         raise ValueError(why)
     if wy and why is None:
-        cnt = _counters(qkv.device, N * H) if norm and opts["BV"] < D else cu_seqlens
         launch_wy(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, gate,
-                  norm_weight if norm else None, cnt, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps,
+                  norm_weight if norm else None, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps,
                   norm_rows=norm_rows(T, N) if norm else 1, block_v=opts["BV"], num_warps=opts["num_warps"],
-                  tokens_per_seq=triton.cdiv(T, N), state_v_first=state_v_first)
+                  num_stages=opts.get("num_stages"), tokens_per_seq=triton.cdiv(T, N), max_seq_tokens=max_seq_tokens,
+                  state_v_first=state_v_first)
         return out
     opts["PF_STATE"] = _pf_state(opts["PF_STATE"], state, D)
     nv = opts["NV"]
