@@ -317,7 +317,7 @@ def test_decode_config_labels_and_env(monkeypatch):
     monkeypatch.setenv(kc.DECODE_ENV, "bv128-split-w8")
     assert kc.default_config(6144, 128) == kc.KdaConfig(128, num_warps=8)
     assert kc.default_config(32, 64) == kc.KdaConfig(64, num_warps=8)  # block_v fitted to head dim 64
-    assert kc.default_config(32, 128, tokens_per_seq=4) == kc.MULTI_DEFAULT  # verify keeps its own
+    assert kc.default_config(32, 128, tokens_per_seq=4) == kc.MULTI_TABLE[0][1]  # verify keeps its own
     monkeypatch.setenv(kc.DECODE_ENV, "bv128-w8")
     with pytest.raises(ValueError, match="not a KDA decode config label"):
         kc.default_config(32, 128)
@@ -396,16 +396,18 @@ def test_chunked_seq_lens_replay_interp(D, BV):
 
 
 def test_launch_config_table_and_validation():
-    """default_config: the decode table by N * H, MULTI_DEFAULT (the window loop) for verify / replay / tails, legacy
-    for head dims < 64; the original choice is `legacy_config`; overrides are validated."""
-    from tokenspeed.ops.triton.kda_config import MULTI_DEFAULT
+    """default_config: the decode table by N * H, the multi-token table for verify / replay / tails (the window loop,
+    then WY rows that carry the window for the launches WY cannot run), legacy for head dims < 64; the original
+    choice is `legacy_config`; overrides are validated."""
+    from tokenspeed.ops.triton.kda_config import MULTI_TABLE
     from tokenspeed.ops.triton.kda_decode import DECODE_TABLE, KdaConfig, default_config, kda_decode, legacy_config
 
     assert [b for b, _ in DECODE_TABLE] == sorted(b for b, _ in DECODE_TABLE) and DECODE_TABLE[0][0] == 0
     for nh in (1, 12, 96, 100, 511, 512, 6144, 10 ** 6):
         want = [row for b, row in DECODE_TABLE if b <= nh][-1]
         assert default_config(nh, 128) == want
-        assert default_config(nh, 128, tokens_per_seq=4) == MULTI_DEFAULT
+        assert default_config(nh, 128, tokens_per_seq=4) == [row for b, row in MULTI_TABLE if b <= nh][-1]
+    assert all(row.window for _, row in MULTI_TABLE) and default_config(6144, 128, 4).wy
     assert default_config(6144, 48) == legacy_config(6144, 48) == KdaConfig(64)
     assert default_config(6144, 80).block_v == 16  # _fit_bv: no masked tail
     assert legacy_config(12, 128) == KdaConfig(32) and legacy_config(6144, 128) == KdaConfig(64)

@@ -83,10 +83,17 @@ DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
 # 8.55 vs BV 16 8.74, so BV 16 below 32 pairs.
 
 
-# Several tokens per sequence (verify windows, the replay, prompt tails): the split loop with the conv window carried
-# in registers. H200, 4-token verify windows on [V, K] pools (1ab5d4d, benchmarks/README.md): 9.76-10.2 us vs 14.5 at
-# 32 heads x 1, 706 us vs 1002 (legacy BV 64) at 96 x 64, 1.3-1.6x at every shape; BV 64 spills with the window.
-MULTI_DEFAULT = KdaConfig(32, window=True)
+# Several tokens per sequence (verify windows, the replay, prompt tails), by program count N * H like DECODE_TABLE:
+# the split loop with the conv window carried in registers, and from 96 pairs the WY verify kernel (one program per
+# head, the window's key side once). A launch the WY kernel cannot run (committing tails, the replay) takes the same
+# row's split form, so WY rows carry the window flag too. H200, 4-token verify windows, fused norm, [V, K] pools
+# (2a12a04, benchmarks/README.md): 32 heads x 1: window 9.74 us, WY 17.6, plain split 14.5; 32 x 4: WY BV 32 18.9 vs
+# window 21.6; 32 x 16: 33.3 vs 68.1; 96 x 64: WY BV 16 322 us vs BV 32 334, window 703, the old default 1002.
+MULTI_TABLE: tuple[tuple[int, KdaConfig], ...] = (
+    (0, KdaConfig(32, window=True)),
+    (96, KdaConfig(32, window=True, wy=True)),
+    (1024, KdaConfig(16, window=True, wy=True)),
+)
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
 MULTI_ENV = "TOKENSPEED_KDA_VERIFY"  # the same for launches of several tokens per sequence (verify, replay, tails)
@@ -108,23 +115,29 @@ def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1)
     """The launch configuration for `num_programs_nh` = N * H (sequence, head) pairs (times L layers for the
     replay), head dim `head_dim` and `tokens_per_seq` = ceil(T / N). Decode (1 token) reads `DECODE_TABLE`
     (or the label in the DECODE_ENV variable, block_v fitted to head_dim); several tokens per sequence (verify,
-    replay, prompt tails) take `MULTI_DEFAULT` or the label in MULTI_ENV (a launch that cannot run `wy` drops it:
+    replay, prompt tails) read `MULTI_TABLE` or the label in MULTI_ENV (a launch that cannot run `wy` drops it:
     `kda_decode`, `kda_replay_layers`); head dims below 64 keep `legacy_config`."""
     if head_dim < 64:
         return legacy_config(num_programs_nh, head_dim)
     if tokens_per_seq > 1:
         forced = os.environ.get(MULTI_ENV, "").strip()
-        cfg = config_from_label(forced) if forced else MULTI_DEFAULT
+        cfg = config_from_label(forced) if forced else _row(MULTI_TABLE, num_programs_nh)
         return cfg._replace(block_v=_fit_bv(min(cfg.block_v, next_pow2(head_dim)), head_dim))
     forced = os.environ.get(DECODE_ENV, "").strip()
     if forced:
         cfg = config_from_label(forced)
         return cfg._replace(block_v=_fit_bv(min(cfg.block_v, next_pow2(head_dim)), head_dim))
-    cfg = DECODE_TABLE[0][1]
-    for bound, row in DECODE_TABLE:
+    cfg = _row(DECODE_TABLE, num_programs_nh)
+    return cfg._replace(block_v=_fit_bv(min(cfg.block_v, next_pow2(head_dim)), head_dim))
+
+
+def _row(table: tuple[tuple[int, KdaConfig], ...], num_programs_nh: int) -> KdaConfig:
+    """The config of the last row of `table` whose bound is <= num_programs_nh."""
+    cfg = table[0][1]
+    for bound, row in table:
         if num_programs_nh >= bound:
             cfg = row
-    return cfg._replace(block_v=_fit_bv(min(cfg.block_v, next_pow2(head_dim)), head_dim))
+    return cfg
 
 
 def _fit_bv(target: int, head_dim: int) -> int:
