@@ -7,8 +7,8 @@
 #           the [K, V] pool's, same harness
 #   small   the same at batch-1..16 shapes
 #   nopdl   the large shapes with TOKENSPEED_PDL=0
-#   verify  4-token verify windows (EAGLE3's) at batch 1..64, 32 and 96 heads, [V, K] pools: split (legacy_config,
-#           the default for verify) vs the chunked schedule
+#   verify  4-token verify windows (EAGLE3's) at batch 1..64, 32 and 96 heads, [V, K] pools: the variants named by
+#           VERIFY_ONLY (default: the plain split, the window loop and the WY chunk form)
 #   small2  batch-1..8 shapes with the fused norm: split vs chunked (where DECODE_TABLE switches); small2vf the same
 #           on a [V, K] pool (the model's layout)
 #   serve   decode of kimi-linear-48b-a3b through CUDA graphs, batch 1 / 4 / 16 / 64 at 4K and 32K (serving_h200.py)
@@ -27,8 +27,7 @@
 #           vs TOKENSPEED_KDA_VERIFY=${SPEC_VERIFY:-bv32-split-w4-win} (kimi-linear's softplus gate: no wy)
 #   margin  what each op costs inside the batch-1 / 64 decode graph of kimi-linear-48b-a3b (marginal_cost_h200.py)
 #   tests   the KDA GPU tests (decode, norm epilogue, replay) over pytest-xdist workers
-#   next: VERIFY_ONLY=split,wy bash benchmarks/kda_round_h200.sh "verify" (plain vs -win vs -wy), then GPU tests
-#   (PYTEST_N=12 bash benchmarks/gpu_tests_h200.sh -k "kda") before making either the verify default
+#   (at 2a12a04 the WY chunk form won from 16 sequences, the window loop below: kda_config.MULTI_TABLE)
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "
@@ -76,7 +75,7 @@ fi
 if has verify; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --verify 4 --norm --v-first \
     --shapes "${VERIFY_SHAPES:-32:1,32:4,32:16,32:64,96:16,96:64}" \
-    --only "${VERIFY_ONLY:-split,bv32-chunked-w4-s3,bv16-chunked}" --out "$OUT/kda_decode_sweep_h200_verify.json" 2>&1 \
+    --only "${VERIFY_ONLY:-split,win,wy}" --out "$OUT/kda_decode_sweep_h200_verify.json" 2>&1 \
     | tee "$OUT/kda_sweep_verify.log" | grep -A12 "best per shape"
 fi
 if has nopdl; then

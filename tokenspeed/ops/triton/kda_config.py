@@ -33,10 +33,11 @@ class KdaConfig(NamedTuple):
     sequences, 9% at 32 x 64, 1% in the batch-4 / 16 decode step and nothing at batch 1 (benchmarks/README.md).
     window (split only; for several tokens per sequence: verify, replay, prompt tails): the conv window and weights
     carried in registers through the token loop and each next token's inputs loaded one token ahead, before this
-    token's recurrence (`_split_window_tokens`); bit-identical results. Opt-in until timed on the H200: 4-token
-    verify windows run at 7-9% of HBM on the plain loop (benchmarks/README.md).
-    wy (verify only, K3's bounded gate, power-of-two head dim): the window's tokens together in the chunk (WY)
-    form, one program per (sequence, head) over V tiles of block_v (`kda_verify_wy.py`); opt-in, not timed.
+    token's recurrence (`_split_window_tokens`); bit-identical results, 1.3-1.6x on 4-token verify windows (H200).
+    wy (verify only: update_state False, no step_states / seq_lens): the chunk form, one program per (sequence,
+    head), the window's key side once and one state product per token and V tile of block_v
+    (`kda_verify_wy.py`); 2.0-2.2x over the window loop from 16 sequences. A launch it cannot run takes this
+    config's split form (so `MULTI_TABLE`'s WY rows set window too).
     """
 
     block_v: int

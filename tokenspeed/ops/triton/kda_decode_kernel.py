@@ -30,7 +30,7 @@ same roundings (the conv output is rounded to the io dtype, as the reference's c
   reference rounds it); each tile reads its slice back and overwrites it with o. 125 registers at BV 32 (128 with
   Triton 3.6; 4 CTAs), 95 at BV 16 (120), 72 at BV 8 (87); no V-split counter, no recomputed q / k conv. Several
   tokens pass the state between tokens through the pool (one read and write per token; the default keeps such
-  launches on split). The replay (no outputs) convolves v per tile instead. Verify (update_state False): tile by
+  launches on split, or for verify the WY kernel of `kda_verify_wy.py`). The replay (no outputs) convolves v per tile instead. Verify (update_state False): tile by
   tile, each carried through all tokens in registers, the next tile prefetched into registers.
 
 `update_state=True` (decode): conv_state[s] and state[s] are advanced in place. `update_state=False` (verify):
