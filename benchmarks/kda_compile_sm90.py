@@ -24,6 +24,7 @@ from sm90_compile import TARGET, Launch, catch_launches, compile_launch, cubin_u
 
 from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors
 from tokenspeed.ops.triton import kda_decode as kd
+from tokenspeed.ops.triton import kda_verify_keys as kdk
 from tokenspeed.ops.triton import kda_verify_wy as kdw
 
 H, D = 32, 128
@@ -83,6 +84,12 @@ def variants() -> list[tuple[str, callable]]:
                                                                 max_seq_tokens=4, config=kd.KdaConfig(16, wy=True))),
                 (f"verify-b2-q4-wy-bv64-vfirst-told{sfx}", call(2, 4, update_state=False, state_v_first=True,
                                                                 max_seq_tokens=4, config=kd.KdaConfig(64, wy=True))),
+                (f"verify-b2-q4-wy-kp-bv32-vfirst{sfx}", call(2, 4, update_state=False, state_v_first=True,
+                                                              max_seq_tokens=4,
+                                                              config=kd.KdaConfig(32, wy=True, keys_pass=True))),
+                (f"verify-b2-q4-wy-kp-bv16-vfirst{sfx}", call(2, 4, update_state=False, state_v_first=True,
+                                                              max_seq_tokens=4,
+                                                              config=kd.KdaConfig(16, wy=True, keys_pass=True))),
                 (f"verify-b2-q4-window-vfirst{sfx}", call(2, 4, update_state=False, state_v_first=True,
                                                           config=kd.KdaConfig(32, window=True))),
                 (f"verify-b2-q4-wy-bv16-w2{sfx}", call(2, 4, update_state=False,
@@ -101,12 +108,14 @@ def variants() -> list[tuple[str, callable]]:
     return out
 
 
-def capture(thunk, use_pdl: bool = True) -> Launch:
-    """The one launch `thunk` makes, with PDL forced on or off (launch keyword dropped)."""
-    calls = catch_launches({kd: ("_kda_decode_kernel",), kdw: ("_kda_verify_wy_kernel",)}, thunk, pdl_on=use_pdl,
+def capture(thunk, use_pdl: bool = True) -> list[Launch]:
+    """The launches `thunk` makes (one, or the WY key pass's two), with PDL forced on or off (launch keyword
+    dropped)."""
+    calls = catch_launches({kd: ("_kda_decode_kernel",), kdw: ("_kda_verify_wy_kernel",),
+                            kdk: ("_kda_verify_keys_kernel", "_kda_verify_tiles_kernel")}, thunk, pdl_on=use_pdl,
                            drop_launch_pdl=True)
-    assert len(calls) == 1, calls
-    return calls[0]
+    assert 1 <= len(calls) <= 2, calls
+    return calls
 
 
 def compile_sm90(launch: Launch, sass: bool = False) -> dict:
@@ -117,6 +126,17 @@ def compile_sm90(launch: Launch, sass: bool = False) -> dict:
     return {"shared": kernel.metadata.shared, **cubin_usage(kernel), "wait": ptx.count("griddepcontrol.wait"),
             "trigger": ptx.count("griddepcontrol.launch_dependents"), "prefetch": ptx.count("prefetch.global.L2"),
             "bulk": ptx.count("cp.async.bulk.prefetch.L2"), "sass": sass_hash(kernel) if sass else None}
+
+
+def report(name: str, launch: Launch, args: argparse.Namespace) -> bool:
+    """Compile one launch and print its line; False if its PTX lacks the PDL wait or trigger (PDL on)."""
+    r, kw = compile_sm90(launch, args.sass), launch.kwargs
+    cfg = {k: kw[k] for k in ("BV", "RB", "NV", "CHUNKS", "STAGES", "NORM", "PDL", "num_warps") if k in kw}
+    ok = args.no_pdl or (r["wait"] >= 1 and r["trigger"] >= 1)
+    print(f"{name:28s} regs {r['regs']:4d}  stack {r['stack']}  smem {r['shared']:6d} B  wait {r['wait']} "
+          f"trigger {r['trigger']} prefetch {r['prefetch']}+{r['bulk']} bulk  {cfg}"
+          + (f"  sass {r['sass']}" if args.sass else "") + ("" if ok else "  NO PDL"), flush=True)
+    return ok
 
 
 def main() -> int:
@@ -131,17 +151,18 @@ def main() -> int:
         if args.only and not re.search(args.only, tag):
             continue
         try:
-            launch = capture(thunk, not args.no_pdl)
-            r, kw = compile_sm90(launch, args.sass), launch.kwargs
-            cfg = {k: kw[k] for k in ("BV", "RB", "NV", "CHUNKS", "STAGES", "NORM", "PDL", "num_warps") if k in kw}
-            ok = args.no_pdl or (r["wait"] >= 1 and r["trigger"] >= 1)
-            failed += not ok
-            print(f"{tag:28s} regs {r['regs']:4d}  stack {r['stack']}  smem {r['shared']:6d} B  wait {r['wait']} "
-                  f"trigger {r['trigger']} prefetch {r['prefetch']}+{r['bulk']} bulk  {cfg}"
-                  + (f"  sass {r['sass']}" if args.sass else "") + ("" if ok else "  NO PDL"), flush=True)
+            launches = capture(thunk, not args.no_pdl)
         except Exception as e:  # noqa: BLE001 - report every variant that does not compile, then go on
             failed += 1
             print(failure_line(f"{tag:28s} ", e, 400), flush=True)
+            continue
+        for launch in launches:
+            name = tag if len(launches) == 1 else f"{tag}:{launch.fn.__name__.split('_')[-2]}"
+            try:
+                failed += not report(name, launch, args)
+            except Exception as e:  # noqa: BLE001 - report every variant that does not compile, then go on
+                failed += 1
+                print(failure_line(f"{name:28s} ", e, 400), flush=True)
     print(f"{failed} failed", flush=True)
     return 1 if failed else 0
 

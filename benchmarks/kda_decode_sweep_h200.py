@@ -105,6 +105,9 @@ VARIANTS = [
     KdaConfig(32, num_warps=2, wy=True),
     KdaConfig(16, num_warps=2, wy=True),
     KdaConfig(8, wy=True),
+    KdaConfig(32, wy=True, keys_pass=True),  # the WY form in two launches (key pass, then state tiles)
+    KdaConfig(16, wy=True, keys_pass=True),
+    KdaConfig(8, wy=True, keys_pass=True),
 ]
 # Dropped after the H200 run at dc34ac2 (benchmarks/README.md): whole-head split programs (BV 128, 8 / 16 warps;
 # 156-216 spilled registers, 23-31 us at 32 x 1 vs 8.9) and half heads on 8 warps (BV 64; 16.7 us).

@@ -57,6 +57,22 @@ def test_wy_verify_matches_plain_and_composition_interp(lens, slots, v_first, lo
 
 
 @cpu_interp
+@pytest.mark.parametrize("v_first", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "softplus"])
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+def test_wy_keys_pass_matches_plain_interp(v_first, lower_bound, norm):
+    """The two-launch WY form (key pass into scratch, then (V tile, sequence, head) programs) equals the plain loop
+    within 1e-5: uneven windows within the told bound, a padding slot, a one-token and a zero-length sequence."""
+    lens, slots = [4, 3, 1, 0, 4], [5, -1, 2, 3, 0]
+    o_kp, o_plain, o_ref, inp, state, conv = verify_pair(lens, 2, 32, torch.float32, "cpu", slots,
+                                                         KdaConfig(8, wy=True, keys_pass=True), norm=norm,
+                                                         v_first=v_first, lower_bound=lower_bound, bound=4)
+    assert rel_err(o_kp, o_plain) < 1e-5 and (o_ref is None or rel_err(o_kp, o_ref) < 1e-5)
+    assert o_kp[4:7].abs().max() == 0  # the padding row
+    assert torch.equal(state, inp["state"]) and torch.equal(conv, inp["conv_state"])
+
+
+@cpu_interp
 def test_wy_verify_norm_epilogue_interp():
     o_wy, o_plain, _, _, _, _ = verify_pair([4, 2, 4], 2, 16, torch.float32, "cpu", [0, 3, -1],
                                             KdaConfig(16, wy=True), norm=True)
@@ -68,6 +84,8 @@ def test_wy_refusals_and_label():
 
     cfg = KdaConfig(32, wy=True)
     assert cfg.label == "bv32-split-w4-wy" and config_from_label(cfg.label) == cfg
+    kp = KdaConfig(16, window=True, wy=True, keys_pass=True)
+    assert kp.label == "bv16-split-w4-win-wy-kp" and config_from_label(kp.label) == kp
     assert window_rows(4) == 4 and window_rows(3) == 4 and window_rows(1) == 1 and window_rows(100) == 16
     inp = make([2, 2], 1, 32, torch.float32, "cpu")
     for kw, msg in (({"update_state": True}, "verify windows"),):
@@ -82,14 +100,15 @@ def test_wy_refusals_and_label():
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,N,q", [(12, 1, 4), (32, 8, 4), (96, 4, 4), (32, 2, 9)])
-@pytest.mark.parametrize("bv,warps", [(32, 4), (16, 4), (64, 4)])
+@pytest.mark.parametrize("bv,warps,kp", [(32, 4, False), (16, 4, False), (64, 4, False), (32, 4, True), (16, 4, True)])
 @pytest.mark.parametrize("told", [False, True], ids=["any-length", "max-told"])
-def test_wy_verify_k3_shapes_gpu(H, N, q, bv, warps, told):
+def test_wy_verify_k3_shapes_gpu(H, N, q, bv, warps, kp, told):
     lens = [q] * N
     slots = list(range(N))
     slots[-1] = -1 if N > 1 else 0
     o_wy, o_plain, _, inp, state, _ = verify_pair(lens, H, 128, torch.bfloat16, "cuda", slots,
-                                                  KdaConfig(bv, num_warps=warps, wy=True), norm=True, v_first=True,
+                                                  KdaConfig(bv, num_warps=warps, wy=True, keys_pass=kp), norm=True,
+                                                  v_first=True,
                                                   bound=q if told else None)
     assert rel_err(o_wy.float(), o_plain.float()) < 1e-2
     assert torch.equal(state, inp["state"])

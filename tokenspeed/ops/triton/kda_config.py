@@ -38,6 +38,9 @@ class KdaConfig(NamedTuple):
     head), the window's key side once and one state product per token and V tile of block_v
     (`kda_verify_wy.py`); 2.0-2.2x over the window loop from 16 sequences. A launch it cannot run takes this
     config's split form (so `MULTI_TABLE`'s WY rows set window too).
+    keys_pass (with wy, when the caller bounds every sequence by the window: `max_seq_tokens`): the WY form in two
+    launches, the window's key side per (sequence, head) into scratch, then (V tile, sequence, head) programs that
+    only stream the state (`kda_verify_keys.py`); opt-in, not timed.
     """
 
     block_v: int
@@ -48,6 +51,7 @@ class KdaConfig(NamedTuple):
     prefetch_state: bool = False
     window: bool = False
     wy: bool = False
+    keys_pass: bool = False
 
     @property
     def label(self) -> str:
@@ -55,7 +59,7 @@ class KdaConfig(NamedTuple):
         s = f"bv{self.block_v}-{sched}-w{self.num_warps}"
         s += f"-s{self.num_stages}" if self.num_stages is not None else ""
         return s + ("-hints" if self.hints else "") + ("-pf" if self.prefetch_state else "") + (
-            "-win" if self.window else "") + ("-wy" if self.wy else "")
+            "-win" if self.window else "") + ("-wy" if self.wy else "") + ("-kp" if self.keys_pass else "")
 
 
 def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:
@@ -98,7 +102,7 @@ MULTI_TABLE: tuple[tuple[int, KdaConfig], ...] = (
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
 MULTI_ENV = "TOKENSPEED_KDA_VERIFY"  # the same for launches of several tokens per sequence (verify, replay, tails)
-_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?(-win)?(-wy)?")
+_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?(-win)?(-wy)?(-kp)?")
 
 
 def config_from_label(label: str) -> KdaConfig:
@@ -106,10 +110,10 @@ def config_from_label(label: str) -> KdaConfig:
     m = _LABEL.fullmatch(label.strip())
     if m is None:
         raise ValueError(f"{label!r} is not a KDA decode config label such as bv32-split-w4 or bv32-chunked-w4-s3")
-    bv, sched, warps, stages, hints, pf, win, wy = m.groups()
+    bv, sched, warps, stages, hints, pf, win, wy, kp = m.groups()
     return KdaConfig(int(bv), chunked=sched == "chunked", num_warps=int(warps),
                      num_stages=int(stages) if stages else None, hints=bool(hints), prefetch_state=bool(pf),
-                     window=bool(win), wy=bool(wy))
+                     window=bool(win), wy=bool(wy), keys_pass=bool(kp))
 
 
 def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:

@@ -21,7 +21,8 @@ from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
 from tokenspeed.ops.triton.kda_config import DECODE_TABLE, KdaConfig, default_config, legacy_config  # noqa: F401
 from tokenspeed.ops.triton.kda_decode_kernel import _kda_decode_kernel
-from tokenspeed.ops.triton.kda_verify_wy import launch_wy, wy_unsupported
+from tokenspeed.ops.triton.kda_verify_keys import launch_keys_pass
+from tokenspeed.ops.triton.kda_verify_wy import MAX_WINDOW, launch_wy, wy_unsupported
 
 _COUNTERS: dict[torch.device, Tensor] = {}
 _RETIRED: list[Tensor] = []  # outgrown counter buffers, kept alive: graphs captured earlier still address them
@@ -92,6 +93,7 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
         raise ValueError("KdaConfig(window=True) is for the split schedule (chunked=False)")
     opts["WINDOW"] = cfg.window
     opts["WY"] = cfg.wy  # popped by the launches: the WY verify schedule is another kernel
+    opts["KP"] = cfg.keys_pass  # (its two-launch form)
     return opts
 
 
@@ -166,10 +168,17 @@ def kda_decode(
         return out
     opts = _split(N * H, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     gate = g3 if norm else out
-    wy = opts.pop("WY")
+    wy, keys_pass = opts.pop("WY"), opts.pop("KP")
     why = wy_unsupported(D, opts["BV"], update_state, step_states, seq_lens) if wy else None
     if why is not None and config is not None:
         raise ValueError(why)
+    if wy and why is None and keys_pass and max_seq_tokens is not None and max_seq_tokens <= MAX_WINDOW:
+        cnt = _counters(qkv.device, N * H) if norm and opts["BV"] < D else cu_seqlens
+        launch_keys_pass(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, gate,
+                         norm_weight if norm else None, cnt, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps,
+                         norm_rows=norm_rows(T, N) if norm else 1, block_v=opts["BV"], num_warps=opts["num_warps"],
+                         max_seq_tokens=max_seq_tokens, state_v_first=state_v_first)
+        return out
     if wy and why is None:
         launch_wy(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, gate,
                   norm_weight if norm else None, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps,
@@ -258,6 +267,7 @@ def kda_replay_layers(
             config = config._replace(window=False)
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
+    opts.pop("KP")
     if opts.pop("WY") and explicit:  # a default taken from MULTI_ENV runs its split form
         raise ValueError("KdaConfig(wy=True) is for verify windows, not the replay")
     nv = opts["NV"]
