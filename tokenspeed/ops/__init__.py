@@ -324,8 +324,9 @@ def kda_decode(
     fused into the kernel's epilogue on CUDA, composed otherwise.
     state_v_first: `state` (and `step_states`) hold each head's state transposed, [V, K]: the layout of the model's
     pools (`models.batch.KDA_STATE_V_FIRST`), where the fused kernel's [K, block_v] tiles are contiguous rows.
-    max_seq_tokens: a bound on every sequence's token count that the caller guarantees (the model's uniform verify
-    windows); a launch hint only (the fused verify may then compile without its long-sequence path).
+    max_seq_tokens: a bound on every sequence's token count that the caller guarantees (the model passes its
+    uniform verify length); the fused verify then compiles without its long-sequence path, so a sequence longer
+    than the bound would get only its first tokens' outputs. None: no bound assumed.
     """
     if step_states is not None and update_state:
         raise ValueError("step_states is for verify (update_state=False)")

@@ -1,5 +1,6 @@
-"""KDA verify windows in the chunk form: `KdaConfig(wy=True)`, an opt-in schedule of `ops.kda_decode` for
-update_state=False. One program per (sequence, head), the head's V axis in tiles of BV.
+"""KDA verify windows in the chunk form: `KdaConfig(wy=True)`, the schedule `ops.kda_decode` takes for
+update_state=False from 96 (sequence, head) pairs (`kda_config.MULTI_TABLE`). One program per (sequence, head), the
+head's V axis in tiles of BV.
 
 The split loop walks a window token by token, so every token's inputs, norms and two reductions over the state tile
 wait on the previous token's update; 4-token windows run at 9-13% of HBM on the H200 (benchmarks/README.md), and a
@@ -19,9 +20,10 @@ a `tl.range` that Triton software-pipelines (the next tiles' state loads in flig
 The window TW is a power of two >= ceil(T / N) (or >= the caller's bound on every sequence's tokens,
 `max_seq_tokens`), <= 16. Without such a bound a sequence longer than TW is possible: it takes the windows in turn,
 tile by tile, the tile carried between them (S = diag(d_last) S + (k * d_last / d)^T U) and the key side redone per
-tile; that path costs registers for every program, so the model passes the bound (its verify windows are uniform). Padding rows (slot < 0) store zeros. Pools are not written. The fused
-gated norm (`_norm_rows`) runs after a CTA barrier (the program owns the head). PDL: the slot and bounds are read
-before the wait.
+tile; that path costs registers for every program (255 against 124 at BV 32 on sm_90), so the model passes the
+bound (its verify windows are uniform). Padding rows (slot < 0) store zeros. Pools are not written. The fused gated
+norm (`_norm_rows`) runs after a CTA barrier (the program owns the head). PDL: the slot and bounds are read before
+the wait.
 """
 
 from __future__ import annotations
