@@ -28,6 +28,11 @@
 #   margin  what each op costs inside the batch-1 / 64 decode graph of kimi-linear-48b-a3b (marginal_cost_h200.py)
 #   tests   the KDA GPU tests (decode, norm epilogue, replay) over pytest-xdist workers
 #   (at 2a12a04 the WY chunk form won from 16 sequences, the window loop below: kda_config.MULTI_TABLE)
+#   verifykp  the one-launch WY form vs its two-launch form (KdaConfig(keys_pass=True)) and the window loop, the
+#           verify shapes; then the WY GPU tests
+#   replaygap the chunked multi-layer replay at each block_v / stage count against split replays, repeated
+#           (kda_replay_gap_h200.py: the 2.6e-4 gap of the chunked BV 32 replay seen at 7f91510)
+#   next: bash benchmarks/kda_round_h200.sh "verifykp replaygap"
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "
@@ -77,6 +82,16 @@ if has verify; then
     --shapes "${VERIFY_SHAPES:-32:1,32:4,32:16,32:64,96:16,96:64}" \
     --only "${VERIFY_ONLY:-split,win,wy}" --out "$OUT/kda_decode_sweep_h200_verify.json" 2>&1 \
     | tee "$OUT/kda_sweep_verify.log" | grep -A12 "best per shape"
+fi
+if has verifykp; then
+  timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --verify 4 --norm --v-first \
+    --shapes "${VERIFY_SHAPES:-32:1,32:4,32:16,32:64,96:16,96:64}" --only "bv32-split-w4-win,wy" \
+    --out "$OUT/kda_decode_sweep_h200_verifykp.json" 2>&1 | tee "$OUT/kda_sweep_verifykp.log" | grep -A12 "best per shape"
+  PYTEST_N=${PYTEST_N:-8} TIMEOUT=200 bash benchmarks/gpu_tests_h200.sh -k "wy" | tail -3
+fi
+if has replaygap; then
+  timeout 200 python3 benchmarks/kda_replay_gap_h200.py --out "$OUT/kda_replay_gap_h200.json" 2>&1 \
+    | tee "$OUT/kda_replay_gap.log" | tail -24
 fi
 if has nopdl; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" --pdl off \

@@ -1,0 +1,76 @@
+"""Locate the chunked-replay gap seen on the H200 at 7f91510 (`test_multi_layer_replay_graph_gpu[chunked-bv32]`:
+states 2.6e-4 from the split replay, interpreter-equal): the multi-layer KDA replay of kimi-linear's shapes (32 heads
+x 128, bf16 inputs, fp32 pools, 4-token windows) under the chunked schedule at each block_v and stage count, eager,
+repeated, against per-layer split replays of the same inputs. A race shows as errors that vary between repeats;
+a schedule bug as a fixed error at some (block_v, stages) only.
+
+    PYTHONPATH=. python benchmarks/kda_replay_gap_h200.py [--layers 20] [--seqs 1,8] [--repeats 3] [--out JSON]
+    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/kda_replay_gap_h200.py --smoke   # plumbing on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from tests.ops.test_triton_kda_decode import make
+from tests.ops.triton_env import rel_err
+from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors
+from tokenspeed.ops.triton.kda_decode import KdaConfig, kda_decode, kda_replay_layers
+
+LOWER, K = -5.0, 4
+H, D, DEV, DTYPE = 32, 128, "cuda", torch.bfloat16  # --smoke: 2, 32, "cpu", fp32
+
+
+def case(L: int, N: int) -> tuple[list[dict], list[dict], torch.Tensor, list[int]]:
+    """(layers, their per-layer split replays, accepted counts, slots): fresh inputs."""
+    slots = list(range(1, N + 1))
+    acc = torch.tensor([(n % (K + 1)) for n in range(N)] if N > 1 else [3], device=DEV)
+    layers = [make([K] * N, H, D, DTYPE, DEV, slots=slots, num_slots=2 * N + 3, seed=l) for l in range(L)]
+    want = [dict(x, conv_state=x["conv_state"].clone(), state=x["state"].clone()) for x in layers]
+    for x in want:
+        kda_decode(**x, lower_bound=LOWER, scale=1.0, update_state=True, seq_lens=acc, config=KdaConfig(D // 4))
+    return layers, want, acc, slots
+
+
+def errors(layers: list[dict], want: list[dict], acc: torch.Tensor, slots: list[int], cfg: KdaConfig) -> dict:
+    """Max over layers of the state's relative error and whether every conv state matched, for one replay."""
+    xs = [dict(x, conv_state=x["conv_state"].clone(), state=x["state"].clone()) for x in layers]
+    table = KdaLayerTable.build([KdaLayerTensors(*(x[k] for k in KdaLayerTensors._fields)) for x in xs], strict=True)
+    kda_replay_layers(table, xs[0]["state_indices"], xs[0]["cu_seqlens"], acc, lower_bound=LOWER, config=cfg)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    return {"state_rel": max(rel_err(x["state"][slots], w["state"][slots]) for x, w in zip(xs, want)),
+            "conv_equal": all(torch.equal(x["conv_state"][slots], w["conv_state"][slots]) for x, w in zip(xs, want))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--seqs", default="1,8")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU (Triton interpreter)")
+    args = ap.parse_args()
+    global H, D, DEV, DTYPE
+    if args.smoke:
+        H, D, DEV, DTYPE = 2, 32, "cpu", torch.float32
+        args.layers, args.seqs, args.repeats = 2, "1", 1
+    configs = [KdaConfig(D // 4)] + [KdaConfig(D // r, chunked=True, num_stages=s) for r in (2, 4, 8) for s in (1, 2, 3)]
+    rows = []
+    for N in (int(x) for x in args.seqs.split(",")):
+        layers, want, acc, slots = case(args.layers, N)
+        for cfg in configs:
+            runs = [errors(layers, want, acc, slots, cfg) for _ in range(args.repeats)]
+            rows.append({"N": N, "L": args.layers, "config": cfg.label, "runs": runs})
+            rels = " ".join(f"{r['state_rel']:.1e}{'' if r['conv_equal'] else '!'}" for r in runs)
+            print(f"N={N:2d} {cfg.label:24s} state rel err per repeat: {rels}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
