@@ -105,6 +105,8 @@ VARIANTS = [
     KdaConfig(32, num_warps=2, wy=True),
     KdaConfig(16, num_warps=2, wy=True),
     KdaConfig(8, wy=True),
+    KdaConfig(16, wy=True, prefetch_state=True),  # the head's state into L2 while the key side runs
+    KdaConfig(32, wy=True, prefetch_state=True),
     KdaConfig(32, wy=True, keys_pass=True),  # the WY form in two launches (key pass, then state tiles)
     KdaConfig(16, wy=True, keys_pass=True),
     KdaConfig(8, wy=True, keys_pass=True),

@@ -27,10 +27,11 @@ class KdaConfig(NamedTuple):
     leaves one tile: the same launch as split.)
     num_warps: 1, 2, 4, 8 or 16. num_stages: Triton's num_stages (also the tile loop's); None: Triton's default, 3
     (the original launches passed none). hints: evict-first state loads and streaming (.cs) state stores.
-    prefetch_state (chunked decode only): each program starts with an L2 bulk prefetch of its head's state rows
-    (sm_90), so the state streams in while the program computes q / k / gate (before the PDL wait under PDL),
-    where the GPU and the pool's alignment allow it. Off by default: on the H200 it cost 13% at 96 heads x 64
-    sequences, 9% at 32 x 64, 1% in the batch-4 / 16 decode step and nothing at batch 1 (benchmarks/README.md).
+    prefetch_state (chunked decode and the WY verify): each program starts with an L2 bulk prefetch of its head's
+    state rows (sm_90), so the state streams in while the program computes q / k / gate or the window's key side
+    (before the PDL wait under PDL), where the GPU and the pool's alignment allow it. Off by default: in decode on
+    the H200 it cost 13% at 96 heads x 64 sequences, 9% at 32 x 64, 1% in the batch-4 / 16 decode step and nothing
+    at batch 1 (benchmarks/README.md); not timed with WY.
     window (split only; for several tokens per sequence: verify, replay, prompt tails): the conv window and weights
     carried in registers through the token loop and each next token's inputs loaded one token ahead, before this
     token's recurrence (`_split_window_tokens`); bit-identical results, 1.3-1.6x on 4-token verify windows (H200).

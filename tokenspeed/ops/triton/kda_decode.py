@@ -184,7 +184,7 @@ def kda_decode(
                   norm_weight if norm else None, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps,
                   norm_rows=norm_rows(T, N) if norm else 1, block_v=opts["BV"], num_warps=opts["num_warps"],
                   num_stages=opts.get("num_stages"), tokens_per_seq=triton.cdiv(T, N), max_seq_tokens=max_seq_tokens,
-                  state_v_first=state_v_first)
+                  state_v_first=state_v_first, prefetch_state=_pf_state(opts["PF_STATE"], state, D))
         return out
     opts["PF_STATE"] = _pf_state(opts["PF_STATE"], state, D)
     nv = opts["NV"]

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
-from tokenspeed.ops.triton.kda_decode_kernel import _gate, _norm_rows, _pdl_sync
+from tokenspeed.ops.triton.kda_decode_kernel import _gate, _norm_rows, _pdl_sync, _prefetch_l2_bulk
 
 MAX_WINDOW = 16  # TW cap: the [TW, TW, D] pair tensors stay in registers
 
@@ -188,6 +188,7 @@ def _kda_verify_wy_kernel(
     NORM_ROWS: tl.constexpr,
     V_FIRST: tl.constexpr,
     PDL: tl.constexpr,
+    PF_STATE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     n = pid // H
@@ -197,9 +198,11 @@ def _kda_verify_wy_kernel(
     slot = tl.maximum(slot_raw, 0)
     bos = tl.load(CU + n).to(tl.int64)
     seq_len = tl.load(CU + n + 1).to(tl.int64) - bos
+    ok = tl.arange(0, D)
+    if PF_STATE:  # the head's state rows into L2 while the key side runs (the pool: allowed before the PDL wait)
+        _prefetch_l2_bulk(S + slot * stride_ss + h * D * D + ok * D, D * 4, (ok * 0 + slot_raw) >= 0)
     _pdl_sync(PDL)
 
-    ok = tl.arange(0, D)
     cq = h * D + ok
     ck = H * D + cq
     cs = CS + slot * stride_css
@@ -253,10 +256,11 @@ def launch_wy(qkv: Tensor, f3: Tensor, b: Tensor, cw: Tensor, conv_state: Tensor
               state: Tensor, state_indices: Tensor, cu_seqlens: Tensor, out: Tensor, gate: Tensor,
               norm_weight: Tensor | None, *, lower_bound: float | None, scale: float, norm_eps: float,
               norm_rows: int, block_v: int, num_warps: int, num_stages: int | None, tokens_per_seq: int,
-              max_seq_tokens: int | None, state_v_first: bool) -> None:
+              max_seq_tokens: int | None, state_v_first: bool, prefetch_state: bool = False) -> None:
     """One launch over N * H programs (arguments as `kda_decode` checked them). `max_seq_tokens`, a bound on every
     sequence's token count the caller guarantees: up to MAX_WINDOW, the window TW and no long-sequence path.
-    Mutates only `out`."""
+    `prefetch_state`: an L2 bulk prefetch of each head's state first (sm_90, 16-byte aligned rows: the caller
+    checks). Mutates only `out`."""
     H, D = dt_bias.shape
     N = state_indices.numel()
     norm = norm_weight is not None
@@ -271,5 +275,5 @@ def launch_wy(qkv: Tensor, f3: Tensor, b: Tensor, cw: Tensor, conv_state: Tensor
         float(lower_bound) if lower_bound is not None else 0.0, float(scale), float(norm_eps),
         H=H, D=D, BV=block_v, TW=tw, STAGES=stages, LONG=not bounded, HAS_LB=lower_bound is not None,
         NORM=norm, NORM_ROWS=norm_rows, V_FIRST=bool(state_v_first), PDL=pdl.enabled(qkv.device, "kda"),
-        num_warps=num_warps, num_stages=stages, **pdl.launch_kwargs(qkv.device, "kda"),
+        PF_STATE=bool(prefetch_state), num_warps=num_warps, num_stages=stages, **pdl.launch_kwargs(qkv.device, "kda"),
     )
