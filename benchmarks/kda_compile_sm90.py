@@ -63,6 +63,7 @@ def variants() -> list[tuple[str, callable]]:
                 (f"decode-b8-chunked{sfx}", call(8, 1)),
                 (f"decode-b8-chunked-s1{sfx}", call(8, 1, num_stages=1)),
                 (f"decode-b8-chunked-vfirst{sfx}", call(8, 1, state_v_first=True)),
+                (f"decode-b32-chunked-vfirst{sfx}", call(32, 1, state_v_first=True)),  # 1024 pairs: BV 16, 4 stages
                 (f"decode-b1-d96{sfx}", call(1, 1, d=96)),
                 (f"verify-b2-q4{sfx}", call(2, 4, update_state=False)),
                 (f"verify-b2-q4-chunked{sfx}", call(2, 4, update_state=False, chunked=True)),
