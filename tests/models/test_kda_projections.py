@@ -115,7 +115,8 @@ def _step(model, attn, cache, ids_per_seq, cached, slots, verify=False):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_triton_kda_reads_merged_views(monkeypatch, preset: str) -> None:
     """TOKENSPEED_OPS=triton (interpreter): prefill (Triton conv on the strided q|k|v), decode and verify (fused
-    kda_decode on the strided q|k|v and b, no copy) equal the reference ops, outputs and pools."""
+    kda_decode on the strided q|k|v and b, no copy, told each sequence's token count) equal the reference ops,
+    outputs and pools."""
     from tokenspeed.ops.triton import kda_decode as mod
 
     model = load_model(preset, dtype=torch.float32, seed=4)
@@ -123,7 +124,8 @@ def test_triton_kda_reads_merged_views(monkeypatch, preset: str) -> None:
     width = attn.in_proj.weight.shape[0]
     seen = []
     fused = mod.kda_decode
-    monkeypatch.setattr(mod, "kda_decode", lambda qkv, f, b, *a, **k: seen.append((qkv.stride(), b.stride()))
+    monkeypatch.setattr(mod, "kda_decode", lambda qkv, f, b, *a, **k: seen.append((qkv.stride(), b.stride(),
+                                                                                  k.get("max_seq_tokens")))
                         or fused(qkv, f, b, *a, **k))
     results = {}
     for mode in ("reference", "triton"):
@@ -134,7 +136,8 @@ def test_triton_kda_reads_merged_views(monkeypatch, preset: str) -> None:
                 _step(model, attn, cache, [[8], [9]], [5, 2], [1, 3]),                      # decode
                 _step(model, attn, cache, [[1, 2, 3], [4, 5, 6]], [6, 3], [1, 3], True)]    # verify
         results[mode] = (outs, [t.clone() for t in (cache.kda_conv[0], cache.kda_recurrent[0])])
-    assert seen == [((width, 1), (width, 1))] * 2  # decode and verify, reading the merged output in place
+    # decode and verify, reading the merged output in place, told the uniform window (the WY verify's bound)
+    assert seen == [((width, 1), (width, 1), 1), ((width, 1), (width, 1), 3)]
     for got, ref in zip(results["triton"][0] + results["triton"][1], results["reference"][0] + results["reference"][1],
                         strict=True):
         assert rel_err(got, ref) < 1e-5
