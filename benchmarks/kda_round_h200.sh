@@ -23,8 +23,8 @@
 #           o_proj -> router -> in_proj chain after a 5 / 10 us producer, and h200-baseline.md's K3 shapes (the
 #           issue's GEMV targets) after a 5 us producer (gemv_pdl_chain_h200.py --configs, --geometry k3)
 #   k3      only the chain's K3 part (h200-baseline.md's shapes after a 5 us producer)
-#   specab  EAGLE3-style verify at concurrency 1 (spec_h200.py, forced acceptance) with the default verify launches
-#           vs TOKENSPEED_KDA_VERIFY=${SPEC_VERIFY:-bv32-split-w4-win} (kimi-linear's softplus gate: no wy)
+#   specab  EAGLE3-style verify (spec_h200.py, forced acceptance) at concurrency ${SPEC_CONC:-1} with the default KDA
+#           launches (kda_config.MULTI_TABLE) vs TOKENSPEED_KDA_VERIFY=${SPEC_VERIFY:-bv32-split-w4} (the old plain loop)
 #   margin  what each op costs inside the batch-1 / 64 decode graph of kimi-linear-48b-a3b (marginal_cost_h200.py)
 #   tests   the KDA GPU tests (decode, norm epilogue, replay) over pytest-xdist workers
 #   (at 2a12a04 the WY chunk form won from 16 sequences, the window loop below: kda_config.MULTI_TABLE)
@@ -32,7 +32,7 @@
 #           verify shapes; then the WY GPU tests
 #   replaygap the chunked multi-layer replay at each block_v / stage count against split replays, repeated
 #           (kda_replay_gap_h200.py: the 2.6e-4 gap of the chunked BV 32 replay seen at 7f91510)
-#   next: bash benchmarks/kda_round_h200.sh "verifykp replaygap"
+#   next: bash benchmarks/kda_round_h200.sh "verifykp replaygap", then SPEC_CONC=16 ... "specab" (batched EAGLE3)
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "
@@ -125,10 +125,10 @@ if has ctxab; then
     --pdl-configs "1:regs:0;1:regs:0:table=$OUT/gemv_ctx/gemv_table_ctx.json" --out "$OUT" 2>&1 | grep "PDL A/B"
 fi
 if has specab; then
-  for lab in "" "${SPEC_VERIFY:-bv32-split-w4-win}"; do
+  for lab in "" "${SPEC_VERIFY:-bv32-split-w4}"; do
     mkdir -p "$OUT/spec${lab:+_$lab}"
-    TOKENSPEED_KDA_VERIFY="$lab" timeout 240 python3 benchmarks/spec_h200.py --out "$OUT/spec${lab:+_$lab}" 2>&1 \
-      | grep -iE "TPS|replay|verify" | head -8
+    TOKENSPEED_KDA_VERIFY="$lab" timeout 240 python3 benchmarks/spec_h200.py --concurrency "${SPEC_CONC:-1}" \
+      --out "$OUT/spec${lab:+_$lab}" 2>&1 | grep -iE "TPS|replay|verify" | head -8
   done
 fi
 if has margin; then

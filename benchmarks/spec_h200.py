@@ -1,7 +1,7 @@
 """Issue 9 on one H200: TPS/user at concurrency 1 with forced acceptance vs without speculation, and the cost of
 KDA state replay after a verify step.
 
-    PYTHONPATH=. python benchmarks/spec_h200.py --out benchmarks/results [--model kimi-linear-48b-a3b]
+    PYTHONPATH=. python benchmarks/spec_h200.py --out benchmarks/results [--model kimi-linear-48b-a3b] [--concurrency N]
 
 - TPS/user: one request (prompt `--prompt` tokens, `--output` tokens, greedy, ignore_eos) through `LLM` with decode
   CUDA graphs; then the same with `--speculative-algorithm repeat --speculative-num-steps 3
@@ -16,7 +16,11 @@ KDA state replay after a verify step.
   does not account for is attributed.
 - Verify workspace: the bytes the verify graphs record for replay (measured from the captured tensors) next to the
   planner's figures for replay payloads and for per-position state snapshots.
-Writes spec_h200.json to --out.
+- --concurrency N > 1: N requests of the same lengths run together (max_num_seqs N), so verify steps take batch-N
+  graphs (where `kda_config.MULTI_TABLE` picks the WY verify kernel from 96 (sequence, head) pairs); TPS/user is the
+  output tokens of all requests over the first-to-last token time, divided by N; no host breakdown. A/B the KDA
+  verify schedule with TOKENSPEED_KDA_VERIFY=<label> (e.g. bv32-split-w4, the old plain loop).
+Writes spec_h200.json (spec_h200_c<N>.json with --concurrency N) to --out.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ import torch
 from tokenspeed import LLM, SamplingParams
 
 
-def run(model: str, device: str, prompt: int, output: int, spec: dict) -> dict:
-    llm = LLM(model, device=device, load_format="dummy", max_num_seqs=1, max_model_len=prompt + output + 16,
+def run(model: str, device: str, prompt: int, output: int, spec: dict, concurrency: int = 1) -> dict:
+    llm = LLM(model, device=device, load_format="dummy", max_num_seqs=concurrency, max_model_len=prompt + output + 16,
               max_num_batched_tokens=max(prompt, 512), chunked_prefill_size=max(prompt, 512), **spec)
     runner = llm.engine.runner
     events: dict[str, list] = {"verify": [], "replay": []}
@@ -65,7 +69,8 @@ def run(model: str, device: str, prompt: int, output: int, spec: dict) -> dict:
                                                                          temperature=0.0))  # compile, warm up
     for evs in events.values():
         evs.clear()
-    llm.add_request([(1000 + i) % vocab for i in range(prompt)], params)
+    for r in range(concurrency):
+        llm.add_request([(1000 + 7 * r + i) % vocab for i in range(prompt)], params)
     stamps = []
     while llm.engine.has_work:
         outs = llm.engine.step()
@@ -74,8 +79,8 @@ def run(model: str, device: str, prompt: int, output: int, spec: dict) -> dict:
     if cuda:
         torch.cuda.synchronize()
     tokens = sum(n for _, n in stamps[1:])
-    tps = tokens / (stamps[-1][0] - stamps[0][0])
-    out = {"spec": spec, "tps_user": tps,
+    tps = tokens / (stamps[-1][0] - stamps[0][0]) / concurrency
+    out = {"spec": spec, "concurrency": concurrency, "tps_user": tps, "tok_s": tps * concurrency,
            "steps_after_first": len(stamps) - 1, "tokens_after_first": tokens,
            "verify_graphs": sorted(runner.graphs),
            "replay_graphs": sorted(runner.graphs[4].replay_graphs) if 4 in runner.graphs else []}
@@ -83,7 +88,8 @@ def run(model: str, device: str, prompt: int, output: int, spec: dict) -> dict:
         if evs:
             out[f"{name}_gpu_ms"] = statistics.median(s.elapsed_time(e) for s, e in evs[2:] or evs)
             out[f"{name}_count"] = len(evs)
-    out["host_breakdown"] = breakdown(llm, [(2000 + i) % vocab for i in range(prompt)], params, cuda)
+    if concurrency == 1:
+        out["host_breakdown"] = breakdown(llm, [(2000 + i) % vocab for i in range(prompt)], params, cuda)
     if 4 in runner.graphs:
         out["verify_workspace"] = workspace(llm)
     print(out, flush=True)
@@ -189,12 +195,12 @@ def plot(result: dict, path: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     runs = [("plain", result["plain"]), ("forced accept 3", result["forced_accept_3"])]
     series = {"first-to-last token": [1e3 / r["tps_user"] for _, r in runs],
-              "median step, phases synchronised": [r["host_breakdown"]["ms_per_token_median"] or 0.0
+              "median step, phases synchronised": [(r.get("host_breakdown") or {}).get("ms_per_token_median") or 0.0
                                                    for _, r in runs]}
     for i, (label, vals) in enumerate(series.items()):
         a.bar([x + 0.4 * i for x in range(2)], vals, width=0.4, label=label)
     a.set_xticks([0.2, 1.2], [n for n, _ in runs])
-    a.set_ylabel("ms per output token (concurrency 1)")
+    a.set_ylabel(f"ms per output token per user (concurrency {result.get('concurrency', 1)})")
     a.legend()
     f = result["forced_accept_3"]
     b.bar(["verify graph", "KDA replay"], [f.get("verify_gpu_ms", 0), f.get("replay_gpu_ms", 0)])
@@ -211,30 +217,35 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--concurrency", type=int, default=1, help="requests run together (> 1: no host breakdown)")
     ap.add_argument("--plot-only", metavar="JSON", help="redraw the PNG of a saved result and exit")
     args = ap.parse_args()
     if args.plot_only:
         with open(args.plot_only) as f:
             plot(json.load(f), args.plot_only.replace(".json", ".png"))
         return
-    plain = run(args.model, args.device, args.prompt, args.output, {})
+    c = args.concurrency
+    plain = run(args.model, args.device, args.prompt, args.output, {}, c)
     forced = run(args.model, args.device, args.prompt, args.output,
                  {"speculative_algorithm": "repeat", "speculative_num_steps": 3,
-                  "speculative_force_accept_length": 3})
-    result = {"model": args.model, "prompt": args.prompt, "output": args.output, "plain": plain,
+                  "speculative_force_accept_length": 3}, c)
+    result = {"model": args.model, "prompt": args.prompt, "output": args.output, "concurrency": c, "plain": plain,
               "forced_accept_3": forced,
               "tps_user_ratio": forced["tps_user"] / plain["tps_user"],
-              "tps_user_ratio_median_step": (plain["host_breakdown"]["ms_per_token_median"]
-                                             / forced["host_breakdown"]["ms_per_token_median"]),
+              "kda_verify_env": os.environ.get("TOKENSPEED_KDA_VERIFY", ""),
               "commit": os.environ.get("BENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
+    if c == 1:
+        result["tps_user_ratio_median_step"] = (plain["host_breakdown"]["ms_per_token_median"]
+                                                / forced["host_breakdown"]["ms_per_token_median"])
     if "verify_gpu_ms" in forced and "replay_gpu_ms" in forced:
         result["replay_over_verify"] = forced["replay_gpu_ms"] / forced["verify_gpu_ms"]
     print({k: v for k, v in result.items() if k not in ("plain", "forced_accept_3")}, flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "spec_h200.json"), "w") as f:
+    name = "spec_h200" if c == 1 else f"spec_h200_c{c}"
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
-    plot(result, os.path.join(args.out, "spec_h200.png"))
+    plot(result, os.path.join(args.out, f"{name}.png"))
 
 
 if __name__ == "__main__":
