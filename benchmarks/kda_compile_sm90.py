@@ -107,6 +107,8 @@ def variants() -> list[tuple[str, callable]]:
             ("replay-3l-chunked", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0, chunked=True)),
             ("replay-3l-window", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0,
                                                               config=kd.KdaConfig(32, window=True))),
+            ("replay-3l-window-bv16", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0,
+                                                                   config=kd.KdaConfig(16, window=True))),
             ("replay-3l-window-bv64", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0,
                                                                    config=kd.KdaConfig(64, window=True)))]
     return out
