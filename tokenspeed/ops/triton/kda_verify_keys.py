@@ -27,7 +27,7 @@ from torch import Tensor
 
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton.kda_decode_kernel import _norm_rows, _pdl_sync
-from tokenspeed.ops.triton.kda_verify_wy import _conv_rows, _mm, _window_form, window_rows
+from tokenspeed.ops.triton.kda_verify_wy import _conv_rows, _mm, _seq_row, _window_form, window_rows
 
 
 @triton.jit
@@ -40,9 +40,7 @@ def _kda_verify_keys_kernel(
     OUT_TY = O.dtype.element_ty  # the conv output's rounding (O itself is not written here)
     n = pid // H
     h = pid % H
-    slot = tl.maximum(tl.load(SLOTS + n).to(tl.int64), 0)
-    bos = tl.load(CU + n).to(tl.int64)
-    seq_len = tl.load(CU + n + 1).to(tl.int64) - bos
+    _, slot, bos, seq_len = _seq_row(SLOTS, CU, n)
     _pdl_sync(PDL)
     ok = tl.arange(0, D)
     rows = tl.arange(0, TW)
@@ -68,10 +66,7 @@ def _kda_verify_tiles_kernel(
     n = pid_nh // H
     h = pid_nh % H
     OUT_TY = O.dtype.element_ty
-    slot_raw = tl.load(SLOTS + n).to(tl.int64)
-    slot = tl.maximum(slot_raw, 0)
-    bos = tl.load(CU + n).to(tl.int64)
-    seq_len = tl.load(CU + n + 1).to(tl.int64) - bos
+    slot_raw, slot, bos, seq_len = _seq_row(SLOTS, CU, n)
     ok = tl.arange(0, D)
     ov = pid_v * BV + tl.arange(0, BV)
     if V_FIRST:

@@ -64,6 +64,14 @@ def _tap_rows(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, pos, ch, m, 
 
 
 @triton.jit
+def _seq_row(SLOTS, CU, n):
+    """Sequence n's state slot as given (< 0: a padding row), the slot to read (>= 0), its first row and length."""
+    slot_raw = tl.load(SLOTS + n).to(tl.int64)
+    bos = tl.load(CU + n).to(tl.int64)
+    return slot_raw, tl.maximum(slot_raw, 0), bos, tl.load(CU + n + 1).to(tl.int64) - bos
+
+
+@triton.jit
 def _mm(a, b):
     """a @ b of small register tensors ([M, K] x [K, N], fp32) as a broadcast product summed over K."""
     return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
@@ -194,10 +202,7 @@ def _kda_verify_wy_kernel(
     n = pid // H
     h = pid % H
     OUT_TY = O.dtype.element_ty
-    slot_raw = tl.load(SLOTS + n).to(tl.int64)
-    slot = tl.maximum(slot_raw, 0)
-    bos = tl.load(CU + n).to(tl.int64)
-    seq_len = tl.load(CU + n + 1).to(tl.int64) - bos
+    slot_raw, slot, bos, seq_len = _seq_row(SLOTS, CU, n)
     ok = tl.arange(0, D)
     if PF_STATE:  # the head's state rows into L2 while the key side runs (the pool: allowed before the PDL wait)
         _prefetch_l2_bulk(S + slot * stride_ss + h * D * D + ok * D, D * 4, (ok * 0 + slot_raw) >= 0)
