@@ -172,19 +172,20 @@ def kda_decode(
     why = wy_unsupported(D, opts["BV"], update_state, step_states, seq_lens) if wy else None
     if why is not None and config is not None:
         raise ValueError(why)
-    if wy and why is None and keys_pass and max_seq_tokens is not None and max_seq_tokens <= MAX_WINDOW:
-        cnt = _counters(qkv.device, N * H) if norm and opts["BV"] < D else cu_seqlens
-        launch_keys_pass(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, gate,
-                         norm_weight if norm else None, cnt, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps,
-                         norm_rows=norm_rows(T, N) if norm else 1, block_v=opts["BV"], num_warps=opts["num_warps"],
-                         max_seq_tokens=max_seq_tokens, state_v_first=state_v_first)
-        return out
     if wy and why is None:
-        launch_wy(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, gate,
-                  norm_weight if norm else None, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps,
-                  norm_rows=norm_rows(T, N) if norm else 1, block_v=opts["BV"], num_warps=opts["num_warps"],
-                  num_stages=opts.get("num_stages"), tokens_per_seq=triton.cdiv(T, N), max_seq_tokens=max_seq_tokens,
-                  state_v_first=state_v_first, prefetch_state=_pf_state(opts["PF_STATE"], state, D))
+        if keys_pass and max_seq_tokens is not None and max_seq_tokens <= MAX_WINDOW:  # else the one-launch form
+            cnt = _counters(qkv.device, N * H) if norm and opts["BV"] < D else cu_seqlens
+            launch_keys_pass(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out,
+                             gate, norm_weight if norm else None, cnt, lower_bound=lower_bound, scale=scale,
+                             norm_eps=norm_eps, norm_rows=norm_rows(T, N) if norm else 1, block_v=opts["BV"],
+                             num_warps=opts["num_warps"], max_seq_tokens=max_seq_tokens, state_v_first=state_v_first)
+        else:
+            launch_wy(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, gate,
+                      norm_weight if norm else None, lower_bound=lower_bound, scale=scale, norm_eps=norm_eps,
+                      norm_rows=norm_rows(T, N) if norm else 1, block_v=opts["BV"], num_warps=opts["num_warps"],
+                      num_stages=opts.get("num_stages"), tokens_per_seq=triton.cdiv(T, N),
+                      max_seq_tokens=max_seq_tokens, state_v_first=state_v_first,
+                      prefetch_state=_pf_state(opts["PF_STATE"], state, D))
         return out
     opts["PF_STATE"] = _pf_state(opts["PF_STATE"], state, D)
     nv = opts["NV"]
@@ -261,10 +262,6 @@ def kda_replay_layers(
     if N == 0 or T == 0:
         return
     explicit = config is not None
-    if config is None:
-        config = default_config(N * H * L, D, triton.cdiv(T, N))
-        if chunked:  # the window loop is the split schedule's
-            config = config._replace(window=False)
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
     opts.pop("KP")
