@@ -126,12 +126,14 @@ def capture(thunk, use_pdl: bool = True) -> list[Launch]:
 
 def compile_sm90(launch: Launch, sass: bool = False) -> dict:
     """Compile one caught launch: shared memory, registers, stack, the PTX's PDL wait / trigger and L2 prefetch
-    counts, and (`sass`) a hash of the SASS."""
+    counts, the TTGIR's layout conversions (`cvt`: each a round trip through shared memory), and (`sass`) a hash
+    of the SASS."""
     kernel = compile_launch(launch)
     ptx = kernel.asm["ptx"]
     return {"shared": kernel.metadata.shared, **cubin_usage(kernel), "wait": ptx.count("griddepcontrol.wait"),
             "trigger": ptx.count("griddepcontrol.launch_dependents"), "prefetch": ptx.count("prefetch.global.L2"),
-            "bulk": ptx.count("cp.async.bulk.prefetch.L2"), "sass": sass_hash(kernel) if sass else None}
+            "bulk": ptx.count("cp.async.bulk.prefetch.L2"), "sass": sass_hash(kernel) if sass else None,
+            "cvt": kernel.asm["ttgir"].count("ttg.convert_layout")}
 
 
 def report(name: str, launch: Launch, args: argparse.Namespace) -> bool:
@@ -140,7 +142,7 @@ def report(name: str, launch: Launch, args: argparse.Namespace) -> bool:
     cfg = {k: kw[k] for k in ("BV", "RB", "NV", "CHUNKS", "STAGES", "NORM", "PDL", "num_warps") if k in kw}
     ok = args.no_pdl or (r["wait"] >= 1 and r["trigger"] >= 1)
     print(f"{name:28s} regs {r['regs']:4d}  stack {r['stack']}  smem {r['shared']:6d} B  wait {r['wait']} "
-          f"trigger {r['trigger']} prefetch {r['prefetch']}+{r['bulk']} bulk  {cfg}"
+          f"trigger {r['trigger']} prefetch {r['prefetch']}+{r['bulk']} bulk  cvt {r['cvt']}  {cfg}"
           + (f"  sass {r['sass']}" if args.sass else "") + ("" if ok else "  NO PDL"), flush=True)
     return ok
 
