@@ -90,6 +90,12 @@ VARIANTS = [
     KdaConfig(16, chunked=True, num_stages=3),
     KdaConfig(16, chunked=True, num_stages=4),
     KdaConfig(8, chunked=True, num_stages=4),
+    KdaConfig(8, chunked=True, num_stages=3),  # BV 8 (the best at 96 x 64, 84.1%): stage depth, warps, hints
+    KdaConfig(8, chunked=True, num_stages=5),
+    KdaConfig(8, chunked=True, num_stages=6),
+    KdaConfig(8, chunked=True, num_warps=2, num_stages=4),
+    KdaConfig(8, chunked=True, num_stages=4, hints=True),
+    KdaConfig(16, chunked=True, num_stages=5),
     KdaConfig(16, chunked=True, num_warps=2, num_stages=4),
     KdaConfig(32, chunked=True, num_stages=1),
     KdaConfig(32, chunked=True, num_stages=3, hints=True),

@@ -32,6 +32,8 @@
 #           verify shapes; then the WY GPU tests
 #   replaygap the chunked multi-layer replay at each block_v / stage count against split replays, repeated
 #           (kda_replay_gap_h200.py: the 2.6e-4 gap of the chunked BV 32 replay seen at 7f91510)
+#   bv8     the large decode shapes on [V, K] pools: the BV 8 / 16 chunked variants (stage depth, 2 warps, hints) against
+#           the table's BV 16 / 4 stages (84.1% of HBM at 96 x 64 for BV 8 / 4 stages at 3f6f223; target 85%)
 #   next: bash benchmarks/kda_round_h200.sh "verifykp replaygap", then SPEC_CONC=16 ... "specab" (batched EAGLE3)
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
@@ -88,6 +90,10 @@ if has verifykp; then
     --shapes "${VERIFY_SHAPES:-32:1,32:4,32:16,32:64,96:16,96:64}" --only "bv32-split-w4-win,wy" \
     --out "$OUT/kda_decode_sweep_h200_verifykp.json" 2>&1 | tee "$OUT/kda_sweep_verifykp.log" | grep -A12 "best per shape"
   PYTEST_N=${PYTEST_N:-8} TIMEOUT=200 bash benchmarks/gpu_tests_h200.sh -k "wy" | tail -3
+fi
+if has bv8; then
+  timeout 200 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --v-first --only "bv8-chunked,bv16-chunked" \
+    --out "$OUT/kda_decode_sweep_h200_bv8.json" 2>&1 | tee "$OUT/kda_sweep_bv8.log" | grep -A4 "best per shape"
 fi
 if has replaygap; then
   timeout 200 python3 benchmarks/kda_replay_gap_h200.py --out "$OUT/kda_replay_gap_h200.json" 2>&1 \
