@@ -40,8 +40,9 @@ class KdaConfig(NamedTuple):
     (`kda_verify_wy.py`); 2.0-2.2x over the window loop from 16 sequences. A launch it cannot run takes this
     config's split form (so `MULTI_TABLE`'s WY rows set window too).
     keys_pass (with wy, when the caller bounds every sequence by the window: `max_seq_tokens`): the WY form in two
-    launches, the window's key side per (sequence, head) into scratch, then (V tile, sequence, head) programs that
-    only stream the state (`kda_verify_keys.py`); opt-in, not timed.
+    launches, the window's key side per (sequence, head) into fp32 scratch, then (V tile, sequence, head) programs
+    that only stream the state (`kda_verify_keys.py`); 1.05-1.2x over the one-launch form from 4 sequences x 32 heads
+    on the H200 (the default from 96 pairs), slower at 32 x 1 (13.1 vs the window loop's 9.8 us).
     """
 
     block_v: int
@@ -92,15 +93,16 @@ DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
 
 
 # Several tokens per sequence (verify windows, the replay, prompt tails), by program count N * H like DECODE_TABLE:
-# the split loop with the conv window carried in registers, and from 96 pairs the WY verify kernel (one program per
-# head, the window's key side once). A launch the WY kernel cannot run (committing tails, the replay) takes the same
-# row's split form, so WY rows carry the window flag too. H200, 4-token verify windows, fused norm, [V, K] pools
-# (2a12a04, benchmarks/README.md): 32 heads x 1: window 9.74 us, WY 17.6, plain split 14.5; 32 x 4: WY BV 32 18.9 vs
-# window 21.6; 32 x 16: 33.3 vs 68.1; 96 x 64: WY BV 16 322 us vs BV 32 334, window 703, the old default 1002.
+# the split loop with the conv window carried in registers, and from 96 pairs the WY verify form in its two launches
+# (key pass, then state tiles; one launch when the caller does not bound the window, `max_seq_tokens`). A launch
+# the WY kernels cannot run (committing tails, the replay) takes the same row's split form, so the WY row carries the
+# window flag too. H200, 4-token verify windows, fused norm, [V, K] pools (f4e39a1 + the [TW, D] weight rows,
+# benchmarks/README.md): 32 heads x 1: window 9.76 us, two-launch WY 13.1, one-launch WY 17.7; 32 x 4: two-launch
+# BV 16 15.6 vs one-launch BV 32 18.1; 32 x 64: 104.1 vs 106.8 (BV 16); 96 x 16: 79.5 vs 87.1; 96 x 64: 286.7 vs
+# 299.7, window 710.6.
 MULTI_TABLE: tuple[tuple[int, KdaConfig], ...] = (
     (0, KdaConfig(32, window=True)),
-    (96, KdaConfig(32, window=True, wy=True)),
-    (1024, KdaConfig(16, window=True, wy=True)),
+    (96, KdaConfig(16, window=True, wy=True, keys_pass=True)),
 )
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)

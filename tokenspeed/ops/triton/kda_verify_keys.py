@@ -47,7 +47,7 @@ def _kda_verify_keys_kernel(
     cq = h * D + ok
     qe, c, _, _, _, _ = _window_form(QKV, stride_qkv, F + h * stride_fh, stride_ft, Bt + h * stride_bh, stride_bt, CW,
                                      CS + slot * stride_css, stride_csc, stride_csw,
-                                     tl.load(DT + h * D + ok).to(tl.float32),
+                                     tl.load(DT + h * D + ok[None, :] + rows[:, None] * 0).to(tl.float32),
                                      tl.exp(tl.load(A_log + h).to(tl.float32)), lower_bound, scale, bos, rows,
                                      rows < seq_len, cq, H * D + cq, ok, TW, HAS_LB, OUT_TY)
     tl.store(QE + pid * TW * D + rows[:, None] * D + ok[None, :], qe)

@@ -59,8 +59,8 @@ def _tap_rows(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, pos, ch, m, 
     ptr = tl.where(p >= 0, QKV + (bos + tl.maximum(p, 0)) * stride_qkv + ch[None, :],
                    cs + ch[None, :] * stride_csc + (3 + tl.minimum(p, -1)) * stride_csw)
     x = tl.load(ptr, mask=m, other=0.0)
-    w = tl.load(CW + ch * 4 + J)
-    return w[None, :] * x.to(tl.float32)
+    w = tl.load(CW + ch[None, :] * 4 + J + pos[:, None] * 0)  # as [R, C] rows: x's layout, no conversion
+    return w * x.to(tl.float32)
 
 
 @triton.jit
@@ -83,7 +83,7 @@ def _window_form(QKV, stride_qkv, F, stride_ft, Bt, stride_bt, CW, cs, stride_cs
                  OUT_TY: tl.constexpr):
     """Qe [TW, D] and C [TW, TW] of a window of `live` tokens (module docstring; rows past it give zeros), and for
     carrying the state past it Kd [TW, D], W1 = (I + A)^-1 diag(beta) [TW, TW], k and G [TW, D]. F and Bt point
-    at this head's columns."""
+    at this head's columns; dtb: the head's dt_bias, [D] or as [TW, D] rows (f's layout: no conversion)."""
     mrk = live[:, None] & ((ok * 0 + 1) > 0)[None, :]
     yq = _conv_rows(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, pos, cq, mrk, OUT_TY)
     yk = _conv_rows(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, pos, ck, mrk, OUT_TY)
@@ -92,7 +92,7 @@ def _window_form(QKV, stride_qkv, F, stride_ft, Bt, stride_bt, CW, cs, stride_cs
     t = bos + pos
     rows = tl.arange(0, TW)
     f = tl.load(F + t[:, None] * stride_ft + ok[None, :], mask=mrk, other=0.0).to(tl.float32)
-    g = tl.where(mrk, _gate(f + dtb[None, :], rate, lower_bound, HAS_LB), 0.0)  # past the window: no decay
+    g = tl.where(mrk, _gate(f + dtb, rate, lower_bound, HAS_LB), 0.0)  # past the window: no decay
     braw = tl.load(Bt + t * stride_bt, mask=live, other=0.0).to(tl.float32)
     beta = tl.where(live, 1.0 / (1.0 + tl.exp(-braw)), 0.0)
     lg = tl.cumsum(g, axis=0)
@@ -212,7 +212,8 @@ def _kda_verify_wy_kernel(
     ck = H * D + cq
     cs = CS + slot * stride_css
     rate = tl.exp(tl.load(A_log + h).to(tl.float32))
-    dtb = tl.load(DT + h * D + ok).to(tl.float32)
+    rows = tl.arange(0, TW)
+    dtb = tl.load(DT + h * D + ok[None, :] + rows[:, None] * 0).to(tl.float32)  # [TW, D] rows, as f is loaded
     ob = tl.arange(0, BV)
     if V_FIRST:
         p_s = S + slot * stride_ss + h * D * D + ob[None, :] * D + ok[:, None]
@@ -221,7 +222,6 @@ def _kda_verify_wy_kernel(
         p_s = S + slot * stride_ss + h * D * D + ok[:, None] * D + ob[None, :]
         vstep = BV
     real = (ob * 0 + slot_raw) >= 0
-    rows = tl.arange(0, TW)
     if LONG:
         if seq_len <= TW:
             _verify_short(QKV, stride_qkv, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh, CW, cs, stride_csc,
