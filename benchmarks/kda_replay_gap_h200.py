@@ -7,6 +7,9 @@ dfd7b11, and the test's reference since then) against the plain split shows whet
 expressions rounding differently to bf16.
 
     PYTHONPATH=. python benchmarks/kda_replay_gap_h200.py [--layers 20] [--seqs 1,8] [--repeats 3] [--out JSON]
+        [--fp32]              # fp32 inputs: no bf16 rounding of the conv outputs (a rounding gap vanishes)
+        [--time 16,64]        # also time each schedule's replay at these batch sizes (every sequence replays
+                              # --accept tokens), median of CUDA events, against the state read + write floor
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/kda_replay_gap_h200.py --smoke   # plumbing on the CPU
 """
 
@@ -48,6 +51,39 @@ def errors(layers: list[dict], want: list[dict], acc: torch.Tensor, slots: list[
             "conv_equal": all(torch.equal(x["conv_state"][slots], w["conv_state"][slots]) for x, w in zip(xs, want))}
 
 
+# The replay schedules timed (--time): the default's split form (window, BV 16 from 1024 programs), other split
+# forms, and the chunked schedule (one program per head, the tiles pipelined; every token re-streams the state).
+TIMED = [KdaConfig(16, window=True), KdaConfig(32, window=True), KdaConfig(32), KdaConfig(32, chunked=True,
+         num_stages=3), KdaConfig(16, chunked=True, num_stages=4), KdaConfig(8, chunked=True, num_stages=4)]
+
+
+def time_replay(L: int, N: int, accept: int, cfg: KdaConfig, iters: int = 20) -> dict:
+    """Median us of one multi-layer replay launch (N sequences, every one replaying `accept` of K tokens, L layers)
+    and its share of the state floor (each replayed head's state read and written once, at 4.27 TB/s)."""
+    layers = [make([K] * N, H, D, DTYPE, DEV, slots=list(range(1, N + 1)), num_slots=N + 2, seed=l)
+              for l in range(L)]
+    table = KdaLayerTable.build([KdaLayerTensors(*(x[k] for k in KdaLayerTensors._fields)) for x in layers],
+                                strict=True)
+    acc = torch.full((N,), accept, device=DEV)
+    run = lambda: kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], acc,
+                                    lower_bound=LOWER, config=cfg, state_v_first=True)
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    us = sorted(times)[len(times) // 2]
+    floor = 2 * N * H * L * D * D * 4 / 4.27e12 * 1e6
+    print(f"replay N={N:2d} L={L} accept {accept} {cfg.label:24s} {us:9.1f} us  floor {floor:7.1f} us "
+          f"({100 * floor / us:5.1f}% of HBM)", flush=True)
+    return {"N": N, "L": L, "accept": accept, "config": cfg.label, "us": us, "floor_us": floor}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=20)
@@ -55,8 +91,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU (Triton interpreter)")
+    ap.add_argument("--fp32", action="store_true", help="fp32 inputs (conv outputs not rounded to bf16)")
+    ap.add_argument("--time", default="", help="comma-separated batch sizes to time the replay schedules at")
+    ap.add_argument("--accept", type=int, default=3, help="tokens every sequence replays in the timed runs")
     args = ap.parse_args()
     global H, D, DEV, DTYPE
+    if args.fp32:
+        DTYPE = torch.float32
     if args.smoke:
         H, D, DEV, DTYPE = 2, 32, "cpu", torch.float32
         args.layers, args.seqs, args.repeats = 2, "1", 1
@@ -72,9 +113,11 @@ def main() -> None:
             rows.append({"N": N, "L": args.layers, "config": cfg.label, "runs": runs})
             rels = " ".join(f"{r['state_rel']:.1e}{'' if r['conv_equal'] else '!'}" for r in runs)
             print(f"N={N:2d} {cfg.label:24s} state rel err per repeat: {rels}", flush=True)
+    timed = [time_replay(args.layers, int(n), args.accept, cfg) for n in args.time.split(",") if n
+             for cfg in TIMED]
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"dtype": str(DTYPE), "errors": rows, "timed": timed}, f, indent=1)
 
 
 if __name__ == "__main__":
