@@ -24,6 +24,7 @@ from sm90_compile import TARGET, Launch, catch_launches, compile_launch, cubin_u
 
 from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors
 from tokenspeed.ops.triton import kda_decode as kd
+from tokenspeed.ops.triton import kda_replay_wy as kdr
 from tokenspeed.ops.triton import kda_verify_keys as kdk
 from tokenspeed.ops.triton import kda_verify_wy as kdw
 
@@ -110,7 +111,11 @@ def variants() -> list[tuple[str, callable]]:
             ("replay-3l-window-bv16", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0,
                                                                    config=kd.KdaConfig(16, window=True))),
             ("replay-3l-window-bv64", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0,
-                                                                   config=kd.KdaConfig(64, window=True)))]
+                                                                   config=kd.KdaConfig(64, window=True))),
+            ("replay-3l-wy-bv16", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0,
+                                                               config=kd.KdaConfig(16, wy=True), max_seq_tokens=4)),
+            ("replay-3l-wy-bv32", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0,
+                                                               config=kd.KdaConfig(32, wy=True), max_seq_tokens=4))]
     return out
 
 
@@ -118,7 +123,8 @@ def capture(thunk, use_pdl: bool = True) -> list[Launch]:
     """The launches `thunk` makes (one, or the WY key pass's two), with PDL forced on or off (launch keyword
     dropped)."""
     calls = catch_launches({kd: ("_kda_decode_kernel",), kdw: ("_kda_verify_wy_kernel",),
-                            kdk: ("_kda_verify_keys_kernel", "_kda_verify_tiles_kernel")}, thunk, pdl_on=use_pdl,
+                            kdk: ("_kda_verify_keys_kernel", "_kda_verify_tiles_kernel"),
+                            kdr: ("_kda_replay_keys_kernel", "_kda_replay_tiles_kernel")}, thunk, pdl_on=use_pdl,
                            drop_launch_pdl=True)
     assert 1 <= len(calls) <= 2, calls
     return calls

@@ -1,10 +1,12 @@
-"""Locate the chunked-replay gap seen on the H200 at 7f91510 (`test_multi_layer_replay_graph_gpu[chunked-bv32]`:
-states 2.6e-4 from the split replay, interpreter-equal): the multi-layer KDA replay of kimi-linear's shapes (32 heads
-x 128, bf16 inputs, fp32 pools, 4-token windows) under the chunked schedule at each block_v and stage count, eager,
-repeated, against per-layer split replays of the same inputs. A race shows as errors that vary between repeats;
-a schedule bug as a fixed error at some (block_v, stages) only; the window loop (the default split replay since
-dfd7b11, and the test's reference since then) against the plain split shows whether the gap is only the two conv
-expressions rounding differently to bf16.
+"""The multi-layer KDA replay of kimi-linear's shapes (32 heads x 128, bf16 inputs, fp32 pools, 4-token windows) on
+the H200: each schedule's state against per-layer plain split replays of the same inputs, repeated (a race shows
+as errors that vary between repeats, a schedule bug as a fixed error at one configuration only), and (--time) each
+schedule's speed against the state read + write floor.
+
+Written for the chunked-replay gap seen at 7f91510 (`test_multi_layer_replay_graph_gpu[chunked-bv32]`, 2.6e-4):
+at 29c02e9 every chunked schedule matched the plain split within 1.7e-7, and the test's then reference, the window
+loop, was the one 2.6e-4 away; with fp32 inputs (--fp32) 2.4e-7, so the gap is the window loop's conv expression
+rounding a few bf16 conv outputs the other way. The WY replay (kda_replay_wy.py) is in both lists.
 
     PYTHONPATH=. python benchmarks/kda_replay_gap_h200.py [--layers 20] [--seqs 1,8] [--repeats 3] [--out JSON]
         [--fp32]              # fp32 inputs: no bf16 rounding of the conv outputs (a rounding gap vanishes)
@@ -44,7 +46,8 @@ def errors(layers: list[dict], want: list[dict], acc: torch.Tensor, slots: list[
     """Max over layers of the state's relative error and whether every conv state matched, for one replay."""
     xs = [dict(x, conv_state=x["conv_state"].clone(), state=x["state"].clone()) for x in layers]
     table = KdaLayerTable.build([KdaLayerTensors(*(x[k] for k in KdaLayerTensors._fields)) for x in xs], strict=True)
-    kda_replay_layers(table, xs[0]["state_indices"], xs[0]["cu_seqlens"], acc, lower_bound=LOWER, config=cfg)
+    kda_replay_layers(table, xs[0]["state_indices"], xs[0]["cu_seqlens"], acc, lower_bound=LOWER, config=cfg,
+                      max_seq_tokens=K)
     if DEV == "cuda":
         torch.cuda.synchronize()
     return {"state_rel": max(rel_err(x["state"][slots], w["state"][slots]) for x, w in zip(xs, want)),
@@ -53,8 +56,10 @@ def errors(layers: list[dict], want: list[dict], acc: torch.Tensor, slots: list[
 
 # The replay schedules timed (--time): the default's split form (window, BV 16 from 1024 programs), other split
 # forms, and the chunked schedule (one program per head, the tiles pipelined; every token re-streams the state).
+# The WY replay (two launches, kda_replay_wy.py) at three tile widths.
 TIMED = [KdaConfig(16, window=True), KdaConfig(32, window=True), KdaConfig(32), KdaConfig(32, chunked=True,
-         num_stages=3), KdaConfig(16, chunked=True, num_stages=4), KdaConfig(8, chunked=True, num_stages=4)]
+         num_stages=3), KdaConfig(16, chunked=True, num_stages=4), KdaConfig(8, chunked=True, num_stages=4),
+         KdaConfig(32, wy=True), KdaConfig(16, wy=True), KdaConfig(8, wy=True)]
 
 
 def time_replay(L: int, N: int, accept: int, cfg: KdaConfig, iters: int = 20) -> dict:
@@ -66,7 +71,7 @@ def time_replay(L: int, N: int, accept: int, cfg: KdaConfig, iters: int = 20) ->
                                 strict=True)
     acc = torch.full((N,), accept, device=DEV)
     run = lambda: kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], acc,
-                                    lower_bound=LOWER, config=cfg, state_v_first=True)
+                                    lower_bound=LOWER, config=cfg, state_v_first=True, max_seq_tokens=K)
     for _ in range(3):
         run()
     times = []
@@ -105,6 +110,7 @@ def main() -> None:
     # an fp32 contraction difference can flip a bf16-rounded conv output), then the chunked schedules
     configs = [KdaConfig(D // 4), KdaConfig(D // 4, window=True)]
     configs += [KdaConfig(D // r, chunked=True, num_stages=s) for r in (2, 4, 8) for s in (1, 2, 3)]
+    configs += [KdaConfig(D // 8, wy=True), KdaConfig(D // 4, wy=True)]  # the WY replay (another summation order)
     rows = []
     for N in (int(x) for x in args.seqs.split(",")):
         layers, want, acc, slots = case(args.layers, N)

@@ -359,6 +359,7 @@ def kda_replay_layers(
     *,
     lower_bound: float | None,
     state_v_first: bool = False,
+    max_seq_tokens: int | None = None,
 ) -> None:
     """`kda_decode(*layer, state_indices, cu_seqlens, lower_bound=lower_bound, update_state=True,
     seq_lens=seq_lens, state_v_first=state_v_first)` for every layer of `table`, outputs discarded: the KDA state
@@ -371,13 +372,16 @@ def kda_replay_layers(
     On CUDA (dispatch rule of `kda_decode`), uniform layers (`table.offsets` is not None) in the kernel's region
     (`dispatch.kda_replay_layers_unsupported`) take one Triton launch over all layers that skips the q path and
     the outputs, reading only device values (CUDA-graph safe with a prebuilt table); anything else launches
-    `kda_decode` per layer (Triton or the reference, by the same rule).
+    `kda_decode` per layer (Triton or the reference, by the same rule). `max_seq_tokens`: a bound on every
+    sequence's rows (cu_seqlens) the caller guarantees, as in `kda_decode`; with it the Triton path may take the
+    two-launch WY replay (`kda_config.MULTI_TABLE`).
     """
     base = table.base
     if _dispatch.use_triton(base.qkv, base.f, base.b, base.conv_state, base.state, state_indices) \
             and _dispatch.kda_replay_layers_unsupported(table) is None:
         _dispatch.kernels("kda_decode").kda_replay_layers(table, state_indices, cu_seqlens, seq_lens,
-                                                          lower_bound=lower_bound, state_v_first=state_v_first)
+                                                          lower_bound=lower_bound, state_v_first=state_v_first,
+                                                          max_seq_tokens=max_seq_tokens)
         return
     for layer in table.layers:
         kda_decode(*layer, state_indices, cu_seqlens, lower_bound=lower_bound, scale=1.0, update_state=True,

@@ -146,7 +146,8 @@ class KimiForCausalLM(nn.Module):
         accepted = num_accepted if isinstance(num_accepted, Tensor) else torch.tensor(
             list(num_accepted), dtype=torch.int64, device=batch.cu_seqlens.device)
         ops.kda_replay_layers(table, batch.kda_slots, batch.cu_seqlens, accepted,
-                              lower_bound=self.config.gate_lower_bound, state_v_first=cache.kda_state_v_first)
+                              lower_bound=self.config.gate_lower_bound, state_v_first=cache.kda_state_v_first,
+                              max_seq_tokens=batch.uniform_query_len)
         for layer in self.model.layers:
             if hasattr(layer.self_attn, "replay_tensors"):
                 cache.replay.pop(layer.self_attn.cache_index)

@@ -21,8 +21,9 @@ from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
 from tokenspeed.ops.triton.kda_config import DECODE_TABLE, KdaConfig, default_config, legacy_config  # noqa: F401
 from tokenspeed.ops.triton.kda_decode_kernel import _kda_decode_kernel
+from tokenspeed.ops.triton.kda_replay_wy import launch_replay_wy
 from tokenspeed.ops.triton.kda_verify_keys import launch_keys_pass
-from tokenspeed.ops.triton.kda_verify_wy import MAX_WINDOW, launch_wy, wy_unsupported
+from tokenspeed.ops.triton.kda_verify_wy import MAX_WINDOW, launch_wy, wy_shape_unsupported, wy_unsupported
 
 _COUNTERS: dict[torch.device, Tensor] = {}
 _RETIRED: list[Tensor] = []  # outgrown counter buffers, kept alive: graphs captured earlier still address them
@@ -247,11 +248,14 @@ def kda_replay_layers(
     chunked: bool | None = None,
     num_stages: int | None = None,
     state_v_first: bool = False,
+    max_seq_tokens: int | None = None,
 ) -> None:
     """Triton `ops.kda_replay_layers` (same contract): every layer of `table` in one launch, grid
     (NV, N * H, L), no outputs (the q path is not computed); config and overrides as in `kda_decode` (the default
-    is chosen for the N * H * L programs and ceil(T / N) tokens per sequence). Raises ValueError when
-    `dispatch.kda_replay_layers_unsupported(table)` names a reason."""
+    is chosen for the N * H * L programs and ceil(T / N) tokens per sequence). A WY config (the default's from
+    `MULTI_TABLE`'s WY row) with `max_seq_tokens` <= MAX_WINDOW, the caller's bound on every sequence's rows, takes
+    the two-launch WY replay (`kda_replay_wy.py`); without the bound its split form. Raises ValueError when
+    `dispatch.kda_replay_layers_unsupported(table)` names a reason, or for an explicit WY config it cannot run."""
     why = kda_replay_layers_unsupported(table)
     if why is not None:
         raise ValueError(f"kda_replay_layers: {why}")
@@ -265,8 +269,19 @@ def kda_replay_layers(
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
     opts.pop("KP")
-    if opts.pop("WY") and explicit:  # a default taken from MULTI_ENV runs its split form
-        raise ValueError("KdaConfig(wy=True) is for verify windows, not the replay")
+    if opts.pop("WY"):
+        why = wy_shape_unsupported(D, opts["BV"])
+        if why is None and (max_seq_tokens is None or max_seq_tokens > MAX_WINDOW):
+            why = f"the WY replay needs max_seq_tokens <= {MAX_WINDOW} (every sequence's rows); got {max_seq_tokens}"
+        if why is None:
+            lens = seq_lens if seq_lens is not None else torch.diff(cu_seqlens)
+            launch_replay_wy(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, table.offsets, L, state_indices,
+                             cu_seqlens, lens, lower_bound=lower_bound, block_v=opts["BV"],
+                             num_warps=opts["num_warps"], max_seq_tokens=max_seq_tokens,
+                             state_v_first=state_v_first)
+            return
+        if explicit:  # a default (or a label from MULTI_ENV) runs its split form instead
+            raise ValueError(f"kda_replay_layers: {why}")
     nv = opts["NV"]
     cnt = _counters(qkv.device, L * N * H) if nv > 1 else cu_seqlens
     _kda_decode_kernel[(nv, N * H, L)](

@@ -78,6 +78,35 @@ def _mm(a, b):
 
 
 @triton.jit
+def _key_rows(QKV, stride_qkv, F, stride_ft, Bt, stride_bt, CW, cs, stride_csc, stride_csw, dtb, rate, lower_bound,
+              bos, pos, live, mrk, ck, ok, HAS_LB: tl.constexpr, OUT_TY: tl.constexpr):
+    """The key side of a window's rows `pos` [TW] (`live` [TW], `mrk` [TW, D] its mask): k [TW, D] (conv, SiLU,
+    L2 norm; 0 on dead rows), G [TW, D] (the inclusive cumulative log decay; no decay on dead rows) and beta [TW]
+    (0 on dead rows). F and Bt point at this head's columns; dtb as in `_window_form`."""
+    yk = _conv_rows(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, pos, ck, mrk, OUT_TY)
+    k = yk * tl.rsqrt(tl.sum(yk * yk, axis=1) + 1e-6)[:, None]
+    t = bos + pos
+    f = tl.load(F + t[:, None] * stride_ft + ok[None, :], mask=mrk, other=0.0).to(tl.float32)
+    g = tl.where(mrk, _gate(f + dtb, rate, lower_bound, HAS_LB), 0.0)  # past the window: no decay
+    braw = tl.load(Bt + t * stride_bt, mask=live, other=0.0).to(tl.float32)
+    beta = tl.where(live, 1.0 / (1.0 + tl.exp(-braw)), 0.0)
+    return k, tl.cumsum(g, axis=0), beta
+
+
+@triton.jit
+def _unit_lower_inverse(a, eye, TW: tl.constexpr):
+    """(I + A)^-1 of a strictly lower-triangular [TW, TW] A (nilpotent: A^TW = 0) as (I - A)(I + A^2)(I + A^4)..."""
+    a2 = _mm(a, a)
+    inv = _mm(eye - a, eye + a2)  # TW <= 4 (A^4 = 0)
+    if TW > 4:
+        a4 = _mm(a2, a2)
+        inv = _mm(inv, eye + a4)
+        if TW > 8:
+            inv = _mm(inv, eye + _mm(a4, a4))
+    return inv
+
+
+@triton.jit
 def _window_form(QKV, stride_qkv, F, stride_ft, Bt, stride_bt, CW, cs, stride_csc, stride_csw, dtb, rate,
                  lower_bound, scale, bos, pos, live, cq, ck, ok, TW: tl.constexpr, HAS_LB: tl.constexpr,
                  OUT_TY: tl.constexpr):
@@ -86,29 +115,16 @@ def _window_form(QKV, stride_qkv, F, stride_ft, Bt, stride_bt, CW, cs, stride_cs
     at this head's columns; dtb: the head's dt_bias, [D] or as [TW, D] rows (f's layout: no conversion)."""
     mrk = live[:, None] & ((ok * 0 + 1) > 0)[None, :]
     yq = _conv_rows(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, pos, cq, mrk, OUT_TY)
-    yk = _conv_rows(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, pos, ck, mrk, OUT_TY)
     q = yq * tl.rsqrt(tl.sum(yq * yq, axis=1) + 1e-6)[:, None] * scale
-    k = yk * tl.rsqrt(tl.sum(yk * yk, axis=1) + 1e-6)[:, None]
-    t = bos + pos
+    k, lg, beta = _key_rows(QKV, stride_qkv, F, stride_ft, Bt, stride_bt, CW, cs, stride_csc, stride_csw, dtb, rate,
+                            lower_bound, bos, pos, live, mrk, ck, ok, HAS_LB, OUT_TY)
     rows = tl.arange(0, TW)
-    f = tl.load(F + t[:, None] * stride_ft + ok[None, :], mask=mrk, other=0.0).to(tl.float32)
-    g = tl.where(mrk, _gate(f + dtb, rate, lower_bound, HAS_LB), 0.0)  # past the window: no decay
-    braw = tl.load(Bt + t * stride_bt, mask=live, other=0.0).to(tl.float32)
-    beta = tl.where(live, 1.0 / (1.0 + tl.exp(-braw)), 0.0)
-    lg = tl.cumsum(g, axis=0)
     w3 = tl.exp(tl.minimum(lg[:, None, :] - lg[None, :, :], 0.0))  # d_t / d_i where i <= t (masked elsewhere)
     lower = rows[:, None] > rows[None, :]
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
     a = tl.where(lower, tl.sum(k[:, None, :] * k[None, :, :] * w3, axis=2), 0.0) * beta[:, None]
     bm = tl.where(lower | (eye > 0), tl.sum(q[:, None, :] * k[None, :, :] * w3, axis=2), 0.0)
-    a2 = _mm(a, a)
-    inv = _mm(eye - a, eye + a2)  # (I + A)^-1 for TW <= 4 (A^4 = 0)
-    if TW > 4:
-        a4 = _mm(a2, a2)
-        inv = _mm(inv, eye + a4)
-        if TW > 8:
-            inv = _mm(inv, eye + _mm(a4, a4))
-    w1 = inv * beta[None, :]  # U = w1 (V - Kd S)
+    w1 = _unit_lower_inverse(a, eye, TW) * beta[None, :]  # U = w1 (V - Kd S)
     c = _mm(bm, w1)
     kd = k * tl.exp(lg)
     return q * tl.exp(lg) - _mm(c, kd), c, kd, w1, k, lg
@@ -246,6 +262,11 @@ def wy_unsupported(D: int, block_v: int, update_state: bool, step_states: Tensor
     """None when the WY verify launch can run this call, else why not (the caller raises it)."""
     if update_state or step_states is not None or seq_lens is not None:
         return "KdaConfig(wy=True) is for verify windows (update_state=False, no step_states, no seq_lens)"
+    return wy_shape_unsupported(D, block_v)
+
+
+def wy_shape_unsupported(D: int, block_v: int) -> str | None:
+    """None when the WY kernels (verify and replay) take head dim D in V tiles of block_v, else why not."""
     if D & (D - 1) or not 16 <= D <= 256 or block_v < 2 or D % block_v:
         return f"KdaConfig(wy=True) needs a power-of-two head dim in 16..256 that block_v divides; got {D}"
     return None

@@ -1,0 +1,169 @@
+"""The KDA state replay of accepted drafts in the WY chunk form, over all layers in two launches (`kda_replay_layers`
+with a window bound, `max_seq_tokens`, and a WY row of `kda_config.MULTI_TABLE`).
+
+The split replay walks each sequence's accepted tokens one by one per [K, BV] tile, so every token's conv, norms and
+two reductions over the tile wait on the previous token; at 16 sequences x 32 heads x 20 layers on the H200 it ran at
+14% of HBM on the state (benchmarks/README.md). The window's effect on the state has a closed form (the carry of
+`kda_verify_wy.py`): with a accepted tokens, G the inclusive cumulative log decay, d = exp(G), rows past a dead,
+
+    U = W1 (V - Kd S),   W1 = (I + A)^-1 diag(beta),   S_new = diag(d_a) S + Kt^T U,   Kt = k * d_a / d,  Kd = k * d
+
+the token-by-token recurrence in another summation order (fp32; ~1e-6 relative to it).
+
+- `_kda_replay_keys_kernel`, grid (N * H, L): per (sequence, head, layer) Kd, Kt [TW, D], W1 [TW, TW] and d_a [D]
+  into fp32 scratch; then that head's q / k conv-state columns advanced by the a tokens.
+- `_kda_replay_tiles_kernel`, grid (D / BV, N * H, L): the [D, BV] state tile (read before the PDL wait: only KDA
+  launches of earlier steps write the pool), the tile's v conv, Kd S, U and the new tile, written in place; then
+  the tile's v conv-state columns advanced.
+
+Each launch reads only device values (slots, bounds, accepted counts, the layers' offset table: CUDA-graph safe).
+Sequences with no accepted token and padding rows (slot < 0) touch nothing. Layers are addressed as
+`kda_decode_kernel`'s multi-layer launch does: layer l's tensors are layer 0's plus row l of the offset table. The
+scratch is 4 (2 TW D + TW^2 + D) bytes per (sequence, head, layer): 3.7% of the state bytes at TW 4 and D 128.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from tokenspeed.ops.triton import pdl
+from tokenspeed.ops.triton.kda_decode_kernel import _pdl_sync, _store_conv_state
+from tokenspeed.ops.triton.kda_verify_wy import _conv_rows, _key_rows, _mm, _seq_row, _unit_lower_inverse, window_rows
+
+
+@triton.jit
+def _accepted(SLOTS, CU, LENS, n):
+    """Sequence n's slot to use (>= 0), first row and the tokens to apply: LENS[n] clamped to its rows, 0 for a
+    padding row."""
+    slot_raw, slot, bos, seq_len = _seq_row(SLOTS, CU, n)
+    a = tl.maximum(tl.minimum(tl.load(LENS + n).to(tl.int64), seq_len), 0)
+    return slot, bos, tl.where(slot_raw >= 0, a, 0)
+
+
+@triton.jit
+def _kda_replay_keys_kernel(
+    QKV, stride_qkv, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh, CW, CS, stride_css, stride_csc, stride_csw,
+    A_log, DT, SLOTS, CU, LENS, LOFF, SCR, lower_bound,
+    H: tl.constexpr, D: tl.constexpr, TW: tl.constexpr, HAS_LB: tl.constexpr, PDL: tl.constexpr,
+):
+    _pdl_sync(PDL)  # the offset table may have been copied in just before: nothing is read ahead of the wait
+    pid = tl.program_id(0)
+    layer = tl.program_id(1)
+    row = LOFF + layer * 8  # columns: kda_layers.LAYER_FIELDS
+    QKV += tl.load(row + 0)
+    F += tl.load(row + 1)
+    Bt += tl.load(row + 2)
+    CW += tl.load(row + 3)
+    CS += tl.load(row + 4)
+    A_log += tl.load(row + 5)
+    DT += tl.load(row + 6)
+    OUT_TY = QKV.dtype.element_ty  # the conv output's rounding, as in the split replay
+    n = pid // H
+    h = pid % H
+    slot, bos, a = _accepted(SLOTS, CU, LENS, n)
+    if a > 0:  # uniform over the program
+        ok = tl.arange(0, D)
+        rows = tl.arange(0, TW)
+        live = rows < a
+        mrk = live[:, None] & ((ok * 0 + 1) > 0)[None, :]
+        cs = CS + slot * stride_css
+        cq = h * D + ok
+        ck = H * D + cq
+        dtb = tl.load(DT + h * D + ok[None, :] + rows[:, None] * 0).to(tl.float32)  # [TW, D] rows, as f is loaded
+        k, lg, beta = _key_rows(QKV, stride_qkv, F + h * stride_fh, stride_ft, Bt + h * stride_bh, stride_bt, CW, cs,
+                                stride_csc, stride_csw, dtb, tl.exp(tl.load(A_log + h).to(tl.float32)), lower_bound,
+                                bos, rows, live, mrk, ck, ok, HAS_LB, OUT_TY)
+        w3 = tl.exp(tl.minimum(lg[:, None, :] - lg[None, :, :], 0.0))  # d_t / d_i where i <= t
+        eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+        a_mat = tl.where(rows[:, None] > rows[None, :], tl.sum(k[:, None, :] * k[None, :, :] * w3, axis=2), 0.0)
+        w1 = _unit_lower_inverse(a_mat * beta[:, None], eye, TW) * beta[None, :]
+        glast = tl.sum(tl.where(rows[:, None] == TW - 1, lg, 0.0), axis=0)  # G at the last live row (no decay past)
+        base = SCR + (layer * tl.num_programs(0) + pid) * (2 * TW * D + TW * TW + D)
+        tl.store(base + rows[:, None] * D + ok[None, :], k * tl.exp(lg))  # Kd
+        tl.store(base + TW * D + rows[:, None] * D + ok[None, :], k * tl.exp(glast[None, :] - lg))  # Kt
+        tl.store(base + 2 * TW * D + rows[:, None] * TW + rows[None, :], w1)
+        tl.store(base + 2 * TW * D + TW * TW + ok, tl.exp(glast))  # d_a
+        m = (ok * 0 + a) > 0
+        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, a, cq, m)  # reads, barrier, writes
+        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, a, ck, m)
+
+
+@triton.jit
+def _kda_replay_tiles_kernel(
+    QKV, stride_qkv, CW, CS, stride_css, stride_csc, stride_csw, S, stride_ss, SLOTS, CU, LENS, LOFF, SCR,
+    H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, TW: tl.constexpr, V_FIRST: tl.constexpr, PDL: tl.constexpr,
+):
+    pid_v = tl.program_id(0)
+    pid_nh = tl.program_id(1)
+    layer = tl.program_id(2)
+    # Before the PDL wait: the key pass, the kernel before this one, let it launch only once every key program was
+    # past its own wait, so the offset table and the pools' last writers are complete; the key pass writes neither
+    # the state nor this tile's v conv columns.
+    row = LOFF + layer * 8
+    QKV += tl.load(row + 0)
+    CW += tl.load(row + 3)
+    CS += tl.load(row + 4)
+    S += tl.load(row + 7)
+    OUT_TY = QKV.dtype.element_ty
+    n = pid_nh // H
+    h = pid_nh % H
+    slot, bos, a = _accepted(SLOTS, CU, LENS, n)
+    ok = tl.arange(0, D)
+    ov = pid_v * BV + tl.arange(0, BV)
+    if V_FIRST:  # element (k, v) of the head's state: v * D + k ([V, K] pools) or k * D + v
+        p_s = S + slot * stride_ss + h * D * D + ov[None, :] * D + ok[:, None]
+    else:
+        p_s = S + slot * stride_ss + h * D * D + ok[:, None] * D + ov[None, :]
+    b_s = tl.load(p_s, mask=((ok * 0 + a) > 0)[:, None] & ((ov * 0 + 1) > 0)[None, :], other=0.0)
+    _pdl_sync(PDL)  # the key pass's scratch from here on
+
+    if a > 0:  # uniform over the program
+        rows = tl.arange(0, TW)
+        live = rows < a
+        cs = CS + slot * stride_css
+        cv = 2 * H * D + h * D + ov
+        yv = _conv_rows(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, rows, cv,
+                        live[:, None] & ((ov * 0 + 1) > 0)[None, :], OUT_TY)
+        base = SCR + (layer * tl.num_programs(1) + pid_nh) * (2 * TW * D + TW * TW + D)
+        kds = tl.zeros([TW, BV], dtype=tl.float32)
+        for t in tl.static_range(TW):  # Kd S, row by row from the scratch in the layout the product wants
+            kd_t = tl.load(base + t * D + ok)
+            kds = tl.where(rows[:, None] == t, tl.sum(kd_t[:, None] * b_s, axis=0)[None, :], kds)
+        u = _mm(tl.load(base + 2 * TW * D + rows[:, None] * TW + rows[None, :]), yv - kds)
+        b_s = tl.load(base + 2 * TW * D + TW * TW + ok)[:, None] * b_s
+        for t in tl.static_range(TW):  # + Kt^T U: one rank-1 update per window row (dead rows add 0)
+            kt_t = tl.load(base + TW * D + t * D + ok)
+            b_s += kt_t[:, None] * tl.sum(tl.where(rows[:, None] == t, u, 0.0), axis=0)[None, :]
+        tl.store(p_s, b_s)
+        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, a, cv, (ov * 0 + a) > 0)
+
+
+def launch_replay_wy(qkv: Tensor, f3: Tensor, b: Tensor, cw: Tensor, conv_state: Tensor, A_log: Tensor,
+                     dt_bias: Tensor, state: Tensor, offsets: Tensor, num_layers: int, state_indices: Tensor,
+                     cu_seqlens: Tensor, seq_lens: Tensor, *, lower_bound: float | None, block_v: int, num_warps: int,
+                     max_seq_tokens: int, state_v_first: bool) -> None:
+    """The two launches over layer 0's tensors and the layers' offset table (arguments as `kda_replay_layers` checked
+    them; every sequence has at most max_seq_tokens <= MAX_WINDOW rows; D a power of two that block_v divides).
+    Mutates each layer's conv_state and state at the batch's slots."""
+    H, D = dt_bias.shape
+    N = state_indices.numel()
+    tw = window_rows(max_seq_tokens)
+    scratch = torch.empty(num_layers * N * H * (2 * tw * D + tw * tw + D), dtype=torch.float32, device=qkv.device)
+    use_pdl = pdl.enabled(qkv.device, "kda")
+    _kda_replay_keys_kernel[(N * H, num_layers)](
+        qkv, qkv.stride(0), f3, f3.stride(0), f3.stride(1), b, b.stride(0), b.stride(1),
+        cw, conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), A_log, dt_bias,
+        state_indices, cu_seqlens, seq_lens, offsets, scratch,
+        float(lower_bound) if lower_bound is not None else 0.0,
+        H=H, D=D, TW=tw, HAS_LB=lower_bound is not None, PDL=use_pdl, num_warps=4,
+        **pdl.launch_kwargs(qkv.device, "kda"),
+    )
+    _kda_replay_tiles_kernel[(D // block_v, N * H, num_layers)](
+        qkv, qkv.stride(0), cw, conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        state, state.stride(0), state_indices, cu_seqlens, seq_lens, offsets, scratch,
+        H=H, D=D, BV=block_v, TW=tw, V_FIRST=bool(state_v_first), PDL=use_pdl, num_warps=num_warps,
+        **pdl.launch_kwargs(qkv.device, "kda"),
+    )
