@@ -105,6 +105,12 @@ MULTI_TABLE: tuple[tuple[int, KdaConfig], ...] = (
     (96, KdaConfig(16, window=True, wy=True, keys_pass=True)),
 )
 
+# The KDA replay's WY form (`kda_replay_wy.py`, taken from MULTI_TABLE's WY row when the caller bounds the window)
+# tiles V by this block_v whatever the row's: H200, 20 layers x 32 heads, 3 of 4 tokens replayed (18d8acf,
+# benchmarks/README.md): 1 / 4 / 16 / 64 sequences 208 / 483 / 1627 / 6276 us at BV 32 vs 230 / 582 / 2028 / 7777 at
+# BV 16 and 301 / 651 / 2337 / 9077 for the window loop it replaces (BV 16).
+REPLAY_WY_BLOCK_V = 32
+
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
 MULTI_ENV = "TOKENSPEED_KDA_VERIFY"  # the same for launches of several tokens per sequence (verify, replay, tails)
 _LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?(-win)?(-wy)?(-kp)?")
@@ -148,6 +154,11 @@ def _row(table: tuple[tuple[int, KdaConfig], ...], num_programs_nh: int) -> KdaC
         if num_programs_nh >= bound:
             cfg = row
     return cfg
+
+
+def replay_wy_block_v(head_dim: int) -> int:
+    """The WY replay's V tile for `head_dim` (REPLAY_WY_BLOCK_V, at most the head dim)."""
+    return _fit_bv(min(REPLAY_WY_BLOCK_V, next_pow2(head_dim)), head_dim)
 
 
 def _fit_bv(target: int, head_dim: int) -> int:

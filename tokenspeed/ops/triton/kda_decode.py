@@ -19,7 +19,13 @@ from tokenspeed.ops.dispatch import kda_replay_layers_unsupported
 from tokenspeed.ops.kda_layers import KdaLayerTable
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
-from tokenspeed.ops.triton.kda_config import DECODE_TABLE, KdaConfig, default_config, legacy_config  # noqa: F401
+from tokenspeed.ops.triton.kda_config import (  # noqa: F401
+    DECODE_TABLE,
+    KdaConfig,
+    default_config,
+    legacy_config,
+    replay_wy_block_v,
+)
 from tokenspeed.ops.triton.kda_decode_kernel import _kda_decode_kernel
 from tokenspeed.ops.triton.kda_replay_wy import launch_replay_wy
 from tokenspeed.ops.triton.kda_verify_keys import launch_keys_pass
@@ -270,6 +276,8 @@ def kda_replay_layers(
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
     opts.pop("KP")
     if opts.pop("WY"):
+        if not explicit and BV is None:  # the table's row: the replay's own tile width
+            opts["BV"] = replay_wy_block_v(D)
         why = wy_shape_unsupported(D, opts["BV"])
         if why is None and (max_seq_tokens is None or max_seq_tokens > MAX_WINDOW):
             why = f"the WY replay needs max_seq_tokens <= {MAX_WINDOW} (every sequence's rows); got {max_seq_tokens}"
