@@ -276,15 +276,14 @@ def kda_replay_layers(
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
     opts.pop("KP")
     if opts.pop("WY"):
-        if not explicit and BV is None:  # the table's row: the replay's own tile width
-            opts["BV"] = replay_wy_block_v(D)
-        why = wy_shape_unsupported(D, opts["BV"])
+        wy_bv = opts["BV"] if explicit or BV is not None else replay_wy_block_v(D)  # a table row: the replay's own
+        why = wy_shape_unsupported(D, wy_bv)
         if why is None and (max_seq_tokens is None or max_seq_tokens > MAX_WINDOW):
             why = f"the WY replay needs max_seq_tokens <= {MAX_WINDOW} (every sequence's rows); got {max_seq_tokens}"
         if why is None:
             lens = seq_lens if seq_lens is not None else torch.diff(cu_seqlens)
             launch_replay_wy(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, table.offsets, L, state_indices,
-                             cu_seqlens, lens, lower_bound=lower_bound, block_v=opts["BV"],
+                             cu_seqlens, lens, lower_bound=lower_bound, block_v=wy_bv,
                              num_warps=opts["num_warps"], max_seq_tokens=max_seq_tokens,
                              state_v_first=state_v_first)
             return
