@@ -34,7 +34,9 @@ class KdaConfig(NamedTuple):
     at batch 1 (benchmarks/README.md); not timed with WY.
     window (split only; for several tokens per sequence: verify, replay, prompt tails): the conv window and weights
     carried in registers through the token loop and each next token's inputs loaded one token ahead, before this
-    token's recurrence (`_split_window_tokens`); bit-identical results, 1.3-1.6x on 4-token verify windows (H200).
+    token's recurrence (`_split_window_tokens`); the plain loop's arithmetic (equal in the interpreter; on the
+    H200 a few bf16-rounded conv outputs differ: 2.6e-4 on a replayed state, 2.4e-7 in fp32), 1.3-1.6x on 4-token
+    verify windows (H200).
     wy (verify only: update_state False, no step_states / seq_lens): the chunk form, one program per (sequence,
     head), the window's key side once and one state product per token and V tile of block_v
     (`kda_verify_wy.py`); 2.0-2.2x over the window loop from 16 sequences. A launch it cannot run takes this

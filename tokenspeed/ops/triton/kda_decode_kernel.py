@@ -357,8 +357,9 @@ def _split_window_tokens(QKV, stride_qkv, F, stride_ft, stride_fh, Bt, stride_bt
     """The split schedule's token loop with the conv window carried (WINDOW, for several tokens per sequence):
     the conv weights and dt_bias loaded once, the window's three older inputs kept in registers, and each next
     token's new input row, f and b loaded one token ahead, before this token's recurrence, so their latency
-    overlaps it. Same arithmetic as the plain loop (bit-identical). Returns the [BK, BV] tile after the last token;
-    writes o (STORE_OUT) and the per-token states (STORE_STEPS) as the plain loop does."""
+    overlaps it. Same arithmetic as the plain loop (equal in the interpreter; compiled, the conv's products may
+    contract differently, so a bf16-rounded conv output can round the other way). Returns the [BK, BV] tile after
+    the last token; writes o (STORE_OUT) and the per-token states (STORE_STEPS) as the plain loop does."""
     live = (ok * 0 + seq_len) > 0
     livev = (ov * 0 + seq_len) > 0
     if STORE_OUT:
