@@ -34,7 +34,11 @@
 #           (kda_replay_gap_h200.py: the 2.6e-4 gap of the chunked BV 32 replay seen at 7f91510)
 #   bv8     the large decode shapes on [V, K] pools: the BV 8 / 16 chunked variants (stage depth, 2 warps, hints) against
 #           the table's BV 16 / 4 stages (84.1% of HBM at 96 x 64 for BV 8 / 4 stages at 3f6f223; target 85%)
-#   next: bash benchmarks/kda_round_h200.sh "verifykp replaygap", then SPEC_CONC=16 ... "specab" (batched EAGLE3)
+#   replaywy  the replay schedules' errors (N 1 / 8) and times at 1 / 4 / 16 / 64 sequences: the WY tile pass (the
+#           default) against its streaming tiles (KdaConfig(wy=True, keys_pass=True), not timed yet) and the loops;
+#           then the replay GPU tests
+#   next: bash benchmarks/kda_round_h200.sh "replaywy"; if the streaming tiles win, make them the replay default
+#   (kda_decode.kda_replay_layers) and re-run SPEC_CONC=16 ... "specab"
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "
@@ -98,6 +102,12 @@ fi
 if has replaygap; then
   timeout 200 python3 benchmarks/kda_replay_gap_h200.py --out "$OUT/kda_replay_gap_h200.json" 2>&1 \
     | tee "$OUT/kda_replay_gap.log" | tail -24
+fi
+if has replaywy; then
+  timeout 240 python3 benchmarks/kda_replay_gap_h200.py --repeats 1 --time 1,4,16,64 \
+    --out "$OUT/kda_replay_wy.json" 2>&1 | tee "$OUT/kda_replay_wy.log" | grep -E "wy|win |replay N"
+  timeout 200 python3 -m pytest -n "${PYTEST_N:-8}" tests/ops/test_triton_kda_replay.py -k gpu -rfEp --tb=short \
+    -p no:cacheprovider 2>&1 | tail -3
 fi
 if has nopdl; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" --pdl off \

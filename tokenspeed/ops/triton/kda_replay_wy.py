@@ -48,6 +48,7 @@ def _kda_replay_keys_kernel(
     QKV, stride_qkv, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh, CW, CS, stride_css, stride_csc, stride_csw,
     A_log, DT, SLOTS, CU, LENS, LOFF, SCR, lower_bound,
     H: tl.constexpr, D: tl.constexpr, TW: tl.constexpr, HAS_LB: tl.constexpr, PDL: tl.constexpr,
+    STREAM: tl.constexpr = False,
 ):
     _pdl_sync(PDL)  # the offset table may have been copied in just before: nothing is read ahead of the wait
     pid = tl.program_id(0)
@@ -81,12 +82,24 @@ def _kda_replay_keys_kernel(
         a_mat = tl.where(rows[:, None] > rows[None, :], tl.sum(k[:, None, :] * k[None, :, :] * w3, axis=2), 0.0)
         w1 = _unit_lower_inverse(a_mat * beta[:, None], eye, TW) * beta[None, :]
         glast = tl.sum(tl.where(rows[:, None] == TW - 1, lg, 0.0), axis=0)  # G at the last live row (no decay past)
-        base = SCR + (layer * tl.num_programs(0) + pid) * (2 * TW * D + TW * TW + D)
-        tl.store(base + rows[:, None] * D + ok[None, :], k * tl.exp(lg))  # Kd
-        tl.store(base + TW * D + rows[:, None] * D + ok[None, :], k * tl.exp(glast[None, :] - lg))  # Kt
-        tl.store(base + 2 * TW * D + rows[:, None] * TW + rows[None, :], w1)
-        tl.store(base + 2 * TW * D + TW * TW + ok, tl.exp(glast))  # d_a
+        kt = k * tl.exp(glast[None, :] - lg)
+        rw = rows[:, None] * D + ok[None, :]
         m = (ok * 0 + a) > 0
+        if STREAM:  # [Kd, M = W1^T Kt, the head's v conv Yv (TW x D each), d_a]; the v conv state advanced here too
+            base = SCR + (layer * tl.num_programs(0) + pid) * (3 * TW * D + D)
+            cv = 2 * H * D + cq
+            tl.store(base + 2 * TW * D + rw, _conv_rows(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, rows, cv,
+                                                        mrk, OUT_TY))
+            tl.store(base + rw, k * tl.exp(lg))
+            tl.store(base + TW * D + rw, tl.sum(w1[:, :, None] * kt[:, None, :], axis=0))  # row j: sum_t W1[t, j] Kt_t
+            tl.store(base + 3 * TW * D + ok, tl.exp(glast))
+            _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, a, cv, m)
+        else:  # [Kd, Kt (TW x D each), W1 (TW x TW), d_a]
+            base = SCR + (layer * tl.num_programs(0) + pid) * (2 * TW * D + TW * TW + D)
+            tl.store(base + rw, k * tl.exp(lg))
+            tl.store(base + TW * D + rw, kt)
+            tl.store(base + 2 * TW * D + rows[:, None] * TW + rows[None, :], w1)
+            tl.store(base + 2 * TW * D + TW * TW + ok, tl.exp(glast))
         _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, a, cq, m)  # reads, barrier, writes
         _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, a, ck, m)
 
@@ -141,26 +154,71 @@ def _kda_replay_tiles_kernel(
         _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, a, cv, (ov * 0 + a) > 0)
 
 
+@triton.jit
+def _kda_replay_stream_kernel(
+    S, stride_ss, SLOTS, CU, LENS, LOFF, SCR,
+    H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, TW: tl.constexpr, V_FIRST: tl.constexpr, PDL: tl.constexpr,
+):
+    """The tiles of the streaming form (`stream`): the key pass left Kd, M = W1^T Kt and the v conv Yv, so a tile
+    only reads its rows: S_new = diag(d_a) S + sum_j M_j (Yv_j - Kd_j S)^T, the key-axis rows (Kd_j, M_j, d_a)
+    loaded as [D, BV] tiles broadcast over V, in the layout of a [V, K] pool's tile (no conversion, and the
+    reductions over the key axis stay within a warp); no conv state here."""
+    pid_v = tl.program_id(0)
+    pid_nh = tl.program_id(1)
+    layer = tl.program_id(2)
+    S += tl.load(LOFF + layer * 8 + 7)  # before the PDL wait: see `_kda_replay_tiles_kernel`
+    n = pid_nh // H
+    h = pid_nh % H
+    slot, _, a = _accepted(SLOTS, CU, LENS, n)
+    ok = tl.arange(0, D)
+    ov = pid_v * BV + tl.arange(0, BV)
+    if V_FIRST:
+        p_s = S + slot * stride_ss + h * D * D + ov[None, :] * D + ok[:, None]
+    else:
+        p_s = S + slot * stride_ss + h * D * D + ok[:, None] * D + ov[None, :]
+    b_s = tl.load(p_s, mask=((ok * 0 + a) > 0)[:, None] & ((ov * 0 + 1) > 0)[None, :], other=0.0)
+    _pdl_sync(PDL)  # the key pass's scratch from here on
+
+    if a > 0:  # uniform over the program
+        base = SCR + (layer * tl.num_programs(1) + pid_nh) * (3 * TW * D + D)
+        krow = ok[:, None] + ov[None, :] * 0  # a key-axis row of the scratch, broadcast over the tile's V columns
+        acc = tl.load(base + 3 * TW * D + krow) * b_s
+        for j in tl.static_range(TW):  # dead rows (j >= a) hold zeros: they add nothing
+            r = tl.load(base + 2 * TW * D + j * D + ov) - tl.sum(tl.load(base + j * D + krow) * b_s, axis=0)
+            acc += tl.load(base + TW * D + j * D + krow) * r[None, :]  # M_j (Yv_j - (Kd S)_j)^T
+        tl.store(p_s, acc)
+
+
 def launch_replay_wy(qkv: Tensor, f3: Tensor, b: Tensor, cw: Tensor, conv_state: Tensor, A_log: Tensor,
                      dt_bias: Tensor, state: Tensor, offsets: Tensor, num_layers: int, state_indices: Tensor,
                      cu_seqlens: Tensor, seq_lens: Tensor, *, lower_bound: float | None, block_v: int, num_warps: int,
-                     max_seq_tokens: int, state_v_first: bool) -> None:
+                     max_seq_tokens: int, state_v_first: bool, stream: bool = False) -> None:
     """The two launches over layer 0's tensors and the layers' offset table (arguments as `kda_replay_layers` checked
     them; every sequence has at most max_seq_tokens <= MAX_WINDOW rows; D a power of two that block_v divides).
-    Mutates each layer's conv_state and state at the batch's slots."""
+    `stream`: the key pass also computes the v conv and M = W1^T Kt, so the tiles only stream
+    (`_kda_replay_stream_kernel`; opt-in, not timed yet). Mutates each layer's conv_state and state at the batch's
+    slots."""
     H, D = dt_bias.shape
     N = state_indices.numel()
     tw = window_rows(max_seq_tokens)
-    scratch = torch.empty(num_layers * N * H * (2 * tw * D + tw * tw + D), dtype=torch.float32, device=qkv.device)
+    per_head = 3 * tw * D + D if stream else 2 * tw * D + tw * tw + D
+    scratch = torch.empty(num_layers * N * H * per_head, dtype=torch.float32, device=qkv.device)
     use_pdl = pdl.enabled(qkv.device, "kda")
     _kda_replay_keys_kernel[(N * H, num_layers)](
         qkv, qkv.stride(0), f3, f3.stride(0), f3.stride(1), b, b.stride(0), b.stride(1),
         cw, conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), A_log, dt_bias,
         state_indices, cu_seqlens, seq_lens, offsets, scratch,
         float(lower_bound) if lower_bound is not None else 0.0,
-        H=H, D=D, TW=tw, HAS_LB=lower_bound is not None, PDL=use_pdl, num_warps=4,
+        H=H, D=D, TW=tw, HAS_LB=lower_bound is not None, PDL=use_pdl, STREAM=stream, num_warps=4,
         **pdl.launch_kwargs(qkv.device, "kda"),
     )
+    if stream:
+        _kda_replay_stream_kernel[(D // block_v, N * H, num_layers)](
+            state, state.stride(0), state_indices, cu_seqlens, seq_lens, offsets, scratch,
+            H=H, D=D, BV=block_v, TW=tw, V_FIRST=bool(state_v_first), PDL=use_pdl, num_warps=num_warps,
+            **pdl.launch_kwargs(qkv.device, "kda"),
+        )
+        return
     _kda_replay_tiles_kernel[(D // block_v, N * H, num_layers)](
         qkv, qkv.stride(0), cw, conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         state, state.stride(0), state_indices, cu_seqlens, seq_lens, offsets, scratch,
