@@ -21,6 +21,7 @@ import argparse
 import json
 
 import torch
+from graph_timing import events_ms
 
 from tests.ops.test_triton_kda_decode import make
 from tests.ops.triton_env import rel_err
@@ -74,19 +75,9 @@ def time_replay(L: int, N: int, accept: int, cfg: KdaConfig, iters: int = 20) ->
     table = KdaLayerTable.build([KdaLayerTensors(*(x[k] for k in KdaLayerTensors._fields)) for x in layers],
                                 strict=True)
     acc = torch.full((N,), accept, device=DEV)
-    run = lambda: kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], acc,
-                                    lower_bound=LOWER, config=cfg, state_v_first=True, max_seq_tokens=K)
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    us = sorted(times)[len(times) // 2]
+    us = 1e3 * events_ms(lambda: kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], acc,
+                                                   lower_bound=LOWER, config=cfg, state_v_first=True,
+                                                   max_seq_tokens=K), reps=iters)
     floor = 2 * N * H * L * D * D * 4 / 4.27e12 * 1e6
     print(f"replay N={N:2d} L={L} accept {accept} {cfg.label:24s} {us:9.1f} us  floor {floor:7.1f} us "
           f"({100 * floor / us:5.1f}% of HBM)", flush=True)

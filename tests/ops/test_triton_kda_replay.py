@@ -44,13 +44,15 @@ def pools(layers: list[dict]) -> list[torch.Tensor]:
     return [t.clone() for inp in layers for t in (inp["conv_state"], inp["state"])]
 
 
-def reference_replay(layers: list[dict], accepted: torch.Tensor, monkeypatch) -> list[torch.Tensor]:
-    """Pools after per-layer reference `ops.kda_decode` replays on copies of the layers."""
+def reference_replay(layers: list[dict], accepted: torch.Tensor, monkeypatch,
+                     lower_bound: float | None = LOWER) -> list[torch.Tensor]:
+    """Pools after per-layer reference `ops.kda_decode` replays on copies of the layers (the gate's lower bound as
+    given; None: the softplus gate)."""
     monkeypatch.setenv("TOKENSPEED_OPS", "reference")
     out = []
     for inp in layers:
         x = dict(inp, conv_state=inp["conv_state"].clone(), state=inp["state"].clone())
-        ops.kda_decode(**x, lower_bound=LOWER, scale=1.0, update_state=True, seq_lens=accepted)
+        ops.kda_decode(**x, lower_bound=lower_bound, scale=1.0, update_state=True, seq_lens=accepted)
         out += [x["conv_state"], x["state"]]
     return out
 
@@ -290,18 +292,6 @@ def test_replay_under_a_forced_wy_label_runs_split(monkeypatch):
                               lower_bound=LOWER, config=kc.KdaConfig(32, wy=True))
 
 
-def replay_reference(layers: list[dict], accepted: torch.Tensor, lower_bound: float | None,
-                     monkeypatch) -> list[torch.Tensor]:
-    """`reference_replay` with the gate's lower bound as given (None: the softplus gate)."""
-    monkeypatch.setenv("TOKENSPEED_OPS", "reference")
-    out = []
-    for inp in layers:
-        x = dict(inp, conv_state=inp["conv_state"].clone(), state=inp["state"].clone())
-        ops.kda_decode(**x, lower_bound=lower_bound, scale=1.0, update_state=True, seq_lens=accepted)
-        out += [x["conv_state"], x["state"]]
-    return out
-
-
 def count_wy(monkeypatch) -> dict[str, int]:
     """Count the two-launch WY replay's calls."""
     from tokenspeed.ops.triton import kda_decode as mod
@@ -331,7 +321,7 @@ def test_wy_replay_equals_per_layer_reference(k, lower_bound, v_first, stream, m
     accepted = torch.tensor([0, k, 2, 3, 1, k + 2, 3])
     used = [s for s in slots if s >= 0]
     layers = make_layers(L, lens, H, D, slots, S)
-    want = replay_reference(layers, accepted, lower_bound, monkeypatch)
+    want = reference_replay(layers, accepted, monkeypatch, lower_bound)
     if v_first:
         for inp in layers:
             inp["state"] = inp["state"].transpose(-1, -2).contiguous()

@@ -107,6 +107,15 @@ def _pdl_sync(PDL: tl.constexpr):
 
 
 @triton.jit
+def _layer_bases(LOFF, layer, QKV, F, Bt, CW, CS, A_log, DT, S):
+    """A multi-layer launch's pointers for `layer`: layer 0's plus row `layer` of the offset table (element
+    offsets; columns: kda_layers.LAYER_FIELDS)."""
+    row = LOFF + layer * 8
+    return (QKV + tl.load(row + 0), F + tl.load(row + 1), Bt + tl.load(row + 2), CW + tl.load(row + 3),
+            CS + tl.load(row + 4), A_log + tl.load(row + 5), DT + tl.load(row + 6), S + tl.load(row + 7))
+
+
+@triton.jit
 def _prefetch_l2(ptrs, mask, base):
     """An L2 prefetch hint for every address of `ptrs` (lanes outside `mask` prefetch `base`, a valid address).
     Nothing is read into registers, so it is correct whatever wrote (or later writes) the memory: L2 is the point
@@ -456,15 +465,7 @@ def _kda_decode_kernel(
         # before the PDL wait in this launch (the replay graph's only kernel gains nothing from it anyway).
         _pdl_sync(PDL)
         layer = tl.program_id(2)
-        row = LOFF + layer * 8  # columns: kda_layers.LAYER_FIELDS
-        QKV += tl.load(row + 0)
-        F += tl.load(row + 1)
-        Bt += tl.load(row + 2)
-        CW += tl.load(row + 3)
-        CS += tl.load(row + 4)
-        A_log += tl.load(row + 5)
-        DT += tl.load(row + 6)
-        S += tl.load(row + 7)
+        QKV, F, Bt, CW, CS, A_log, DT, S = _layer_bases(LOFF, layer, QKV, F, Bt, CW, CS, A_log, DT, S)
         CNT += layer * tl.num_programs(1)  # a V-split counter per (layer, sequence, head)
     n = pid_nh // H
     h = pid_nh % H

@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from tokenspeed.ops.triton import pdl
-from tokenspeed.ops.triton.kda_decode_kernel import _pdl_sync, _store_conv_state
+from tokenspeed.ops.triton.kda_decode_kernel import _layer_bases, _pdl_sync, _store_conv_state
 from tokenspeed.ops.triton.kda_verify_wy import _conv_rows, _key_rows, _mm, _seq_row, _unit_lower_inverse, window_rows
 
 
@@ -44,6 +44,17 @@ def _accepted(SLOTS, CU, LENS, n):
 
 
 @triton.jit
+def _load_tile(S, stride_ss, slot, h, a, ok, ov, D: tl.constexpr, V_FIRST: tl.constexpr):
+    """(pointers, values) of head h's [D, BV] state tile of V columns `ov` in `slot`; zeros, nothing read, when
+    a = 0. Element (k, v) of a head's state: v * D + k ([V, K] pools, V_FIRST) or k * D + v."""
+    if V_FIRST:
+        p_s = S + slot * stride_ss + h * D * D + ov[None, :] * D + ok[:, None]
+    else:
+        p_s = S + slot * stride_ss + h * D * D + ok[:, None] * D + ov[None, :]
+    return p_s, tl.load(p_s, mask=((ok * 0 + a) > 0)[:, None] & ((ov * 0 + 1) > 0)[None, :], other=0.0)
+
+
+@triton.jit
 def _kda_replay_keys_kernel(
     QKV, stride_qkv, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh, CW, CS, stride_css, stride_csc, stride_csw,
     A_log, DT, SLOTS, CU, LENS, LOFF, SCR, lower_bound,
@@ -53,14 +64,7 @@ def _kda_replay_keys_kernel(
     _pdl_sync(PDL)  # the offset table may have been copied in just before: nothing is read ahead of the wait
     pid = tl.program_id(0)
     layer = tl.program_id(1)
-    row = LOFF + layer * 8  # columns: kda_layers.LAYER_FIELDS
-    QKV += tl.load(row + 0)
-    F += tl.load(row + 1)
-    Bt += tl.load(row + 2)
-    CW += tl.load(row + 3)
-    CS += tl.load(row + 4)
-    A_log += tl.load(row + 5)
-    DT += tl.load(row + 6)
+    QKV, F, Bt, CW, CS, A_log, DT, _ = _layer_bases(LOFF, layer, QKV, F, Bt, CW, CS, A_log, DT, QKV)
     OUT_TY = QKV.dtype.element_ty  # the conv output's rounding, as in the split replay
     n = pid // H
     h = pid % H
@@ -126,11 +130,7 @@ def _kda_replay_tiles_kernel(
     slot, bos, a = _accepted(SLOTS, CU, LENS, n)
     ok = tl.arange(0, D)
     ov = pid_v * BV + tl.arange(0, BV)
-    if V_FIRST:  # element (k, v) of the head's state: v * D + k ([V, K] pools) or k * D + v
-        p_s = S + slot * stride_ss + h * D * D + ov[None, :] * D + ok[:, None]
-    else:
-        p_s = S + slot * stride_ss + h * D * D + ok[:, None] * D + ov[None, :]
-    b_s = tl.load(p_s, mask=((ok * 0 + a) > 0)[:, None] & ((ov * 0 + 1) > 0)[None, :], other=0.0)
+    p_s, b_s = _load_tile(S, stride_ss, slot, h, a, ok, ov, D, V_FIRST)
     _pdl_sync(PDL)  # the key pass's scratch from here on
 
     if a > 0:  # uniform over the program
@@ -172,11 +172,7 @@ def _kda_replay_stream_kernel(
     slot, _, a = _accepted(SLOTS, CU, LENS, n)
     ok = tl.arange(0, D)
     ov = pid_v * BV + tl.arange(0, BV)
-    if V_FIRST:
-        p_s = S + slot * stride_ss + h * D * D + ov[None, :] * D + ok[:, None]
-    else:
-        p_s = S + slot * stride_ss + h * D * D + ok[:, None] * D + ov[None, :]
-    b_s = tl.load(p_s, mask=((ok * 0 + a) > 0)[:, None] & ((ov * 0 + 1) > 0)[None, :], other=0.0)
+    p_s, b_s = _load_tile(S, stride_ss, slot, h, a, ok, ov, D, V_FIRST)
     _pdl_sync(PDL)  # the key pass's scratch from here on
 
     if a > 0:  # uniform over the program
