@@ -15,6 +15,11 @@ the token-by-token recurrence in another summation order (fp32; ~1e-6 relative t
 - `_kda_replay_tiles_kernel`, grid (D / BV, N * H, L): the [D, BV] state tile (read before the PDL wait: only KDA
   launches of earlier steps write the pool), the tile's v conv, Kd S, U and the new tile, written in place; then
   the tile's v conv-state columns advanced.
+- The streaming form (`stream`, an explicit `KdaConfig(wy=True, keys_pass=True)`; not timed yet): the key pass also
+  computes the head's v conv Yv and M = W1^T Kt and advances all of the head's conv-state columns, so
+  S_new = diag(d_a) S + sum_j M_j (Yv_j - (Kd S)_j)^T and `_kda_replay_stream_kernel` only reads its tile and the
+  scratch rows and writes the tile (on sm_90 at BV 32 and [V, K] pools: 96 registers and 1 layout conversion
+  against 212 and 14 for the tile pass). Scratch 4 (3 TW D + D) bytes per (sequence, head, layer).
 
 Each launch reads only device values (slots, bounds, accepted counts, the layers' offset table: CUDA-graph safe).
 Sequences with no accepted token and padding rows (slot < 0) touch nothing. Layers are addressed as
