@@ -240,6 +240,15 @@ def _check_norm(gate: Tensor | None, weight: Tensor | None, T: int, H: int, D: i
     return g3
 
 
+def _wy_replay_unsupported(D: int, block_v: int, max_seq_tokens: int | None) -> str | None:
+    """None when the WY replay takes head dim D in V tiles of block_v under the caller's bound on every sequence's
+    rows, else why not."""
+    why = wy_shape_unsupported(D, block_v)
+    if why is None and (max_seq_tokens is None or max_seq_tokens > MAX_WINDOW):
+        why = f"the WY replay needs max_seq_tokens <= {MAX_WINDOW} (every sequence's rows); got {max_seq_tokens}"
+    return why
+
+
 def kda_replay_layers(
     table: KdaLayerTable,
     state_indices: Tensor,
@@ -278,9 +287,7 @@ def kda_replay_layers(
     stream = opts.pop("KP") and explicit  # the WY replay's streaming tiles: opt-in (not timed yet)
     if opts.pop("WY"):
         wy_bv = opts["BV"] if explicit or BV is not None else replay_wy_block_v(D)  # a table row: the replay's own
-        why = wy_shape_unsupported(D, wy_bv)
-        if why is None and (max_seq_tokens is None or max_seq_tokens > MAX_WINDOW):
-            why = f"the WY replay needs max_seq_tokens <= {MAX_WINDOW} (every sequence's rows); got {max_seq_tokens}"
+        why = _wy_replay_unsupported(D, wy_bv, max_seq_tokens)
         if why is None:
             lens = seq_lens if seq_lens is not None else torch.diff(cu_seqlens)
             launch_replay_wy(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, table.offsets, L, state_indices,
