@@ -44,7 +44,8 @@ class KdaConfig(NamedTuple):
     keys_pass (with wy, when the caller bounds every sequence by the window: `max_seq_tokens`): the WY form in two
     launches, the window's key side per (sequence, head) into fp32 scratch, then (V tile, sequence, head) programs
     that only stream the state (`kda_verify_keys.py`); 1.05-1.2x over the one-launch form from 4 sequences x 32 heads
-    on the H200 (the default from 96 pairs), slower at 32 x 1 (13.1 vs the window loop's 9.8 us).
+    on the H200 (the default from 96 pairs), slower at 32 x 1 (13.1 vs the window loop's 9.8 us). For the replay
+    (`kda_replay_layers`), an explicit wy + keys_pass config takes the WY replay's streaming tiles (not timed yet).
     """
 
     block_v: int
