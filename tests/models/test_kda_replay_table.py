@@ -75,7 +75,8 @@ def test_table_of_another_verification_is_refused() -> None:
 
 @cpu_interp
 def test_triton_replay_is_one_launch(monkeypatch) -> None:
-    """TOKENSPEED_OPS=triton, interpreter: one multi-layer launch, no per-layer ones; pools as the reference."""
+    """TOKENSPEED_OPS=triton, interpreter: one multi-layer launch, no per-layer ones, told the verify window (the
+    WY replay's bound); pools as the reference."""
     from tokenspeed.ops.triton import kda_decode as mod
 
     model, cache, vb = _verified("tiny-kimi-linear")
@@ -83,15 +84,15 @@ def test_triton_replay_is_one_launch(monkeypatch) -> None:
                              [t.clone() for t in cache.kda_recurrent], replay=dict(cache.replay))
     accepted = torch.tensor([4, 2])
     model.replay_kda(ref_cache, vb, accepted)  # reference (CPU tensors, auto mode)
-    calls = {"multi": 0, "single": 0}
+    calls, bounds = {"multi": 0, "single": 0}, []
     multi, single = mod.kda_replay_layers, mod.kda_decode
     monkeypatch.setattr(mod, "kda_replay_layers", lambda *a, **k: calls.__setitem__("multi", 1 + calls["multi"])
-                        or multi(*a, **k))
+                        or bounds.append(k.get("max_seq_tokens")) or multi(*a, **k))
     monkeypatch.setattr(mod, "kda_decode", lambda *a, **k: calls.__setitem__("single", 1 + calls["single"])
                         or single(*a, **k))
     monkeypatch.setenv("TOKENSPEED_OPS", "triton")
     assert ops.dispatch.kda_replay_layers_unsupported(model.kda_replay_table(cache)) is None
     model.replay_kda(cache, vb, accepted)
-    assert calls == {"multi": 1, "single": 0}
+    assert calls == {"multi": 1, "single": 0} and bounds == [4]
     for a, b in zip(_pools(cache), _pools(ref_cache)):
         assert rel_err(a, b) < 1e-5
