@@ -36,7 +36,15 @@ from torch import Tensor
 
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton.kda_decode_kernel import _layer_bases, _pdl_sync, _store_conv_state
-from tokenspeed.ops.triton.kda_verify_wy import _conv_rows, _key_rows, _mm, _seq_row, _unit_lower_inverse, window_rows
+from tokenspeed.ops.triton.kda_verify_wy import (
+    _conv_rows,
+    _key_rows,
+    _mm,
+    _seq_row,
+    _tile_ptrs,
+    _unit_lower_inverse,
+    window_rows,
+)
 
 
 @triton.jit
@@ -51,11 +59,8 @@ def _accepted(SLOTS, CU, LENS, n):
 @triton.jit
 def _load_tile(S, stride_ss, slot, h, a, ok, ov, D: tl.constexpr, V_FIRST: tl.constexpr):
     """(pointers, values) of head h's [D, BV] state tile of V columns `ov` in `slot`; zeros, nothing read, when
-    a = 0. Element (k, v) of a head's state: v * D + k ([V, K] pools, V_FIRST) or k * D + v."""
-    if V_FIRST:
-        p_s = S + slot * stride_ss + h * D * D + ov[None, :] * D + ok[:, None]
-    else:
-        p_s = S + slot * stride_ss + h * D * D + ok[:, None] * D + ov[None, :]
+    a = 0 (the sequence applies no token)."""
+    p_s = _tile_ptrs(S, stride_ss, slot, h, ok, ov, D, V_FIRST)
     return p_s, tl.load(p_s, mask=((ok * 0 + a) > 0)[:, None] & ((ov * 0 + 1) > 0)[None, :], other=0.0)
 
 

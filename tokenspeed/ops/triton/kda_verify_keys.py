@@ -27,7 +27,7 @@ from torch import Tensor
 
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton.kda_decode_kernel import _norm_rows, _pdl_sync
-from tokenspeed.ops.triton.kda_verify_wy import _conv_rows, _mm, _seq_row, _window_form, window_rows
+from tokenspeed.ops.triton.kda_verify_wy import _conv_rows, _mm, _seq_row, _tile_ptrs, _window_form, window_rows
 
 
 @triton.jit
@@ -69,10 +69,7 @@ def _kda_verify_tiles_kernel(
     slot_raw, slot, bos, seq_len = _seq_row(SLOTS, CU, n)
     ok = tl.arange(0, D)
     ov = pid_v * BV + tl.arange(0, BV)
-    if V_FIRST:
-        b_s = tl.load(S + slot * stride_ss + h * D * D + ov[None, :] * D + ok[:, None])
-    else:
-        b_s = tl.load(S + slot * stride_ss + h * D * D + ok[:, None] * D + ov[None, :])
+    b_s = tl.load(_tile_ptrs(S, stride_ss, slot, h, ok, ov, D, V_FIRST))
     _pdl_sync(PDL)  # the key pass's scratch from here on
 
     rows = tl.arange(0, TW)

@@ -72,6 +72,15 @@ def _seq_row(SLOTS, CU, n):
 
 
 @triton.jit
+def _tile_ptrs(S, stride_ss, slot, h, ok, ov, D: tl.constexpr, V_FIRST: tl.constexpr):
+    """Pointers of head h's [D, BV] state tile of V columns `ov` in `slot`: element (k, v) of a head's state is
+    v * D + k in a [V, K] pool (V_FIRST; a tile is BV contiguous rows) or k * D + v."""
+    if V_FIRST:
+        return S + slot * stride_ss + h * D * D + ov[None, :] * D + ok[:, None]
+    return S + slot * stride_ss + h * D * D + ok[:, None] * D + ov[None, :]
+
+
+@triton.jit
 def _mm(a, b):
     """a @ b of small register tensors ([M, K] x [K, N], fp32) as a broadcast product summed over K."""
     return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
