@@ -112,16 +112,11 @@ def variants() -> list[tuple[str, callable]]:
                                                                    config=kd.KdaConfig(16, window=True))),
             ("replay-3l-window-bv64", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0,
                                                                    config=kd.KdaConfig(64, window=True))),
-            ("replay-3l-wy-bv16", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0,
-                                                               config=kd.KdaConfig(16, wy=True), max_seq_tokens=4)),
             ("replay-3l-wy-bv32", lambda: kd.kda_replay_layers(table, slots, cu, acc, lower_bound=-5.0,
                                                                config=kd.KdaConfig(32, wy=True), max_seq_tokens=4)),
-            ("replay-3l-wy-stream-bv16", lambda: kd.kda_replay_layers(
-                table, slots, cu, acc, lower_bound=-5.0, config=kd.KdaConfig(16, wy=True, keys_pass=True),
-                max_seq_tokens=4, state_v_first=True)),
-            ("replay-3l-wy-stream-bv32", lambda: kd.kda_replay_layers(
-                table, slots, cu, acc, lower_bound=-5.0, config=kd.KdaConfig(32, wy=True, keys_pass=True),
-                max_seq_tokens=4, state_v_first=True)),
+            ("replay-3l-wy-bv64-vfirst", lambda: kd.kda_replay_layers(
+                table, slots, cu, acc, lower_bound=-5.0, config=kd.KdaConfig(64, wy=True), max_seq_tokens=4,
+                state_v_first=True)),
             ("replay-3l-wy-bv32-vfirst", lambda: kd.kda_replay_layers(
                 table, slots, cu, acc, lower_bound=-5.0, config=kd.KdaConfig(32, wy=True), max_seq_tokens=4,
                 state_v_first=True))]
@@ -133,7 +128,7 @@ def capture(thunk, use_pdl: bool = True) -> list[Launch]:
     dropped)."""
     calls = catch_launches({kd: ("_kda_decode_kernel",), kdw: ("_kda_verify_wy_kernel",),
                             kdk: ("_kda_verify_keys_kernel", "_kda_verify_tiles_kernel"),
-                            kdr: ("_kda_replay_keys_kernel", "_kda_replay_tiles_kernel", "_kda_replay_stream_kernel")}, thunk, pdl_on=use_pdl,
+                            kdr: ("_kda_replay_keys_kernel", "_kda_replay_tiles_kernel")}, thunk, pdl_on=use_pdl,
                            drop_launch_pdl=True)
     assert 1 <= len(calls) <= 2, calls
     return calls

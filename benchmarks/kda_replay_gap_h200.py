@@ -57,14 +57,10 @@ def errors(layers: list[dict], want: list[dict], acc: torch.Tensor, slots: list[
 
 # The replay schedules timed (--time): the default's split form (window, BV 16 from 1024 programs), other split
 # forms, and the chunked schedule (one program per head, the tiles pipelined; every token re-streams the state).
-# The WY replay (two launches, kda_replay_wy.py) at three tile widths, and its streaming tiles (keys_pass: the key
-# pass also takes the v conv; sm_90 on [V, K] pools: 96 registers / 1 layout conversion at BV 32 against 212 / 14
-# for the tile pass, `kda_compile_sm90.py --only replay-3l-wy`).
+# The WY replay (two launches, kda_replay_wy.py; keys_pass makes no difference to it) at three tile widths.
 TIMED = [KdaConfig(16, window=True), KdaConfig(32, window=True), KdaConfig(32), KdaConfig(32, chunked=True,
          num_stages=3), KdaConfig(16, chunked=True, num_stages=4), KdaConfig(8, chunked=True, num_stages=4),
-         KdaConfig(32, wy=True), KdaConfig(16, wy=True), KdaConfig(8, wy=True),
-         KdaConfig(32, wy=True, keys_pass=True), KdaConfig(16, wy=True, keys_pass=True),
-         KdaConfig(64, wy=True, keys_pass=True)]
+         KdaConfig(64, wy=True), KdaConfig(32, wy=True), KdaConfig(16, wy=True)]
 
 
 def time_replay(L: int, N: int, accept: int, cfg: KdaConfig, iters: int = 20) -> dict:
@@ -106,7 +102,6 @@ def main() -> None:
     configs = [KdaConfig(D // 4), KdaConfig(D // 4, window=True)]
     configs += [KdaConfig(D // r, chunked=True, num_stages=s) for r in (2, 4, 8) for s in (1, 2, 3)]
     configs += [KdaConfig(D // 8, wy=True), KdaConfig(D // 4, wy=True)]  # the WY replay (another summation order)
-    configs += [KdaConfig(D // 8, wy=True, keys_pass=True), KdaConfig(D // 4, wy=True, keys_pass=True)]
     rows = []
     for N in (int(x) for x in args.seqs.split(",")):
         layers, want, acc, slots = case(args.layers, N)

@@ -196,7 +196,7 @@ def test_layer_offsets_host_checks():
 # (config, window bound passed, tolerance): the default without the bound takes the window loop, with it the WY replay.
 REPLAYS = {"default-unbounded": (None, False, 1e-3), "default": (None, True, 1e-3),
            "chunked-bv64": (64, False, 1e-5), "chunked-bv32": (32, False, 1e-5), "chunked-bv16": (16, False, 1e-5),
-           "wy-bv32": ("wy", True, 1e-3), "wy-stream-bv32": ("stream", True, 1e-3)}
+           "wy-bv32": (32, True, 1e-3), "wy-bv64": (64, True, 1e-3)}
 
 
 @needs_cuda
@@ -205,13 +205,13 @@ REPLAYS = {"default-unbounded": (None, False, 1e-3), "default": (None, True, 1e-
 def test_multi_layer_replay_graph_gpu(N, schedule):
     """kimi-linear-48b-a3b replay shapes (20 KDA layers, 32 heads, head dim 128, k = 4): the multi-layer launch,
     captured in a CUDA graph with its table built before capture, equals 20 per-layer Triton split replays (the
-    default launch with and without the window bound, the chunked schedule at a block_v, the WY replay at BV 32 and
-    its streaming tiles)."""
+    default launch with and without the window bound, the chunked schedule at a block_v, the WY replay at BV 32
+    and 64)."""
     from tokenspeed.ops.triton.kda_decode import KdaConfig, kda_decode, kda_replay_layers
 
     L, H, D, k, S = 20, 32, 128, 4, 2 * N + 3
     how, bounded, tol = REPLAYS[schedule]
-    cfg = (KdaConfig(32, wy=True, keys_pass=how == "stream") if how in ("wy", "stream")
+    cfg = (KdaConfig(how, wy=True) if schedule.startswith("wy")
            else KdaConfig(how, chunked=True, num_stages=3) if how else None)
     bound = k if bounded else None
     lens = [k] * N
@@ -303,16 +303,14 @@ def count_wy(monkeypatch) -> dict[str, int]:
 
 
 @cpu_interp
-@pytest.mark.parametrize("stream", [False, True], ids=["tiles", "stream"])
 @pytest.mark.parametrize("v_first", [False, True], ids=["kv", "vk"])
 @pytest.mark.parametrize("lower_bound", [LOWER, None], ids=["bounded", "softplus"])
 @pytest.mark.parametrize("k", [4, 6])
-def test_wy_replay_equals_per_layer_reference(k, lower_bound, v_first, stream, monkeypatch):
-    """The two-launch WY replay (`KdaConfig(wy=True)` and a window bound; kda_replay_wy.py), with its tile pass or
-    its streaming tiles (`keys_pass=True`), leaves the pools the per-layer reference replay leaves: accepted counts
-    0..k and one past k (clamped), a padding row, a sequence with fewer rows than the bound, windows of 4 and 8
-    rows (k 6), both gates, [K, V] and [V, K] pools; slots outside the batch untouched (NaN), the weights' tails
-    intact."""
+def test_wy_replay_equals_per_layer_reference(k, lower_bound, v_first, monkeypatch):
+    """The two-launch WY replay (`KdaConfig(wy=True)` and a window bound; kda_replay_wy.py) leaves the pools the
+    per-layer reference replay leaves: accepted counts 0..k and one past k (clamped), a padding row, a sequence with
+    fewer rows than the bound, windows of 4 and 8 rows (k 6), both gates, [K, V] and [V, K] pools; slots outside
+    the batch untouched (NaN), the weights' tails intact."""
     from tokenspeed.ops.triton import kda_decode as mod
 
     H, D, L, S = 2, 16, 2, 11
@@ -329,7 +327,7 @@ def test_wy_replay_equals_per_layer_reference(k, lower_bound, v_first, stream, m
     calls = count_wy(monkeypatch)
     table = KdaLayerTable.build([tensors(inp) for inp in layers], strict=True)
     mod.kda_replay_layers(table, layers[0]["state_indices"], layers[0]["cu_seqlens"], accepted,
-                          lower_bound=lower_bound, config=mod.KdaConfig(8, wy=True, keys_pass=stream), max_seq_tokens=k,
+                          lower_bound=lower_bound, config=mod.KdaConfig(8, wy=True), max_seq_tokens=k,
                           state_v_first=v_first)
     assert calls["wy"] == 1
     got = [t.transpose(-1, -2) if v_first and i % 2 else t for i, t in enumerate(pools(layers))]
@@ -362,3 +360,14 @@ def test_default_replay_takes_wy_from_96_programs_with_a_bound(monkeypatch):
                           max_seq_tokens=k)
     assert calls["wy"] == 1
     assert_pools_match(pools(layers), want, [s for s in slots if s >= 0])
+
+
+def test_replay_wy_block_v_follows_its_table():
+    """The WY replay's V tile: wide tiles while the grid is small (1 sequence x 32 heads x 20 layers), 32 from
+    REPLAY_WY_TABLE's bound on, never wider than the head dim, and a divisor of it."""
+    from tokenspeed.ops.triton import kda_config as kc
+
+    assert kc.replay_wy_block_v(128, 32 * 20) == 64
+    assert kc.replay_wy_block_v(128, 4 * 32 * 20) == 32
+    assert kc.replay_wy_block_v(32, 640) == 32
+    assert all(96 % kc.replay_wy_block_v(96, n) == 0 for n in (1, 640, 10_000))

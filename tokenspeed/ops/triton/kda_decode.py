@@ -269,8 +269,8 @@ def kda_replay_layers(
     (NV, N * H, L), no outputs (the q path is not computed); config and overrides as in `kda_decode` (the default
     is chosen for the N * H * L programs and ceil(T / N) tokens per sequence). A WY config (the default's from
     `MULTI_TABLE`'s WY row) with `max_seq_tokens` <= MAX_WINDOW, the caller's bound on every sequence's rows, takes
-    the two-launch WY replay (`kda_replay_wy.py`; an explicit `KdaConfig(wy=True, keys_pass=True)` its streaming
-    tiles); without the bound its split form. Raises ValueError when
+    the two-launch WY replay (`kda_replay_wy.py`, its V tile from `REPLAY_WY_TABLE` unless given); without the
+    bound its split form. Raises ValueError when
     `dispatch.kda_replay_layers_unsupported(table)` names a reason, or for an explicit WY config it cannot run."""
     why = kda_replay_layers_unsupported(table)
     if why is not None:
@@ -284,16 +284,16 @@ def kda_replay_layers(
     explicit = config is not None
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
-    stream = opts.pop("KP") and explicit  # the WY replay's streaming tiles: opt-in (not timed yet)
+    opts.pop("KP")  # the WY replay always runs in two launches
     if opts.pop("WY"):
-        wy_bv = opts["BV"] if explicit or BV is not None else replay_wy_block_v(D)  # a table row: the replay's own
+        wy_bv = opts["BV"] if explicit or BV is not None else replay_wy_block_v(D, N * H * L)  # a row: the replay's
         why = _wy_replay_unsupported(D, wy_bv, max_seq_tokens)
         if why is None:
             lens = seq_lens if seq_lens is not None else torch.diff(cu_seqlens)
             launch_replay_wy(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, table.offsets, L, state_indices,
                              cu_seqlens, lens, lower_bound=lower_bound, block_v=wy_bv,
                              num_warps=opts["num_warps"], max_seq_tokens=max_seq_tokens,
-                             state_v_first=state_v_first, stream=stream)
+                             state_v_first=state_v_first)
             return
         if explicit:  # a default (or a label from MULTI_ENV) runs its split form instead
             raise ValueError(f"kda_replay_layers: {why}")

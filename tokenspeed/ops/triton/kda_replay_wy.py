@@ -10,21 +10,19 @@ two reductions over the tile wait on the previous token; at 16 sequences x 32 he
 
 the token-by-token recurrence in another summation order (fp32; ~1e-6 relative to it).
 
-- `_kda_replay_keys_kernel`, grid (N * H, L): per (sequence, head, layer) Kd, Kt [TW, D], W1 [TW, TW] and d_a [D]
-  into fp32 scratch; then that head's q / k conv-state columns advanced by the a tokens.
+- `_kda_replay_keys_kernel`, grid (N * H, L): per (sequence, head, layer) the key side into fp32 scratch, Kd and
+  M = W1^T Kt [TW, D], the head's v conv Yv [TW, D] and d_a [D]; then all of the head's conv-state columns
+  advanced by the a tokens.
 - `_kda_replay_tiles_kernel`, grid (D / BV, N * H, L): the [D, BV] state tile (read before the PDL wait: only KDA
-  launches of earlier steps write the pool), the tile's v conv, Kd S, U and the new tile, written in place; then
-  the tile's v conv-state columns advanced.
-- The streaming form (`stream`, an explicit `KdaConfig(wy=True, keys_pass=True)`; not timed yet): the key pass also
-  computes the head's v conv Yv and M = W1^T Kt and advances all of the head's conv-state columns, so
-  S_new = diag(d_a) S + sum_j M_j (Yv_j - (Kd S)_j)^T and `_kda_replay_stream_kernel` only reads its tile and the
-  scratch rows and writes the tile (on sm_90 at BV 32 and [V, K] pools: 96 registers and 1 layout conversion
-  against 212 and 14 for the tile pass). Scratch 4 (3 TW D + D) bytes per (sequence, head, layer).
+  launches of earlier steps write the pool), S_new = diag(d_a) S + sum_j M_j (Yv_j - (Kd S)_j)^T from the scratch
+  rows, written in place. A tile only streams: on sm_90 at BV 32 and [V, K] pools it compiles to 96 registers and
+  1 layout conversion (`kda_compile_sm90.py --only replay`), against 212 and 14 for an earlier tile pass that
+  computed the v conv and U = W1 (V - Kd S) per tile, and it is 2.1-2.6x faster (benchmarks/README.md).
 
 Each launch reads only device values (slots, bounds, accepted counts, the layers' offset table: CUDA-graph safe).
 Sequences with no accepted token and padding rows (slot < 0) touch nothing. Layers are addressed as
 `kda_decode_kernel`'s multi-layer launch does: layer l's tensors are layer 0's plus row l of the offset table. The
-scratch is 4 (2 TW D + TW^2 + D) bytes per (sequence, head, layer): 3.7% of the state bytes at TW 4 and D 128.
+scratch is 4 (3 TW D + D) bytes per (sequence, head, layer): 10% of a head's fp32 state at TW 4 and D 128.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ from tokenspeed.ops.triton.kda_decode_kernel import _layer_bases, _pdl_sync, _st
 from tokenspeed.ops.triton.kda_verify_wy import (
     _conv_rows,
     _key_rows,
-    _mm,
     _seq_row,
     _tile_ptrs,
     _unit_lower_inverse,
@@ -69,7 +66,6 @@ def _kda_replay_keys_kernel(
     QKV, stride_qkv, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh, CW, CS, stride_css, stride_csc, stride_csw,
     A_log, DT, SLOTS, CU, LENS, LOFF, SCR, lower_bound,
     H: tl.constexpr, D: tl.constexpr, TW: tl.constexpr, HAS_LB: tl.constexpr, PDL: tl.constexpr,
-    STREAM: tl.constexpr = False,
 ):
     _pdl_sync(PDL)  # the offset table may have been copied in just before: nothing is read ahead of the wait
     pid = tl.program_id(0)
@@ -99,84 +95,33 @@ def _kda_replay_keys_kernel(
         kt = k * tl.exp(glast[None, :] - lg)
         rw = rows[:, None] * D + ok[None, :]
         m = (ok * 0 + a) > 0
-        if STREAM:  # [Kd, M = W1^T Kt, the head's v conv Yv (TW x D each), d_a]; the v conv state advanced here too
-            base = SCR + (layer * tl.num_programs(0) + pid) * (3 * TW * D + D)
-            cv = 2 * H * D + cq
-            tl.store(base + 2 * TW * D + rw, _conv_rows(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, rows, cv,
-                                                        mrk, OUT_TY))
-            tl.store(base + rw, k * tl.exp(lg))
-            tl.store(base + TW * D + rw, tl.sum(w1[:, :, None] * kt[:, None, :], axis=0))  # row j: sum_t W1[t, j] Kt_t
-            tl.store(base + 3 * TW * D + ok, tl.exp(glast))
-            _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, a, cv, m)
-        else:  # [Kd, Kt (TW x D each), W1 (TW x TW), d_a]
-            base = SCR + (layer * tl.num_programs(0) + pid) * (2 * TW * D + TW * TW + D)
-            tl.store(base + rw, k * tl.exp(lg))
-            tl.store(base + TW * D + rw, kt)
-            tl.store(base + 2 * TW * D + rows[:, None] * TW + rows[None, :], w1)
-            tl.store(base + 2 * TW * D + TW * TW + ok, tl.exp(glast))
+        # [Kd, M = W1^T Kt, the head's v conv Yv (TW x D each), d_a]
+        base = SCR + (layer * tl.num_programs(0) + pid) * (3 * TW * D + D)
+        cv = 2 * H * D + cq
+        tl.store(base + 2 * TW * D + rw, _conv_rows(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, rows, cv,
+                                                    mrk, OUT_TY))
+        tl.store(base + rw, k * tl.exp(lg))
+        tl.store(base + TW * D + rw, tl.sum(w1[:, :, None] * kt[:, None, :], axis=0))  # row j: sum_t W1[t, j] Kt_t
+        tl.store(base + 3 * TW * D + ok, tl.exp(glast))
+        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, a, cv, m)
         _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, a, cq, m)  # reads, barrier, writes
         _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, a, ck, m)
 
 
 @triton.jit
 def _kda_replay_tiles_kernel(
-    QKV, stride_qkv, CW, CS, stride_css, stride_csc, stride_csw, S, stride_ss, SLOTS, CU, LENS, LOFF, SCR,
-    H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, TW: tl.constexpr, V_FIRST: tl.constexpr, PDL: tl.constexpr,
-):
-    pid_v = tl.program_id(0)
-    pid_nh = tl.program_id(1)
-    layer = tl.program_id(2)
-    # Before the PDL wait: the key pass, the kernel before this one, let it launch only once every key program was
-    # past its own wait, so the offset table and the pools' last writers are complete; the key pass writes neither
-    # the state nor this tile's v conv columns.
-    row = LOFF + layer * 8
-    QKV += tl.load(row + 0)
-    CW += tl.load(row + 3)
-    CS += tl.load(row + 4)
-    S += tl.load(row + 7)
-    OUT_TY = QKV.dtype.element_ty
-    n = pid_nh // H
-    h = pid_nh % H
-    slot, bos, a = _accepted(SLOTS, CU, LENS, n)
-    ok = tl.arange(0, D)
-    ov = pid_v * BV + tl.arange(0, BV)
-    p_s, b_s = _load_tile(S, stride_ss, slot, h, a, ok, ov, D, V_FIRST)
-    _pdl_sync(PDL)  # the key pass's scratch from here on
-
-    if a > 0:  # uniform over the program
-        rows = tl.arange(0, TW)
-        live = rows < a
-        cs = CS + slot * stride_css
-        cv = 2 * H * D + h * D + ov
-        yv = _conv_rows(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, rows, cv,
-                        live[:, None] & ((ov * 0 + 1) > 0)[None, :], OUT_TY)
-        base = SCR + (layer * tl.num_programs(1) + pid_nh) * (2 * TW * D + TW * TW + D)
-        kds = tl.zeros([TW, BV], dtype=tl.float32)
-        for t in tl.static_range(TW):  # Kd S, row by row from the scratch in the layout the product wants
-            kd_t = tl.load(base + t * D + ok)
-            kds = tl.where(rows[:, None] == t, tl.sum(kd_t[:, None] * b_s, axis=0)[None, :], kds)
-        u = _mm(tl.load(base + 2 * TW * D + rows[:, None] * TW + rows[None, :]), yv - kds)
-        b_s = tl.load(base + 2 * TW * D + TW * TW + ok)[:, None] * b_s
-        for t in tl.static_range(TW):  # + Kt^T U: one rank-1 update per window row (dead rows add 0)
-            kt_t = tl.load(base + TW * D + t * D + ok)
-            b_s += kt_t[:, None] * tl.sum(tl.where(rows[:, None] == t, u, 0.0), axis=0)[None, :]
-        tl.store(p_s, b_s)
-        _store_conv_state(QKV, stride_qkv, cs, stride_csc, stride_csw, bos, a, cv, (ov * 0 + a) > 0)
-
-
-@triton.jit
-def _kda_replay_stream_kernel(
     S, stride_ss, SLOTS, CU, LENS, LOFF, SCR,
     H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, TW: tl.constexpr, V_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The tiles of the streaming form (`stream`): the key pass left Kd, M = W1^T Kt and the v conv Yv, so a tile
-    only reads its rows: S_new = diag(d_a) S + sum_j M_j (Yv_j - Kd_j S)^T, the key-axis rows (Kd_j, M_j, d_a)
+    """The state tiles: the key pass left Kd, M = W1^T Kt and the v conv Yv, so a tile only reads its rows: S_new = diag(d_a) S + sum_j M_j (Yv_j - Kd_j S)^T, the key-axis rows (Kd_j, M_j, d_a)
     loaded as [D, BV] tiles broadcast over V, in the layout of a [V, K] pool's tile (no conversion, and the
     reductions over the key axis stay within a warp); no conv state here."""
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
     layer = tl.program_id(2)
-    S += tl.load(LOFF + layer * 8 + 7)  # before the PDL wait: see `_kda_replay_tiles_kernel`
+    # Before the PDL wait: the key pass, the kernel before this one, let it launch only once every key program was
+    # past its own wait, so the offset table and the pool's last writers are complete; the key pass writes no state.
+    S += tl.load(LOFF + layer * 8 + 7)
     n = pid_nh // H
     h = pid_nh % H
     slot, _, a = _accepted(SLOTS, CU, LENS, n)
@@ -198,35 +143,24 @@ def _kda_replay_stream_kernel(
 def launch_replay_wy(qkv: Tensor, f3: Tensor, b: Tensor, cw: Tensor, conv_state: Tensor, A_log: Tensor,
                      dt_bias: Tensor, state: Tensor, offsets: Tensor, num_layers: int, state_indices: Tensor,
                      cu_seqlens: Tensor, seq_lens: Tensor, *, lower_bound: float | None, block_v: int, num_warps: int,
-                     max_seq_tokens: int, state_v_first: bool, stream: bool = False) -> None:
+                     max_seq_tokens: int, state_v_first: bool) -> None:
     """The two launches over layer 0's tensors and the layers' offset table (arguments as `kda_replay_layers` checked
     them; every sequence has at most max_seq_tokens <= MAX_WINDOW rows; D a power of two that block_v divides).
-    `stream`: the key pass also computes the v conv and M = W1^T Kt, so the tiles only stream
-    (`_kda_replay_stream_kernel`; opt-in, not timed yet). Mutates each layer's conv_state and state at the batch's
-    slots."""
+    Mutates each layer's conv_state and state at the batch's slots."""
     H, D = dt_bias.shape
     N = state_indices.numel()
     tw = window_rows(max_seq_tokens)
-    per_head = 3 * tw * D + D if stream else 2 * tw * D + tw * tw + D
-    scratch = torch.empty(num_layers * N * H * per_head, dtype=torch.float32, device=qkv.device)
+    scratch = torch.empty(num_layers * N * H * (3 * tw * D + D), dtype=torch.float32, device=qkv.device)
     use_pdl = pdl.enabled(qkv.device, "kda")
     _kda_replay_keys_kernel[(N * H, num_layers)](
         qkv, qkv.stride(0), f3, f3.stride(0), f3.stride(1), b, b.stride(0), b.stride(1),
         cw, conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), A_log, dt_bias,
         state_indices, cu_seqlens, seq_lens, offsets, scratch,
         float(lower_bound) if lower_bound is not None else 0.0,
-        H=H, D=D, TW=tw, HAS_LB=lower_bound is not None, PDL=use_pdl, STREAM=stream, num_warps=4,
+        H=H, D=D, TW=tw, HAS_LB=lower_bound is not None, PDL=use_pdl, num_warps=4,
         **pdl.launch_kwargs(qkv.device, "kda"),
     )
-    if stream:
-        _kda_replay_stream_kernel[(D // block_v, N * H, num_layers)](
-            state, state.stride(0), state_indices, cu_seqlens, seq_lens, offsets, scratch,
-            H=H, D=D, BV=block_v, TW=tw, V_FIRST=bool(state_v_first), PDL=use_pdl, num_warps=num_warps,
-            **pdl.launch_kwargs(qkv.device, "kda"),
-        )
-        return
     _kda_replay_tiles_kernel[(D // block_v, N * H, num_layers)](
-        qkv, qkv.stride(0), cw, conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         state, state.stride(0), state_indices, cu_seqlens, seq_lens, offsets, scratch,
         H=H, D=D, BV=block_v, TW=tw, V_FIRST=bool(state_v_first), PDL=use_pdl, num_warps=num_warps,
         **pdl.launch_kwargs(qkv.device, "kda"),

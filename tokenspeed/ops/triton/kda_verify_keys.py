@@ -1,4 +1,4 @@
-"""The WY verify form in two launches (`KdaConfig(wy=True, keys_pass=True)`; opt-in, not timed yet): a key pass
+"""The WY verify form in two launches (`KdaConfig(wy=True, keys_pass=True)`; `MULTI_TABLE`'s row from 96 pairs): a key pass
 that writes each (sequence, head)'s window matrices, then a state pass over (V tile, sequence, head) programs.
 
 On the H200 the one-launch WY kernel (`kda_verify_wy.py`, one program per head) runs 4-token windows at 29% of HBM
