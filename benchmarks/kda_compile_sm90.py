@@ -65,16 +65,6 @@ def variants() -> list[tuple[str, callable]]:
                 (f"decode-b8-chunked-s1{sfx}", call(8, 1, num_stages=1)),
                 (f"decode-b8-chunked-vfirst{sfx}", call(8, 1, state_v_first=True)),
                 (f"decode-b32-chunked-vfirst{sfx}", call(32, 1, state_v_first=True)),  # 1024 pairs: BV 16, 4 stages
-                (f"decode-b64-bv8-s4-vfirst{sfx}", call(64, 1, state_v_first=True,
-                                                        config=kd.KdaConfig(8, chunked=True, num_stages=4))),
-                (f"decode-b64-bv8-s4-pf-vfirst{sfx}", call(64, 1, state_v_first=True, config=kd.KdaConfig(
-                    8, chunked=True, num_stages=4, prefetch_state=True))),
-                (f"decode-b64-bv8-s4-do-vfirst{sfx}", call(64, 1, state_v_first=True, config=kd.KdaConfig(
-                    8, chunked=True, num_stages=4, direct_out=True))),
-                (f"decode-b64-bv32-s1-do-vfirst{sfx}", call(64, 1, state_v_first=True, config=kd.KdaConfig(
-                    32, chunked=True, num_stages=1, direct_out=True))),
-                (f"decode-b64-bv16-s1-do-vfirst{sfx}", call(64, 1, state_v_first=True, config=kd.KdaConfig(
-                    16, chunked=True, num_stages=1, direct_out=True))),
                 (f"decode-b1-d96{sfx}", call(1, 1, d=96)),
                 (f"verify-b2-q4{sfx}", call(2, 4, update_state=False)),
                 (f"verify-b2-q4-chunked{sfx}", call(2, 4, update_state=False, chunked=True)),

@@ -97,15 +97,6 @@ VARIANTS = [
     KdaConfig(8, chunked=True, num_stages=4, hints=True),
     KdaConfig(16, chunked=True, num_stages=5),
     KdaConfig(16, chunked=True, num_warps=2, num_stages=4),
-    KdaConfig(8, chunked=True, num_stages=4, prefetch_state=True),  # [V, K]: only the first tiles' rows into L2
-    KdaConfig(8, chunked=True, num_stages=5, prefetch_state=True),
-    KdaConfig(16, chunked=True, num_stages=4, prefetch_state=True),
-    KdaConfig(8, chunked=True, num_stages=4, direct_out=True),  # o stored from the reduction's layout (no smem)
-    KdaConfig(8, chunked=True, num_stages=5, direct_out=True),
-    KdaConfig(16, chunked=True, num_stages=4, direct_out=True),
-    KdaConfig(8, chunked=True, num_stages=1, direct_out=True),  # + no smem pipeline: no shared memory in the loop
-    KdaConfig(16, chunked=True, num_stages=1, direct_out=True),
-    KdaConfig(16, chunked=True, num_stages=1),
     KdaConfig(32, chunked=True, num_stages=1),
     KdaConfig(32, chunked=True, num_stages=3, hints=True),
     KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True),  # the chunked default + the state L2 prefetch

@@ -10,8 +10,6 @@ shape (tiles, bucketed block sizes) are kept to a few classes, which the engine'
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -36,12 +34,6 @@ def next_pow2(n: int) -> int:
 
 def is_interpreting(x: Tensor) -> bool:
     return x.device.type != "cuda"
-
-
-def compiled() -> bool:
-    """Whether Triton kernels are compiled (False under the CPU interpreter, TRITON_INTERPRET=1, which runs no
-    inline PTX)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on")
 
 
 def check_same_device(*tensors: Tensor | None) -> torch.device:

@@ -29,10 +29,9 @@ class KdaConfig(NamedTuple):
     (the original launches passed none). hints: evict-first state loads and streaming (.cs) state stores.
     prefetch_state (chunked decode and the WY verify): each program starts with an L2 bulk prefetch of its head's
     state rows (sm_90), so the state streams in while the program computes q / k / gate or the window's key side
-    (before the PDL wait under PDL), where the GPU and the pool's alignment allow it; chunked decode on a [V, K]
-    pool prefetches only the rows of its first num_stages tiles. Off by default: whole heads in decode on [K, V]
-    pools cost 13% at 96 heads x 64 sequences on the H200, 9% at 32 x 64, 1% in the batch-4 / 16 decode step and
-    nothing at batch 1 (benchmarks/README.md); the WY verify's did not help.
+    (before the PDL wait under PDL), where the GPU and the pool's alignment allow it. Off by default: in decode on
+    the H200 it cost 13% at 96 heads x 64 sequences, 9% at 32 x 64, 1% in the batch-4 / 16 decode step and nothing
+    at batch 1 (benchmarks/README.md); not timed with WY.
     window (split only; for several tokens per sequence: verify, replay, prompt tails): the conv window and weights
     carried in registers through the token loop and each next token's inputs loaded one token ahead, before this
     token's recurrence (`_split_window_tokens`); the plain loop's arithmetic (equal in the interpreter; on the
@@ -47,9 +46,6 @@ class KdaConfig(NamedTuple):
     that only stream the state (`kda_verify_keys.py`); 1.05-1.2x over the one-launch form from 4 sequences x 32 heads
     on the H200 (the default from 96 pairs), slower at 32 x 1 (13.1 vs the window loop's 9.8 us). The replay
     (`kda_replay_layers`) runs any wy config in its own two launches (`kda_replay_wy.py`).
-    direct_out (chunked decode on CUDA, block_v dividing the head dim): each tile's o stored by inline PTX from
-    the layout its reduction leaves, every thread holding an element writing it, instead of the layout conversion
-    through shared memory (and its barriers) Triton inserts before a tl.store.
     """
 
     block_v: int
@@ -61,7 +57,6 @@ class KdaConfig(NamedTuple):
     window: bool = False
     wy: bool = False
     keys_pass: bool = False
-    direct_out: bool = False
 
     @property
     def label(self) -> str:
@@ -69,8 +64,7 @@ class KdaConfig(NamedTuple):
         s = f"bv{self.block_v}-{sched}-w{self.num_warps}"
         s += f"-s{self.num_stages}" if self.num_stages is not None else ""
         return s + ("-hints" if self.hints else "") + ("-pf" if self.prefetch_state else "") + (
-            "-win" if self.window else "") + ("-wy" if self.wy else "") + ("-kp" if self.keys_pass else "") + (
-            "-do" if self.direct_out else "")
+            "-win" if self.window else "") + ("-wy" if self.wy else "") + ("-kp" if self.keys_pass else "")
 
 
 def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:
@@ -123,7 +117,7 @@ REPLAY_WY_TABLE: tuple[tuple[int, int], ...] = ((0, 64), (1280, 32))
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
 MULTI_ENV = "TOKENSPEED_KDA_VERIFY"  # the same for launches of several tokens per sequence (verify, replay, tails)
-_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?(-win)?(-wy)?(-kp)?(-do)?")
+_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?(-win)?(-wy)?(-kp)?")
 
 
 def config_from_label(label: str) -> KdaConfig:
@@ -131,10 +125,10 @@ def config_from_label(label: str) -> KdaConfig:
     m = _LABEL.fullmatch(label.strip())
     if m is None:
         raise ValueError(f"{label!r} is not a KDA decode config label such as bv32-split-w4 or bv32-chunked-w4-s3")
-    bv, sched, warps, stages, hints, pf, win, wy, kp, do = m.groups()
+    bv, sched, warps, stages, hints, pf, win, wy, kp = m.groups()
     return KdaConfig(int(bv), chunked=sched == "chunked", num_warps=int(warps),
                      num_stages=int(stages) if stages else None, hints=bool(hints), prefetch_state=bool(pf),
-                     window=bool(win), wy=bool(wy), keys_pass=bool(kp), direct_out=bool(do))
+                     window=bool(win), wy=bool(wy), keys_pass=bool(kp))
 
 
 def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:

@@ -18,7 +18,7 @@ from torch import Tensor
 from tokenspeed.ops.dispatch import kda_replay_layers_unsupported
 from tokenspeed.ops.kda_layers import KdaLayerTable
 from tokenspeed.ops.triton import pdl
-from tokenspeed.ops.triton._utils import compiled, next_pow2
+from tokenspeed.ops.triton._utils import next_pow2
 from tokenspeed.ops.triton.kda_config import (  # noqa: F401
     DECODE_TABLE,
     KdaConfig,
@@ -101,7 +101,6 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
     opts["WINDOW"] = cfg.window
     opts["WY"] = cfg.wy  # popped by the launches: the WY verify schedule is another kernel
     opts["KP"] = cfg.keys_pass  # (its two-launch form)
-    opts["DO"] = cfg.direct_out  # (the chunked decode's o store: `kda_decode` decides)
     return opts
 
 
@@ -196,9 +195,6 @@ def kda_decode(
                       prefetch_state=_pf_state(opts["PF_STATE"], state, D))
         return out
     opts["PF_STATE"] = _pf_state(opts["PF_STATE"], state, D)
-    # [V, K] pools: the rows of the tiles the pipelined loop reads first; [K, V]: every row (a tile spans them all)
-    opts["PF_ROWS"] = min(D, opts["STAGES"] * opts["BV"]) if state_v_first else D
-    opts["DIRECT_OUT"] = opts.pop("DO") and compiled()  # inline PTX: not in the interpreter
     nv = opts["NV"]
     cnt = _counters(qkv.device, N * H) if ((update_state or norm) and nv > 1) else cu_seqlens
     _kda_decode_kernel[(nv, N * H)](
@@ -289,7 +285,6 @@ def kda_replay_layers(
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
     opts.pop("KP")  # the WY replay always runs in two launches
-    opts.pop("DO")  # no outputs
     if opts.pop("WY"):
         wy_bv = opts["BV"] if explicit or BV is not None else replay_wy_block_v(D, N * H * L)  # a row: the replay's
         why = _wy_replay_unsupported(D, wy_bv, max_seq_tokens)

@@ -65,7 +65,7 @@ BR = NORM_ROWS rows are normed per step (several tokens per sequence: verify, pr
 
 PDL (`tokenspeed.ops.triton.pdl`; Hopper, compiled code only): before `gdc_wait` a single-layer launch reads only its
 slot and bounds (`state_indices[n]`, `cu_seqlens[n:n+2]`), the recurrent-state pool (split: its [BK, BV] tile into
-registers; chunked verify: the first tile; chunked decode: a bulk L2 prefetch of the head's first PF_ROWS state rows, PF_STATE,
+registers; chunked verify: the first tile; chunked decode: a bulk L2 prefetch of the head's state rows, PF_STATE,
 issued with or without PDL on sm_90 when the rows are 16-byte aligned and `KdaConfig.prefetch_state` asks; off by
 default), A_log, and issues L2 prefetch hints for the conv weight, conv state, dt_bias and norm weight rows it
 reads first. Prefetch hints are correct whatever wrote the memory (no data is consumed). The state pool is
@@ -240,25 +240,9 @@ def _load_state(p_s, lane, EVEN: tl.constexpr, HINTS: tl.constexpr):
 
 
 @triton.jit
-def _store_held(ptrs, x):
-    """*ptrs = x (16- or 32-bit elements) by inline PTX from every thread that holds an element in x's layout:
-    replicated holders write the same value to the same address. Unlike tl.store, no conversion to a store layout
-    (through shared memory, with barriers) comes first. Compiled code only."""
-    if x.dtype.primitive_bitwidth == 16:
-        tl.inline_asm_elementwise("st.global.b16 [$1], $2; mov.u32 $0, 0;", "=r,l,h",
-                                  [ptrs, x.to(tl.int16, bitcast=True)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("st.global.b32 [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                  [ptrs, x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _store_out(O, t, H, h, D, ov, o, lv, EVEN_V: tl.constexpr, DIRECT: tl.constexpr = False):
-    """o[t, h, ov] = o in O's dtype (padded lanes, `lv` False, masked unless EVEN_V; DIRECT with EVEN_V:
-    `_store_held`)."""
-    if EVEN_V and DIRECT:
-        _store_held(O + (t * H + h) * D + ov, o.to(O.dtype.element_ty))
-    elif EVEN_V:
+def _store_out(O, t, H, h, D, ov, o, lv, EVEN_V: tl.constexpr):
+    """o[t, h, ov] = o in O's dtype (padded lanes, `lv` False, masked unless EVEN_V)."""
+    if EVEN_V:
         tl.store(O + (t * H + h) * D + ov, o.to(O.dtype.element_ty))
     else:
         tl.store(O + (t * H + h) * D + ov, o.to(O.dtype.element_ty), mask=lv)
@@ -471,8 +455,6 @@ def _kda_decode_kernel(
     NORM_ROWS: tl.constexpr = 1,
     PDL: tl.constexpr = False,
     PF_STATE: tl.constexpr = False,
-    PF_ROWS: tl.constexpr = 0,
-    DIRECT_OUT: tl.constexpr = False,
     V_FIRST: tl.constexpr = False,
     WINDOW: tl.constexpr = False,
 ):
@@ -534,7 +516,7 @@ def _kda_decode_kernel(
     if CHUNKS > 1 and UPDATE and PF_STATE and not MULTI_LAYER:
         # the head's state (read tile by tile in the pipelined loop below), by rows, into L2: it streams in while
         # the program computes q / k / gate (with or without PDL; sm_90, chosen on the host)
-        _prefetch_l2_bulk(S + slot * stride_ss + h * D * D + ok * D, D * 4, mk & (ok < PF_ROWS))
+        _prefetch_l2_bulk(S + slot * stride_ss + h * D * D + ok * D, D * 4, mk)
     if PDL and not MULTI_LAYER:  # L2 prefetch hints for what the first token reads next to the state
         if CHUNKS == 1:
             _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D, ok, cq, ck, cv, mk, mv, NORM)
@@ -634,7 +616,7 @@ def _kda_decode_kernel(
                                     EVEN_V, OUT_TY)
                 b_s, o = _delta_step(b_s, q, k, decay, beta, yv, mvc, STORE_OUT)
                 if STORE_OUT:
-                    _store_out(O, t, H, h, D, ovc, o, lvc, EVEN_V, DIRECT_OUT)
+                    _store_out(O, t, H, h, D, ovc, o, lvc, EVEN_V)
                 _store_state(p_s + c * vstep, b_s, msc, HINTS)
             # this token's window reads (all threads) -> barrier -> the shifted window written -> barrier
             _store_conv_states3(QKV, stride_qkv, cs, stride_csc, stride_csw, t, 1, 2 * HD + h * D + ow, mw, cq, ck,
