@@ -18,7 +18,9 @@ KDA state replay after a verify step.
   planner's figures for replay payloads and for per-position state snapshots.
 - --concurrency N > 1: N requests of the same lengths run together (max_num_seqs N), so verify steps take batch-N
   graphs (where `kda_config.MULTI_TABLE` picks the WY verify kernel from 96 (sequence, head) pairs); TPS/user is the
-  output tokens of all requests over the first-to-last token time, divided by N; no host breakdown. A/B the KDA
+  output tokens of all requests from the step where the last request got its first token (every prompt prefilled:
+  the prefill chunks of later requests no longer fall into the window) to the last token, divided by N; no host
+  breakdown. A/B the KDA
   verify schedule with TOKENSPEED_KDA_VERIFY=<label> (e.g. bv32-split-w4, the old plain loop).
 Writes spec_h200.json (spec_h200_c<N>.json with --concurrency N) to --out.
 """
@@ -71,10 +73,11 @@ def run(model: str, device: str, prompt: int, output: int, spec: dict, concurren
         evs.clear()
     for r in range(concurrency):
         llm.add_request([(1000 + 7 * r + i) % vocab for i in range(prompt)], params)
-    stamps = []
+    stamps, started = [], set()  # (time, tokens) of the steps from the one where the last request got its first token
     while llm.engine.has_work:
         outs = llm.engine.step()
-        if any(o.new_token_ids for o in outs):
+        started.update(o.request_id for o in outs if o.new_token_ids)
+        if len(started) == concurrency and any(o.new_token_ids for o in outs):
             stamps.append((time.perf_counter(), sum(len(o.new_token_ids) for o in outs)))
     if cuda:
         torch.cuda.synchronize()
