@@ -361,13 +361,3 @@ def test_default_replay_takes_wy_from_96_programs_with_a_bound(monkeypatch):
     assert calls["wy"] == 1
     assert_pools_match(pools(layers), want, [s for s in slots if s >= 0])
 
-
-def test_replay_wy_block_v_follows_its_table():
-    """The WY replay's V tile: wide tiles while the grid is small (1 sequence x 32 heads x 20 layers), 32 from
-    REPLAY_WY_TABLE's bound on, never wider than the head dim, and a divisor of it."""
-    from tokenspeed.ops.triton import kda_config as kc
-
-    assert kc.replay_wy_block_v(128, 32 * 20) == 64
-    assert kc.replay_wy_block_v(128, 4 * 32 * 20) == 32
-    assert kc.replay_wy_block_v(32, 640) == 32
-    assert all(96 % kc.replay_wy_block_v(96, n) == 0 for n in (1, 640, 10_000))

@@ -109,11 +109,11 @@ MULTI_TABLE: tuple[tuple[int, KdaConfig], ...] = (
 )
 
 # The KDA replay's WY form (`kda_replay_wy.py`, taken from MULTI_TABLE's WY row when the caller bounds the window)
-# tiles V by its own block_v, by N * H * L programs: H200, 20 layers x 32 heads, 3 of 4 tokens replayed (6a0daa4,
-# benchmarks/README.md): 1 sequence 153 us at BV 64 vs 218 at BV 32; 4 / 16 / 64 sequences 242 / 784 / 2562 us at
-# BV 32 vs 256 / 849 / 2773 at BV 64 (and 303 / 498 / 1665 / 6555 for the earlier tile pass, 278 / 781 / 2588 /
-# 9489 for the window loop before it).
-REPLAY_WY_TABLE: tuple[tuple[int, int], ...] = ((0, 64), (1280, 32))
+# tiles V by its own block_v: H200, 20 layers x 32 heads, 3 of 4 tokens replayed (benchmarks/README.md): 4 / 16 /
+# 64 sequences 242 / 784 / 2562 us at BV 32 vs 243 / 785 / 2642 at BV 16 and 256 / 849 / 2773 at BV 64 (6a0daa4);
+# 1 / 2 / 4 sequences 146 / 169 / 238 us at BV 32 vs 158 / 190 / 253 at BV 64 and 201 / 180 / 234 at BV 16
+# (6c2f592). The window loop it replaced: 278 / 781 / 2588 / 9489 us at 1 / 4 / 16 / 64 sequences.
+REPLAY_WY_BLOCK_V = 32
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
 MULTI_ENV = "TOKENSPEED_KDA_VERIFY"  # the same for launches of several tokens per sequence (verify, replay, tails)
@@ -160,14 +160,9 @@ def _row(table: tuple[tuple[int, KdaConfig], ...], num_programs_nh: int) -> KdaC
     return cfg
 
 
-def replay_wy_block_v(head_dim: int, num_programs_nhl: int) -> int:
-    """The WY replay's V tile for `head_dim` and N * H * L (sequence, head, layer) programs: REPLAY_WY_TABLE's,
-    at most the head dim."""
-    bv = REPLAY_WY_TABLE[0][1]
-    for bound, row in REPLAY_WY_TABLE:
-        if num_programs_nhl >= bound:
-            bv = row
-    return _fit_bv(min(bv, next_pow2(head_dim)), head_dim)
+def replay_wy_block_v(head_dim: int) -> int:
+    """The WY replay's V tile for `head_dim` (REPLAY_WY_BLOCK_V, at most the head dim)."""
+    return _fit_bv(min(REPLAY_WY_BLOCK_V, next_pow2(head_dim)), head_dim)
 
 
 def _fit_bv(target: int, head_dim: int) -> int:

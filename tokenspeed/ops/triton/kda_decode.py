@@ -269,8 +269,8 @@ def kda_replay_layers(
     (NV, N * H, L), no outputs (the q path is not computed); config and overrides as in `kda_decode` (the default
     is chosen for the N * H * L programs and ceil(T / N) tokens per sequence). A WY config (the default's from
     `MULTI_TABLE`'s WY row) with `max_seq_tokens` <= MAX_WINDOW, the caller's bound on every sequence's rows, takes
-    the two-launch WY replay (`kda_replay_wy.py`, its V tile from `REPLAY_WY_TABLE` unless given); without the
-    bound its split form. Raises ValueError when
+    the two-launch WY replay (`kda_replay_wy.py`, its V tile REPLAY_WY_BLOCK_V unless given); without the bound
+    its split form. Raises ValueError when
     `dispatch.kda_replay_layers_unsupported(table)` names a reason, or for an explicit WY config it cannot run."""
     why = kda_replay_layers_unsupported(table)
     if why is not None:
@@ -286,7 +286,7 @@ def kda_replay_layers(
     opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
     opts.pop("KP")  # the WY replay always runs in two launches
     if opts.pop("WY"):
-        wy_bv = opts["BV"] if explicit or BV is not None else replay_wy_block_v(D, N * H * L)  # a row: the replay's
+        wy_bv = opts["BV"] if explicit or BV is not None else replay_wy_block_v(D)  # a table row: the replay's own
         why = _wy_replay_unsupported(D, wy_bv, max_seq_tokens)
         if why is None:
             lens = seq_lens if seq_lens is not None else torch.diff(cu_seqlens)
