@@ -222,3 +222,51 @@ def test_second_engine_in_a_process_gets_the_memory_of_a_deleted_one() -> None:
     pages()  # loads the step's kernels
     first = pages()
     assert pages() == first
+
+
+# Serving shapes after start-up: (decoding requests, new prompt tokens beside them, cached history of the new
+# prompt's own first turn or 0). Eager steps of 2..16 tokens take the small-M GEMV where graphs take it too (the MoE
+# router's fp32 GEMV has no table bucket above 8 rows, so its launches specialise on the row count being a multiple
+# of 16 or not); longer ones the prefill kernels.
+MIXED_AFTER_START = [(1, 1, 0), (2, 6, 0), (3, 9, 0), (1, 14, 0), (4, 12, 0), (2, 30, 0), (3, 5, 40), (1, 70, 40)]
+
+
+@needs_cuda
+def test_no_triton_kernel_compiles_after_start_up_gpu(tmp_path) -> None:
+    """A bf16 Kimi-Linear served with graphs: once the engine is built (warm-up and capture), steps of decodes
+    beside new prompts or new turns of 1 to 70 tokens (eager mixed steps of 2 to 71 tokens) compile or load no
+    Triton kernel, so no request stalls on a compile mid-serve."""
+    import triton
+
+    path = str(write_tiny_checkpoint(tmp_path / "tiny-kimi-linear", "tiny-kimi-linear", dtype=torch.bfloat16,
+                                     seed=3))
+    torch.cuda.empty_cache()
+    llm = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=8, num_pages=GPU_PAGES)
+    compiled: list[str] = []
+    knobs = triton.knobs.runtime
+    knobs.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    try:
+        for decoding, new, history in MIXED_AFTER_START:
+            _mixed_step(llm, decoding, new, history)
+    finally:
+        knobs.jit_post_compile_hook = None
+        _release(llm)
+    assert compiled == [], f"Triton kernels compiled after start-up: {sorted(set(compiled))}"
+
+
+def _mixed_step(llm: LLM, decoding: int, new: int, history: int) -> None:
+    """`decoding` requests reach their decode phase, then a request of `new` prompt tokens joins them (after a
+    first turn of `history` tokens that left its prefix in the cache, if any); run until all finish."""
+    vocab = llm.engine.vocab_size
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    turn = [(500 + 3 * i) % vocab for i in range(history)]
+    if history:
+        llm.generate([turn], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    for r in range(decoding):
+        llm.add_request([(100 + 11 * r + i) % vocab for i in range(5)], params)
+    while llm.engine.has_work and llm.engine.scheduler.waiting:  # until every one of them is decoding
+        llm.engine.step()
+    llm.engine.step()
+    llm.add_request(turn + [(900 + 7 * i) % vocab for i in range(new)], params)
+    while llm.engine.has_work:
+        llm.engine.step()
