@@ -235,23 +235,58 @@ MIXED_AFTER_START = [(1, 1, 0), (2, 6, 0), (3, 9, 0), (1, 14, 0), (4, 12, 0), (2
 def test_no_triton_kernel_compiles_after_start_up_gpu(tmp_path) -> None:
     """A bf16 Kimi-Linear served with graphs: once the engine is built (warm-up and capture), steps of decodes
     beside new prompts or new turns of 1 to 70 tokens (eager mixed steps of 2 to 71 tokens) compile or load no
-    Triton kernel, so no request stalls on a compile mid-serve."""
+    Triton kernel, so no request stalls on a compile mid-serve. A failure names each late variant, the step that
+    asked for it and how its specialisation differs from the start-up variants of the same kernel."""
     import triton
 
     path = str(write_tiny_checkpoint(tmp_path / "tiny-kimi-linear", "tiny-kimi-linear", dtype=torch.bfloat16,
                                      seed=3))
     torch.cuda.empty_cache()
-    llm = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=8, num_pages=GPU_PAGES)
-    compiled: list[str] = []
+    seen: list[tuple[str, str, dict]] = []  # (phase, kernel, its specialisation)
+    phase = ["start-up"]
     knobs = triton.knobs.runtime
-    knobs.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    knobs.jit_post_compile_hook = lambda **kw: seen.append((phase[0], kw["fn"].name, _spec(kw["compile"])))
     try:
+        llm = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=8, num_pages=GPU_PAGES)
         for decoding, new, history in MIXED_AFTER_START:
+            phase[0] = f"{decoding} decoding + {new} new tokens (history {history})"
             _mixed_step(llm, decoding, new, history)
     finally:
         knobs.jit_post_compile_hook = None
         _release(llm)
-    assert compiled == [], f"Triton kernels compiled after start-up: {sorted(set(compiled))}"
+    late = [(p, name, r) for p, name, r in seen if p != "start-up"]
+    early = {}
+    for p, name, r in seen:
+        if p == "start-up":
+            early.setdefault(name, []).append(r)
+    assert not late, "Triton kernels compiled after start-up:\n" + "\n".join(
+        f"{p}: {name} {_closest_diff(r, early.get(name, []))}" for p, name, r in late)
+
+
+def _spec(c: dict) -> dict[str, str]:
+    """{param: type, constant value and divisibility hints, "options": warps / stages} of a jit hook's compile
+    record (signature, constants, attrs keyed by argument paths)."""
+    try:
+        names = list(c["signature"])
+        out = {n: str(t) for n, t in c["signature"].items()}
+        for path, val in c["constants"].items():
+            name = names[path[0]] if isinstance(path, tuple) else path
+            out[name] = f"={val}"
+        for path, attrs in (c["configs"][0] or {}).items():
+            name = names[path[0]] if isinstance(path, tuple) else path
+            out[name] = out.get(name, "") + "".join(f"[{a}={v}]" for a, v in attrs)
+        out["options"] = f"warps {c['num_warps']} stages {c['num_stages']}"
+        return out
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        return {"unparsed": f"{type(e).__name__}: {e}"}
+
+
+def _closest_diff(mine: dict, others: list[dict]) -> str:
+    """How `mine` differs from the most similar of `others` (the params whose specialisation differs)."""
+    if not others:
+        return f"(no start-up variant) {mine.get('options')}"
+    best = min(others, key=lambda o: sum(mine.get(k) != v for k, v in o.items()))
+    return str({k: f"{best.get(k)} -> {v}" for k, v in mine.items() if best.get(k) != v})
 
 
 def _mixed_step(llm: LLM, decoding: int, new: int, history: int) -> None:
