@@ -123,3 +123,16 @@ def test_other_shapes_keep_separate_shared_experts() -> None:
     assert wide.shared_experts.down_proj.weight.shape == (config.hidden_size, 2 * config.moe_intermediate_size)
     with torch.no_grad():
         assert wide(torch.randn(3, config.hidden_size)).shape == (3, config.hidden_size)
+
+
+def test_warm_up_token_counts_follow_the_experts_launch_shape() -> None:
+    """The model's warm-up lengths are the experts kernels' variant points for the (k, E, D, DI) its MoE layers
+    call `ops.moe_experts` with: the folded shared expert adds a routing column and a stacked expert."""
+    model = load_model("tiny-kimi-linear", dtype=torch.bfloat16, seed=3)
+    moe = model.model.layers[1].block_sparse_moe
+    c = moe.config
+    assert moe.experts_launch_shape() == (c.num_experts_per_token + 1, c.num_experts + 1, c.hidden_size,
+                                          c.moe_intermediate_size)
+    counts = model.warm_up_token_counts(512)
+    assert counts == ops.moe_variant_token_counts(*moe.experts_launch_shape(), 512, torch.bfloat16)
+    assert counts[0] == 1 and len(counts) > 2

@@ -161,3 +161,25 @@ def test_bad_variant_configs_interp():
                 {"block_m2": 16, "tail_m2": True}):
         with pytest.raises(ValueError):
             moe_experts(x, w1, w3, w2, tw, ids, SILU, config=replace(base_config(), **bad))
+
+
+@pytest.mark.parametrize("shape", [(9, 257, 2304, 1024), (3, 9, 64, 32), (17, 897, 3584, 256)],
+                         ids=["kimi-linear-48b", "tiny-kimi-linear", "k3-tp8"])
+def test_variant_token_counts_cover_every_launch_variant(shape):
+    """`variant_token_counts` returns T = 1 and exactly the T where the default launch (its tiles and the direct
+    mode) differs from T - 1's, so a warm-up at those lengths meets every variant a step of <= max_tokens rows can
+    take; kimi-linear-48b-a3b's (8 routed + the folded shared of 257) are the counts its warm-up adds."""
+    from tokenspeed.ops.triton.moe_config import default_config, variant_token_counts
+
+    k, E, D, DI = shape
+    counts = variant_token_counts(k, E, D, DI, 4096)
+
+    def key(T):
+        cfg = default_config(T, k, E, D, DI)
+        return cfg, T <= cfg.direct_max_tokens
+
+    assert counts[0] == 1 and counts == sorted(set(counts))
+    assert counts == [T for T in range(1, 4097) if T == 1 or key(T) != key(T - 1)]
+    assert {key(T) for T in counts} == {key(T) for T in range(1, 4097)}
+    if shape == (9, 257, 2304, 1024):
+        assert counts == [1, 2, 5, 457, 914, 3656]

@@ -83,12 +83,17 @@ class EngineCore:
         torch.manual_seed(mc.seed)
 
     def _warm_up(self, chunk: int) -> None:
-        """Compile the prefill kernels before serving: a full chunk and a few short prompts (their tiles differ),
-        then mixed steps of decodes beside a short or a longer tail on a cached history (WARM_UP_MIXED, the
-        shapes of multi-turn serving: ragged and expanded MLA, short-tail KDA, MoE row buckets, SDPA key lengths),
-        so that no Triton kernel compiles in the middle of a request (`docs/gpu.md`)."""
+        """Compile the prefill kernels before serving: a full chunk and a few short prompts (their tiles differ), a
+        prompt at each row count where the model's kernels change launch variant (`warm_up_token_counts`: the
+        routed experts' tiles), then mixed steps of decodes beside a short or a longer tail on a cached history
+        (WARM_UP_MIXED, the shapes of multi-turn serving: ragged and expanded MLA, short-tail KDA, MoE row buckets,
+        SDPA key lengths), so that no Triton kernel compiles in the middle of a request (`docs/gpu.md`)."""
         start = time.perf_counter()
-        lengths = sorted({min(chunk, n) for n in (chunk, 1024, 100, 17)}, reverse=True)
+        lengths = {min(chunk, n) for n in (chunk, 1024, 100, 17)}
+        counts = getattr(self.model, "warm_up_token_counts", None)
+        if counts is not None:  # one prompt per launch variant of the kernels that pick tiles by row count
+            lengths.update(counts(chunk))
+        lengths = sorted(lengths, reverse=True)
         max_seqs = self.config.scheduler.max_num_seqs
         mixed = [q for q in WARM_UP_MIXED if len(q) <= max_seqs and sum(q) <= chunk]
         logger.info("warming up kernels (on a machine without a Triton cache this compiles every kernel: about "

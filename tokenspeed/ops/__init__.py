@@ -158,6 +158,16 @@ def moe_route(
                               routed_scaling_factor=routed_scaling_factor, shared_expert_id=shared_expert_id)
 
 
+def moe_variant_token_counts(k: int, num_experts: int, dim: int, inter: int, max_tokens: int,
+                             dtype: torch.dtype) -> list[int]:
+    """Token counts, up to max_tokens, at which the Triton routed-experts kernels (`moe_experts` with k routing
+    columns over num_experts stacked experts of [inter, dim] gate/up) change launch variant: one call at each
+    compiles them all, so a warm-up of these lengths leaves no experts kernel to compile mid-serve. Host-only."""
+    from tokenspeed.ops.triton.moe_config import variant_token_counts
+
+    return variant_token_counts(k, num_experts, dim, inter, max_tokens, torch.empty((), dtype=dtype).element_size())
+
+
 def moe_experts(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
                 act: Activation, *, add: Tensor | None = None, residual: Tensor | None = None,
                 norm_weight: Tensor | None = None, norm_eps: float = 1e-6,

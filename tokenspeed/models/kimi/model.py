@@ -115,6 +115,17 @@ class KimiForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
+    def warm_up_token_counts(self, max_tokens: int) -> list[int]:
+        """Token counts up to max_tokens at which a kernel of this model's forward changes launch variant with the
+        step's row count (the routed experts' tiles: `ops.moe_variant_token_counts`); the engine's warm-up runs a
+        prompt of each length."""
+        counts: set[int] = set()
+        for m in self.modules():
+            if hasattr(m, "experts_launch_shape"):
+                k, E, D, DI = m.experts_launch_shape()
+                counts.update(ops.moe_variant_token_counts(k, E, D, DI, max_tokens, m.w1.dtype))
+        return sorted(counts)
+
     def _kda_replay_layers(self, cache: CacheBuffers) -> list[ops.KdaLayerTensors]:
         """Every KDA layer's replay tensors (`KDAAttention.replay_tensors`), in layer order (host only)."""
         return [layer.self_attn.replay_tensors(cache) for layer in self.model.layers

@@ -107,6 +107,12 @@ class SparseMoE(nn.Module):
             self.shared_experts = GatedMLP(config, config.num_shared_experts * config.moe_intermediate_size,
                                            parallel, dtype, device, reduce_output=False)
 
+    def experts_launch_shape(self) -> tuple[int, int, int, int]:
+        """(k, E, D, DI) of this layer's `ops.moe_experts` calls: routing columns (a folded shared expert's
+        included), stacked experts, the experts' input width and their (sharded) intermediate width."""
+        E, DI, D = self.w1.shape
+        return self.config.num_experts_per_token + int(self.fold_shared), E, D, DI
+
     def _route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(weights fp32, ids int64) [T, k] (k + 1 with the folded shared expert's column)."""
         c = self.config

@@ -267,7 +267,13 @@ def _epilogue(acc, Out, Y, Sem, M, N, pid_s, offs_m, offs_n, stride_os, stride_o
             tl.store(Sem + pid_n, 0)
 
 
-@triton.jit
+# The row count M and the split stride M * N take no divisibility-by-16 specialisation (M == 1 still specialises):
+# an eager step of M rows then reuses the variant a captured graph of another M compiled, instead of compiling one
+# mid-serve (a step of 16 rows beside graphs of 8, or M * N % 16 changing with M for N = 6284).
+_ROW_ARGS = ["M", "stride_os"]
+
+
+@triton.jit(do_not_specialize_on_alignment=_ROW_ARGS)
 def _gemv_fma_kernel(
     X, W, Out, Y, Sem,
     M, N, K, k_split, pf_row_bytes,
@@ -310,7 +316,7 @@ def _mma(w, x, acc, IEEE: tl.constexpr):
     return tl.dot(w, tl.trans(x), acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=_ROW_ARGS)
 def _gemv_dot_kernel(
     X, W, Out, Y, Sem,
     M, N, K, k_split, pf_row_bytes,
@@ -345,7 +351,7 @@ def _gemv_dot_kernel(
     _epilogue(acc, Out, Y, Sem, M, N, pid_s, offs_m, offs_n, stride_os, stride_om, True, REDUCE_SPLITS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["MN"])
 def _splitk_reduce_kernel(Ws, Y, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # scheduled while the GEMV runs; waits here for its partials, then releases its dependents
         gdc_wait()

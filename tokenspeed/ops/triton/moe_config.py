@@ -99,3 +99,17 @@ def _check_config(cfg: ExpertsConfig) -> None:
         raise ValueError(f"a half-block tail needs an M-block of at least 32 rows; got {cfg}")
     if cfg.direct_max_tokens < 0:
         raise ValueError(f"direct_max_tokens must be >= 0; got {cfg}")
+
+
+def variant_token_counts(k: int, E: int, D: int, DI: int, max_tokens: int, elt_size: int = 2) -> list[int]:
+    """The token counts T in 1..max_tokens where the routed-experts launch `default_config` picks (with the direct
+    mode's T <= direct_max_tokens) changes from T - 1's: a call at each T compiles every kernel variant the default
+    tiles take up to max_tokens rows (the engine's warm-up runs one prompt of each length). Host-only."""
+    counts, last = [], None
+    for T in range(1, max_tokens + 1):
+        cfg = default_config(T, k, E, D, DI, elt_size)
+        key = (cfg, T <= cfg.direct_max_tokens)
+        if key != last:
+            counts.append(T)
+            last = key
+    return counts
