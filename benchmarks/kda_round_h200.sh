@@ -34,11 +34,9 @@
 #           (kda_replay_gap_h200.py: the 2.6e-4 gap of the chunked BV 32 replay seen at 7f91510)
 #   bv8     the large decode shapes on [V, K] pools: the BV 8 / 16 chunked variants (stage depth, 2 warps, hints) against
 #           the table's BV 16 / 4 stages (84.1% of HBM at 96 x 64 for BV 8 / 4 stages at 3f6f223; target 85%)
-#   replaywy  the replay schedules' errors (N 1 / 8) and times at 1 / 4 / 16 / 64 sequences: the WY tile pass (the
-#           default) against its streaming tiles (KdaConfig(wy=True, keys_pass=True), not timed yet) and the loops;
-#           then the replay GPU tests
-#   next: bash benchmarks/kda_round_h200.sh "replaywy"; if the streaming tiles win, make them the replay default
-#   (kda_decode.kda_replay_layers) and re-run SPEC_CONC=16 ... "specab"
+#   replaywy  the replay schedules' errors (N 1 / 8) and times at 1 / 4 / 16 / 64 sequences: the WY replay at BV 64 /
+#           32 / 16 against the loops; then the replay GPU tests (at 6a0daa4 its streaming tiles won 2.1-2.6x over
+#           the tile pass they replaced)
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "
