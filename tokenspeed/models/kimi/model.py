@@ -119,11 +119,10 @@ class KimiForCausalLM(nn.Module):
         """Token counts up to max_tokens at which a kernel of this model's forward changes launch variant with the
         step's row count (the routed experts' tiles: `ops.moe_variant_token_counts`); the engine's warm-up runs a
         prompt of each length."""
+        shapes = {(*m.experts_launch_shape(), m.w1.dtype) for m in self.modules() if hasattr(m, "experts_launch_shape")}
         counts: set[int] = set()
-        for m in self.modules():
-            if hasattr(m, "experts_launch_shape"):
-                k, E, D, DI = m.experts_launch_shape()
-                counts.update(ops.moe_variant_token_counts(k, E, D, DI, max_tokens, m.w1.dtype))
+        for k, E, D, DI, dtype in shapes:
+            counts.update(ops.moe_variant_token_counts(k, E, D, DI, max_tokens, dtype))
         return sorted(counts)
 
     def _kda_replay_layers(self, cache: CacheBuffers) -> list[ops.KdaLayerTensors]:

@@ -267,10 +267,11 @@ def _epilogue(acc, Out, Y, Sem, M, N, pid_s, offs_m, offs_n, stride_os, stride_o
             tl.store(Sem + pid_n, 0)
 
 
-# The row count M and the split stride M * N take no divisibility-by-16 specialisation (M == 1 still specialises):
-# an eager step of M rows then reuses the variant a captured graph of another M compiled, instead of compiling one
-# mid-serve (a step of 16 rows beside graphs of 8, or M * N % 16 changing with M for N = 6284).
-_ROW_ARGS = ["M", "stride_os"]
+# The row count M takes no divisibility-by-16 specialisation (M == 1 still specialises): an eager step of M rows
+# then reuses the variant a captured graph of another M compiled instead of compiling one mid-serve (a step of 16
+# rows beside graphs of at most 8). The split-K workspace's split stride is rounded up to 16 elements
+# (`_split_stride`), so it is always divisible (its loads and stores stay vectorised) whatever M * N is.
+_ROW_ARGS = ["M"]
 
 
 @triton.jit(do_not_specialize_on_alignment=_ROW_ARGS)
@@ -352,7 +353,7 @@ def _gemv_dot_kernel(
 
 
 @triton.jit(do_not_specialize_on_alignment=["MN"])
-def _splitk_reduce_kernel(Ws, Y, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _splitk_reduce_kernel(Ws, Y, MN, stride_s, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # scheduled while the GEMV runs; waits here for its partials, then releases its dependents
         gdc_wait()
         gdc_launch_dependents()
@@ -360,8 +361,13 @@ def _splitk_reduce_kernel(Ws, Y, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
     ok = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
-        acc += tl.load(Ws + s * MN + offs, mask=ok, other=0.0)
+        acc += tl.load(Ws + s * stride_s + offs, mask=ok, other=0.0)
     tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def _split_stride(M: int, N: int) -> int:
+    """Elements between two splits' partials in the split-K workspace: M * N rounded up to a multiple of 16."""
+    return -(-M * N // 16) * 16
 
 
 def _check(x: Tensor, weight: Tensor, out_dtype: torch.dtype, out: Tensor | None) -> None:
@@ -484,12 +490,13 @@ def gemv(
     sem = semaphores(x.device) if split > 1 and cfg.reduce == "fused" else None
     if sem is not None and n_tiles > sem.numel():  # more n-tiles than counters: the two-launch reduction
         sem = None
-    dst = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    stride_s = _split_stride(M, N) if split > 1 else 0
+    dst = y if split == 1 else torch.empty(split, stride_s, dtype=torch.float32, device=x.device)
     num_sms, pdl_on = _num_sms_pdl(x.device)
     mode, pf_row_bytes = prefetch_plan(cfg, weight, n_tiles, split, pdl_on, num_sms)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl_on else {}))
     args = (x, weight, dst, y, dst if sem is None else sem, M, N, K, k_split, pf_row_bytes, x.stride(0),
-            x.stride(1), weight.stride(0), 0 if split == 1 else M * N, N)
+            x.stride(1), weight.stride(0), stride_s, N)
     consts = {"BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "EVEN_K": K % cfg.block_k == 0,
               "REDUCE_SPLITS": 1 if sem is None else split, "PREFETCH": mode, "PDL": pdl_on}
     grid = (n_tiles, split)
@@ -500,7 +507,7 @@ def gemv(
         _gemv_fma_kernel[grid](*args, BLOCK_M=triton.next_power_of_2(M), **consts, **launch)
     if split > 1 and sem is None:  # the two-launch reduction
         block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dst, y, M * N, SPLIT_K=split, BLOCK=block,
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dst, y, M * N, stride_s, SPLIT_K=split, BLOCK=block,
                                                             PDL=pdl_on, num_warps=4,
                                                             **({"launch_pdl": True} if pdl_on else {}))
     return y

@@ -113,9 +113,10 @@ def _kda_replay_tiles_kernel(
     S, stride_ss, SLOTS, CU, LENS, LOFF, SCR,
     H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, TW: tl.constexpr, V_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The state tiles: the key pass left Kd, M = W1^T Kt and the v conv Yv, so a tile only reads its rows: S_new = diag(d_a) S + sum_j M_j (Yv_j - Kd_j S)^T, the key-axis rows (Kd_j, M_j, d_a)
-    loaded as [D, BV] tiles broadcast over V, in the layout of a [V, K] pool's tile (no conversion, and the
-    reductions over the key axis stay within a warp); no conv state here."""
+    """The state tiles: the key pass left Kd, M = W1^T Kt and the v conv Yv, so a tile only reads its rows:
+    S_new = diag(d_a) S + sum_j M_j (Yv_j - Kd_j S)^T, the key-axis rows (Kd_j, M_j, d_a) loaded as [D, BV] tiles
+    broadcast over V, in the layout of a [V, K] pool's tile (no conversion, and the reductions over the key axis
+    stay within a warp); no conv state here."""
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
     layer = tl.program_id(2)

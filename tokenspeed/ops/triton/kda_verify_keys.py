@@ -1,5 +1,6 @@
-"""The WY verify form in two launches (`KdaConfig(wy=True, keys_pass=True)`; `MULTI_TABLE`'s row from 96 pairs): a key pass
-that writes each (sequence, head)'s window matrices, then a state pass over (V tile, sequence, head) programs.
+"""The WY verify form in two launches (`KdaConfig(wy=True, keys_pass=True)`; `MULTI_TABLE`'s row from 96 pairs): a
+key pass that writes each (sequence, head)'s window matrices, then a state pass over (V tile, sequence, head)
+programs.
 
 On the H200 the one-launch WY kernel (`kda_verify_wy.py`, one program per head) runs 4-token windows at 29% of HBM
 at 96 heads x 64 sequences: before its first state tile a program spends several us on the window's key side
