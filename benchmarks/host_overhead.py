@@ -15,7 +15,11 @@ cache manager, append tokens, finish checks). Phases are timed with perf_counter
     total     EngineCore.step
 
 Medians over `--steps` decode steps (after `--warmup`), in microseconds, per batch size; JSON to --out.
-`--profile B` also prints a cProfile of the decode steps at batch B (sorted by own time).
+`--profile B` also prints a cProfile of the decode steps at batch B (sorted by own time). `--spec K` times verify
+steps instead: the `repeat` proposer drafts K tokens, every draft is accepted (forced acceptance K), the stub's
+verify forward runs through the (K + 1)-token static batches and its KDA replay is a no-op, so a step is the host
+work of speculation (proposing, building the verify batch, sampling and accepting K + 1 positions); no async
+scheduling, as with any speculation.
 
     /work/venv/bin/python benchmarks/host_overhead.py --out benchmarks/results/host_overhead_cpu.json
     python benchmarks/host_overhead.py --device cuda --out ...   # on a GPU machine (H2D copies, pinned memory)
@@ -64,6 +68,12 @@ class ZeroModel:
             return self.base[:n].clone()
         return torch.zeros(n, self.vocab, device=self.device)
 
+    def kda_replay_table(self, buffers) -> None:  # verify graphs: no KDA layer to replay
+        return None
+
+    def replay_kda(self, buffers, batch, num_accepted, **_kw) -> None:
+        return None
+
 
 class PhaseTimer:
     """Per-phase wall time (perf_counter) and CPU time of this thread (thread_time: robust when other processes
@@ -100,30 +110,37 @@ def _sync(device: str) -> None:
 CHUNK = 2048  # prefill chunk; a step's budget is 4 chunks
 
 
-def make_engine(batch: int, context: int, steps: int, page_size: int, device: str, model: str) -> EngineCore:
-    """An engine for `batch` requests of `context` prompt tokens that can then decode `steps` more tokens each
-    (requests that finish their prefill early decode during the others' prefill: room for that is added)."""
+def make_engine(batch: int, context: int, steps: int, page_size: int, device: str, model: str,
+                spec: int = 0) -> EngineCore:
+    """An engine for `batch` requests of `context` prompt tokens that can then decode `steps` more steps each
+    (requests that finish their prefill early decode during the others' prefill: room for that is added); spec > 0:
+    verify steps of spec forced-accepted drafts."""
     chunk = CHUNK
-    max_len = context + steps + -(-batch * context // (4 * chunk)) + 64
+    max_len = context + steps * (spec + 1) + -(-batch * context // (4 * chunk)) * (spec + 1) + 64
+    spec_kw = {"speculative_algorithm": "repeat", "speculative_num_steps": spec,
+               "speculative_force_accept_length": spec} if spec else {}
     pages = batch * (-(-max_len // page_size) + 1) + chunk // page_size + 64
     config = EngineConfig.create(
         model=model, load_format="dummy", device=device, page_size=page_size, max_num_seqs=batch,
         max_num_batched_tokens=4 * chunk, chunked_prefill_size=chunk, num_pages=pages,
         max_model_len=max_len, cuda_graph_max_bs=batch, cache_memory_gb=0.05,
         enforce_eager=True,  # the real model is never captured: the stub's graphs are, below
+        **spec_kw,
     )
     engine = EngineCore(config)
     stub = ZeroModel(engine.vocab_size, torch.device(device))
     engine.runner.model = stub  # type: ignore[assignment]
     # Decode steps go through DecodeGraphs like the GPU engine's: captured graphs of the stub on CUDA; on the CPU
     # the same padded static batch run eagerly (use_graphs=False, as the CPU tests do).
-    engine.runner.capture_graphs(batch, engine.max_model_len, (1,), use_graphs=device.startswith("cuda"))
+    engine.runner.capture_graphs(batch, engine.max_model_len, (1, spec + 1) if spec else (1,),
+                                 use_graphs=device.startswith("cuda"))
     assert engine.runner.graphs, "decode graphs were not set up"
     return engine
 
 
 def run_batch(batch: int, args, profile: bool) -> dict:
-    engine = make_engine(batch, args.context, args.warmup + args.steps, args.page_size, args.device, args.model)
+    engine = make_engine(batch, args.context, args.warmup + args.steps, args.page_size, args.device, args.model,
+                         args.spec)
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)  # up to max_model_len
     for i in range(batch):
@@ -163,7 +180,8 @@ def run_batch(batch: int, args, profile: bool) -> dict:
                 prof.disable()
             timer.enabled = False
             wall, cpu_phases = timer.pop()
-            assert len(outs) == batch and all(len(o.new_token_ids) == 1 for o in outs), f"step {i}: not pure decode"
+            want = args.spec + 1  # tokens per request and step: decode 1, verify spec + 1 (every draft accepted)
+            assert len(outs) == batch and all(len(o.new_token_ids) == want for o in outs), f"step {i}: not {want}"
             if not measure:
                 continue
             for clock, phases, t in (("wall", wall, total), ("cpu", cpu_phases, total_cpu)):
@@ -241,6 +259,7 @@ def main() -> None:
     ap.add_argument("--gc-tuned", action="store_true",
                     help="what-if: gc.freeze() after setup and gc.set_threshold(50000, 50, 100) while measuring")
     ap.add_argument("--profile", type=int, default=None, help="print a cProfile of the decode steps at this batch")
+    ap.add_argument("--spec", type=int, default=0, help="time verify steps of this many forced-accepted drafts")
     ap.add_argument("--profile-rows", type=int, default=35)
     ap.add_argument("--out", default=None, help="JSON result file")
     ap.add_argument("--plot", nargs=3, metavar=("BEFORE", "AFTER", "PNG"), help="plot two saved results and exit")
@@ -264,7 +283,8 @@ def main() -> None:
                      f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"),
         "commit": commit + ("+dirty" if dirty else ""),
         "command": "python benchmarks/host_overhead.py",
-        "model": args.model, "device": args.device, "gc_tuned": args.gc_tuned, "context": args.context, "page_size": args.page_size,
+        "model": args.model, "device": args.device, "gc_tuned": args.gc_tuned, "context": args.context,
+        "page_size": args.page_size, "spec": args.spec,
         "steps": args.steps, "unit": "us per decode step (median; cpu_time: this thread's CPU time)", "phases": list(PHASES), "batches": results,
     }
     if args.out:

@@ -88,3 +88,24 @@ def test_sampled_and_greedy_requests_in_one_speculative_batch() -> None:
         assert len(g.outputs[0].token_ids) == params[i].max_tokens
         if i % 2:
             assert g.outputs[0].token_ids == e.outputs[0].token_ids
+
+
+def test_greedy_verify_steps_take_the_argmax_path(monkeypatch) -> None:
+    """Verify steps whose requests are all plain greedy choose by one argmax (`ModelRunner._accept_greedy`, no
+    per-position sampler inputs) and give the tokens of the general sampler path; a request asking for logprobs
+    keeps the general path and gets one logprob per emitted token."""
+    from tokenspeed.executor.runner import ModelRunner
+
+    calls = []
+    fast = ModelRunner._accept_greedy
+    monkeypatch.setattr(ModelRunner, "_accept_greedy", lambda self, *a: calls.append(1) or fast(self, *a))
+    prompts = _prompts(6, 31)
+    spec = LLM("tiny-k3", cache_memory_gb=0.02, speculative_algorithm="ngram", speculative_num_steps=3)
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY)]
+    assert calls
+    calls.clear()
+    monkeypatch.setattr(ModelRunner, "_accept_greedy", lambda self, *a: calls.append(1) or None)  # must not run
+    with_lp = spec.generate(prompts, GREEDY.clone(logprobs=0))
+    assert not calls
+    assert [o.outputs[0].token_ids for o in with_lp] == got
+    assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) for o in with_lp)

@@ -298,6 +298,8 @@ class ModelRunner:
                 logits = logits[picked]
             ids = logits.argmax(dim=-1).tolist()
             return {r.request.request_id: [SampledToken(t, None, None)] for r, t in zip(todo, ids, strict=True)}
+        if all(is_plain_greedy(r.request.params, len(r.request.output_token_ids)) for r in todo):
+            return self._accept_greedy(todo, logits, row_of, drafts)
         inputs, rows, owners = [], [], []
         for r in todo:
             req = r.request
@@ -323,6 +325,25 @@ class ModelRunner:
             result[rid] = [SampledToken(tok, mine[i].logprob if wants_lp else None,
                                         mine[i].top_logprobs if wants_top else None)
                            for i, tok in enumerate(accepted)]
+        return result
+
+    def _accept_greedy(self, todo: list[ScheduledRequest], logits: Tensor, row_of: dict[str, list[int]],
+                       drafts: dict[str, list[int]]) -> dict[str, list[SampledToken]]:
+        """`_sample` for verify steps whose requests are all plain greedy (`is_plain_greedy`: then every position
+        of a window is too, having more output tokens): each position's choice is its row's argmax, one argmax
+        over all rows, then chain acceptance; no per-position sampler inputs or output-list copies."""
+        rows, spans = [], []
+        for r in todo:
+            rid = r.request.request_id
+            mine = row_of[rid][-(len(drafts.get(rid, [])) + 1):]
+            spans.append((rid, len(rows), len(rows) + len(mine)))
+            rows.extend(mine)
+        ids = (logits if rows == list(range(logits.shape[0])) else logits[rows]).argmax(dim=-1).tolist()
+        result = {}
+        for rid, lo, hi in spans:
+            window = drafts.get(rid, [])
+            accepted = accept_chain(ids[lo:hi], window, self.force_accept if window else None)
+            result[rid] = [SampledToken(tok, None, None) for tok in accepted]
         return result
 
     @staticmethod
