@@ -16,7 +16,8 @@ cache manager, append tokens, finish checks). Phases are timed with perf_counter
 
 Medians over `--steps` decode steps (after `--warmup`), in microseconds, per batch size; JSON to --out.
 `--profile B` also prints a cProfile of the decode steps at batch B (sorted by own time). `--spec K` times verify
-steps instead: the `repeat` proposer drafts K tokens, every draft is accepted (forced acceptance K), the stub's
+steps instead: the `repeat` proposer (or `--spec-algorithm ngram`, prompt lookup) drafts K tokens, every draft is
+accepted (forced acceptance K), the stub's
 verify forward runs through the (K + 1)-token static batches and its KDA replay is a no-op, so a step is the host
 work of speculation (proposing, building the verify batch, sampling and accepting K + 1 positions); no async
 scheduling, as with any speculation.
@@ -111,13 +112,13 @@ CHUNK = 2048  # prefill chunk; a step's budget is 4 chunks
 
 
 def make_engine(batch: int, context: int, steps: int, page_size: int, device: str, model: str,
-                spec: int = 0) -> EngineCore:
+                spec: int = 0, spec_algorithm: str = "repeat") -> EngineCore:
     """An engine for `batch` requests of `context` prompt tokens that can then decode `steps` more steps each
     (requests that finish their prefill early decode during the others' prefill: room for that is added); spec > 0:
     verify steps of spec forced-accepted drafts."""
     chunk = CHUNK
     max_len = context + steps * (spec + 1) + -(-batch * context // (4 * chunk)) * (spec + 1) + 64
-    spec_kw = {"speculative_algorithm": "repeat", "speculative_num_steps": spec,
+    spec_kw = {"speculative_algorithm": spec_algorithm, "speculative_num_steps": spec,
                "speculative_force_accept_length": spec} if spec else {}
     pages = batch * (-(-max_len // page_size) + 1) + chunk // page_size + 64
     config = EngineConfig.create(
@@ -140,7 +141,7 @@ def make_engine(batch: int, context: int, steps: int, page_size: int, device: st
 
 def run_batch(batch: int, args, profile: bool) -> dict:
     engine = make_engine(batch, args.context, args.warmup + args.steps, args.page_size, args.device, args.model,
-                         args.spec)
+                         args.spec, args.spec_algorithm)
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)  # up to max_model_len
     for i in range(batch):
@@ -239,8 +240,10 @@ def plot(before_path: str, after_path: str, png: str) -> None:
                    label=phase if j == 0 else None, hatch="//" if j == 0 else None)
             bottom = [x + v for x, v in zip(bottom, vals, strict=True)]
     ax.set_xticks([i + 0.2 for i in range(len(batches))], [f"batch {b}\n(before | after)" for b in batches])
-    ax.set_ylabel("host ms per decode step (median)")
-    ax.set_title(f"{runs[1]['hardware']}: engine host time per decode step, {runs[1]['model']} stub forward")
+    step = f"verify step ({runs[1]['spec']} drafts)" if runs[1].get("spec") else "decode step"
+    ax.set_ylabel(f"host ms per {step} (median)")
+    ax.set_title(f"{runs[1]['hardware']}: engine host time per {step}, {runs[1]['model']} stub forward, "
+                 f"{runs[1]['context']}-token histories", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -260,6 +263,8 @@ def main() -> None:
                     help="what-if: gc.freeze() after setup and gc.set_threshold(50000, 50, 100) while measuring")
     ap.add_argument("--profile", type=int, default=None, help="print a cProfile of the decode steps at this batch")
     ap.add_argument("--spec", type=int, default=0, help="time verify steps of this many forced-accepted drafts")
+    ap.add_argument("--spec-algorithm", default="repeat", choices=["repeat", "ngram"],
+                    help="the drafts' proposer (ngram: prompt lookup over the request's last 4096 tokens)")
     ap.add_argument("--profile-rows", type=int, default=35)
     ap.add_argument("--out", default=None, help="JSON result file")
     ap.add_argument("--plot", nargs=3, metavar=("BEFORE", "AFTER", "PNG"), help="plot two saved results and exit")
@@ -284,7 +289,7 @@ def main() -> None:
         "commit": commit + ("+dirty" if dirty else ""),
         "command": "python benchmarks/host_overhead.py",
         "model": args.model, "device": args.device, "gc_tuned": args.gc_tuned, "context": args.context,
-        "page_size": args.page_size, "spec": args.spec,
+        "page_size": args.page_size, "spec": args.spec, "spec_algorithm": args.spec_algorithm if args.spec else None,
         "steps": args.steps, "unit": "us per decode step (median; cpu_time: this thread's CPU time)", "phases": list(PHASES), "batches": results,
     }
     if args.out:

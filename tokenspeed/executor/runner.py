@@ -119,10 +119,12 @@ class ModelRunner:
             torch.cuda.synchronize()
 
     def release(self, request_id: str) -> None:
-        """Forget per-request state (its random stream) once the request has ended."""
+        """Forget per-request state (its random stream, the proposer's index) once the request has ended."""
         self.generators.pop(request_id, None)
         if self.drafter is not None:
             self.drafter.release(request_id)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Apply (src slot or ZERO_SLOT, dst slot) copies in order, over every KDA layer's conv and recurrent state.
@@ -264,7 +266,7 @@ class ModelRunner:
         last token): every window keeps its scheduled length, so a batch stays uniform and its verify graph runs.
         A filler is accepted only where the target itself chooses that token, so outputs do not change."""
         assert self.proposer is not None
-        return _pad(self.proposer.propose(r.request.all_token_ids, r.num_draft_tokens), r)
+        return _pad(self.proposer.propose(r.request.all_token_ids, r.num_draft_tokens, r.request.request_id), r)
 
     @staticmethod
     def _logits_rows(reqs: list[ScheduledRequest], cu: list[int], drafts: dict[str, list[int]]
