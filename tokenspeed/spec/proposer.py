@@ -78,9 +78,13 @@ class _NgramIndex:
         L = len(tokens)
         for i, last in enumerate(self.last):
             n = self.min_n + i
-            for s in range(self.next_start[i], L - n):
-                last[tuple(tokens[s : s + n])] = s
-            self.next_start[i] = max(self.next_start[i], L - n)
+            lo, hi = self.next_start[i], L - n  # starts lo .. hi - 1; later ones overwrite: the last position wins
+            if hi - lo > 64:  # a new index: one C-level pass
+                last.update(zip(zip(*(tokens[lo + j : hi + j] for j in range(n))), range(lo, hi)))
+            else:  # the few tokens of a step
+                for s in range(lo, hi):
+                    last[tuple(tokens[s : s + n])] = s
+            self.next_start[i] = max(lo, hi)
         self.seen_len, self.seen_last = L, (tokens[L - 1] if L else None)
 
     def lookup(self, tokens: Sequence[int], k: int, window: int) -> list[int]:
