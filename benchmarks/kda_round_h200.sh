@@ -37,6 +37,9 @@
 #   replaywy  the replay schedules' errors (N 1 / 8) and times at 1 / 4 / 16 / 64 sequences: the WY replay at BV 64 /
 #           32 / 16 against the loops; then the replay GPU tests (at 6a0daa4 its streaming tiles won 2.1-2.6x over
 #           the tile pass they replaced)
+#   nocompile  the no-compile-after-start-up GPU test, then the GEMV / CUDA-graph / replay GPU tests
+#   next: "nocompile" (the GEMV split-stride rounding of cb1ac0b has not run on a GPU), then
+#   benchmarks/swe_smith_session.sh (no Triton kernel should compile mid-serve)
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "
@@ -106,6 +109,13 @@ if has replaywy; then
     --out "$OUT/kda_replay_wy.json" 2>&1 | tee "$OUT/kda_replay_wy.log" | grep -E "wy|win |replay N"
   timeout 200 python3 -m pytest -n "${PYTEST_N:-8}" tests/ops/test_triton_kda_replay.py -k gpu -rfEp --tb=short \
     -p no:cacheprovider 2>&1 | tail -3
+fi
+if has nocompile; then
+  timeout 200 python3 -m pytest -p no:cacheprovider tests/executor/test_cuda_graphs.py -k no_triton --tb=short \
+    2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
+  timeout 300 python3 -m pytest -n "${PYTEST_N:-8}" -p no:cacheprovider tests/executor/test_cuda_graphs.py \
+    tests/ops/test_triton_kda_replay.py tests/ops/test_triton_gemv.py tests/ops/test_triton_gemv_fused.py \
+    -k "(gpu or graphs or cuda) and not no_triton and not second_engine" -rfE --tb=line 2>&1 | tail -4
 fi
 if has nopdl; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" --pdl off \
