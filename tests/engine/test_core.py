@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
-
 from tokenspeed import LLM, SamplingParams
 from tokenspeed.engine import core
 
@@ -27,26 +25,3 @@ def test_slow_steps_are_logged_with_their_shape(monkeypatch, caplog) -> None:
     assert any("new tokens 2 x 1" in m for m in msgs), msgs
     assert any("read back the step of" in m for m in msgs), msgs  # async: the step waited on is named too
 
-
-def test_extended_token_view_equals_the_concatenation() -> None:
-    """The commit view of a request's tokens plus its accepted drafts (`engine.core._Extended`) reads as
-    `base + tail` for every index and slice, and hashes the same pages, without copying base."""
-    import random
-
-    from tokenspeed.cache.hashing import extend_hashes
-    from tokenspeed.engine.core import _Extended
-
-    rng = random.Random(5)
-    for n_base, n_tail in [(0, 3), (7, 0), (13, 4), (32, 3), (1, 1)]:
-        base, tail = [rng.randrange(100) for _ in range(n_base)], [rng.randrange(100) for _ in range(n_tail)]
-        view, want = _Extended(base, tail), base + tail
-        assert len(view) == len(want) and list(view) == want
-        assert [view[i] for i in range(-len(want), len(want))] == [want[i] for i in range(-len(want), len(want))]
-        for start in range(-2, len(want) + 2):
-            for stop in range(-2, len(want) + 3):
-                assert view[start:stop] == want[start:stop]
-        assert view[::2] == want[::2]
-        with pytest.raises(IndexError):
-            view[len(want)]
-        for page in (1, 4, 8):
-            assert extend_hashes([], view, page, len(want) // page) == extend_hashes([], want, page, len(want) // page)

@@ -109,3 +109,16 @@ def test_greedy_verify_steps_take_the_argmax_path(monkeypatch) -> None:
     assert not calls
     assert [o.outputs[0].token_ids for o in with_lp] == got
     assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) for o in with_lp)
+
+
+def test_penalised_greedy_with_speculation_equals_without() -> None:
+    """Greedy rows with a frequency penalty take the sampler path under speculation: each window position counts
+    the output tokens plus the drafts before it (a view, not a copy), so the tokens equal those of plain decoding."""
+    prompts = _prompts(6, 41)
+    params = GREEDY.clone(frequency_penalty=0.7, max_tokens=16)
+    plain = LLM("tiny-k3", cache_memory_gb=0.02)
+    spec = LLM("tiny-k3", cache_memory_gb=0.02, speculative_algorithm="ngram", speculative_num_steps=3)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    outs = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics.num_spec_steps for o in outs) > 0

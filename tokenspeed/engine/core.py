@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,7 @@ from tokenspeed.cache import CacheManager
 from tokenspeed.config import EngineConfig
 from tokenspeed.core.request import Request, RequestState
 from tokenspeed.core.sampling_params import RequestError, SamplingParams
+from tokenspeed.core.tokens import ExtendedTokens
 from tokenspeed.engine.memory import kv_cache_torch_dtype, plan_cache, resolve_dtype
 from tokenspeed.engine.outputs import EngineOutput, StepStats
 from tokenspeed.engine.tokenizer import Tokenizer, load_tokenizer
@@ -258,7 +258,7 @@ class EngineCore:
                 continue
             # Positions computed so far: the known tokens plus the accepted drafts (not yet appended), as a view:
             # no O(context) copy per request per verify step.
-            commit(rid, _Extended(req.all_token_ids, [t.token_id for t in tokens[:-1]]), req.num_computed_tokens)
+            commit(rid, ExtendedTokens(req.all_token_ids, [t.token_id for t in tokens[:-1]]), req.num_computed_tokens)
             emitted = []
             for token in tokens:
                 req.append_output(token.token_id)
@@ -372,34 +372,6 @@ class EngineCore:
 
 
 # ----- asynchronous scheduling -----
-class _Extended(Sequence):
-    """`base + tail` as a read-only sequence that does not copy `base` (a request's tokens plus the accepted drafts
-    not appended yet), for `CacheManager.commit`, which slices it page by page."""
-
-    __slots__ = ("base", "tail")
-
-    def __init__(self, base: list[int], tail: list[int]) -> None:
-        self.base, self.tail = base, tail
-
-    def __len__(self) -> int:
-        return len(self.base) + len(self.tail)
-
-    def __getitem__(self, i):
-        n = len(self.base)
-        if isinstance(i, slice):
-            start, stop, step = i.indices(len(self))
-            if step != 1:
-                return [self[j] for j in range(start, stop, step)]
-            if stop <= n:
-                return self.base[start:stop]
-            return self.base[start:n] + self.tail[max(start - n, 0):stop - n]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        return self.base[i] if i < n else self.tail[i - n]
-
-
 @dataclass
 class _InFlight:
     """A launched step whose tokens the host has not read."""

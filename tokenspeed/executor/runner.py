@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from tokenspeed.cache import CachePlan
+from tokenspeed.core.tokens import ExtendedTokens
 from tokenspeed.executor.cuda_graphs import DecodeGraphs
 from tokenspeed.executor.launched import LaunchedStep, feed_placeholders
 from tokenspeed.executor.sampler import (
@@ -308,7 +309,7 @@ class ModelRunner:
             generator = self._generator(req)
             window = drafts.get(req.request_id, [])
             for i, row in enumerate(row_of[req.request_id][-(len(window) + 1):]):
-                outputs = req.output_token_ids + window[:i] if i else req.output_token_ids  # no copy when plain
+                outputs = ExtendedTokens(req.output_token_ids, window[:i]) if i else req.output_token_ids  # no copy
                 inputs.append(SamplerInput(req.params, req.prompt_token_ids, outputs, generator, req.eos_token_ids))
                 rows.append(row)
                 owners.append(req.request_id)
