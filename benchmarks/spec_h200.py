@@ -11,7 +11,8 @@ KDA state replay after a verify step.
   from the host breakdown's median ms per token (insensitive to a one-off slow step).
 - Replay cost: inside the speculative run, the GPU time of each verify graph replay vs of the KDA replay that
   follows it (CUDA events), i.e. how much slower a verify step with replay is than one that writes no state.
-- Host breakdown: a second request through the speculative engine with every phase synchronised and timed
+- Host breakdown: a second set of requests (as many as --concurrency) through the engine with every phase
+  synchronised and timed
   (schedule, drafts, batch build, verify, sample, replay, update) and a cProfile of the host, so time that the GPU
   does not account for is attributed.
 - Verify workspace: the bytes the verify graphs record for replay (measured from the captured tensors) next to the
@@ -19,8 +20,7 @@ KDA state replay after a verify step.
 - --concurrency N > 1: N requests of the same lengths run together (max_num_seqs N), so verify steps take batch-N
   graphs (where `kda_config.MULTI_TABLE` picks the WY verify kernel from 96 (sequence, head) pairs); TPS/user is the
   output tokens of all requests from the step where the last request got its first token (every prompt prefilled:
-  the prefill chunks of later requests no longer fall into the window) to the last token, divided by N; no host
-  breakdown. A/B the KDA
+  the prefill chunks of later requests no longer fall into the window) to the last token, divided by N. A/B the KDA
   verify schedule with TOKENSPEED_KDA_VERIFY=<label> (e.g. bv32-split-w4, the old plain loop).
 Writes spec_h200.json (spec_h200_c<N>.json with --concurrency N) to --out.
 """
@@ -91,8 +91,8 @@ def run(model: str, device: str, prompt: int, output: int, spec: dict, concurren
         if evs:
             out[f"{name}_gpu_ms"] = statistics.median(s.elapsed_time(e) for s, e in evs[2:] or evs)
             out[f"{name}_count"] = len(evs)
-    if concurrency == 1:
-        out["host_breakdown"] = breakdown(llm, [(2000 + i) % vocab for i in range(prompt)], params, cuda)
+    out["host_breakdown"] = breakdown(llm, [[(2000 + 5 * r + i) % vocab for i in range(prompt)]
+                                            for r in range(concurrency)], params, cuda)
     if 4 in runner.graphs:
         out["verify_workspace"] = workspace(llm)
     print(out, flush=True)
@@ -103,9 +103,10 @@ def run(model: str, device: str, prompt: int, output: int, spec: dict, concurren
     return out
 
 
-def breakdown(llm: LLM, prompt_ids: list[int], params: SamplingParams, cuda: bool) -> dict:
-    """Median wall ms per phase of the decode/verify steps of one request, each phase synchronised, plus the top
-    of a cProfile of the same steps (host time by function)."""
+def breakdown(llm: LLM, prompts: list[list[int]], params: SamplingParams, cuda: bool) -> dict:
+    """Median wall ms per phase of the decode/verify steps of `prompts` run together (once every one of them is
+    past its prompt), each phase synchronised, plus the top of a cProfile of the same steps (host time by
+    function)."""
     from tokenspeed.executor import runner as runner_mod
 
     engine, runner = llm.engine, llm.engine.runner
@@ -130,20 +131,22 @@ def breakdown(llm: LLM, prompt_ids: list[int], params: SamplingParams, cuda: boo
         sync_timed(runner.proposer, "propose", "propose")
     build = runner_mod.ForwardBatch.build
     runner_mod.ForwardBatch.build = staticmethod(lambda *a, **kw: _timed_call(times, "build", build, cuda, *a, **kw))
-    engine.add_request("breakdown", prompt_ids, params)
+    ids = [f"breakdown{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params)
     profile = cProfile.Profile()
     step_ms, ms_per_token = [], []
     while engine.has_work:
         t = time.perf_counter()
-        req = engine.requests.get("breakdown")  # gone once finished (async scheduling: one step still in flight)
-        decoding = req is None or req.num_computed_tokens >= len(prompt_ids)
+        reqs = [engine.requests.get(rid) for rid in ids]  # gone once finished (async: one step still in flight)
+        decoding = all(r is None or r.num_computed_tokens >= r.num_prompt_tokens for r in reqs)
         if decoding:
             profile.enable()
         outs = engine.step()
         if decoding:
             profile.disable()
             step_ms.append((time.perf_counter() - t) * 1e3)
-            tokens = sum(len(o.new_token_ids) for o in outs)
+            tokens = sum(len(o.new_token_ids) for o in outs) / len(prompts)  # per request
             if tokens:
                 ms_per_token.append(step_ms[-1] / tokens)
     runner_mod.ForwardBatch.build = build
@@ -220,7 +223,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--concurrency", type=int, default=1, help="requests run together (> 1: no host breakdown)")
+    ap.add_argument("--concurrency", type=int, default=1, help="requests run together (also in the breakdown)")
     ap.add_argument("--plot-only", metavar="JSON", help="redraw the PNG of a saved result and exit")
     args = ap.parse_args()
     if args.plot_only:
@@ -238,9 +241,8 @@ def main() -> None:
               "kda_verify_env": os.environ.get("TOKENSPEED_KDA_VERIFY", ""),
               "commit": os.environ.get("BENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"),
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
-    if c == 1:
-        result["tps_user_ratio_median_step"] = (plain["host_breakdown"]["ms_per_token_median"]
-                                                / forced["host_breakdown"]["ms_per_token_median"])
+    result["tps_user_ratio_median_step"] = (plain["host_breakdown"]["ms_per_token_median"]
+                                            / forced["host_breakdown"]["ms_per_token_median"])
     if "verify_gpu_ms" in forced and "replay_gpu_ms" in forced:
         result["replay_over_verify"] = forced["replay_gpu_ms"] / forced["verify_gpu_ms"]
     print({k: v for k, v in result.items() if k not in ("plain", "forced_accept_3")}, flush=True)
