@@ -38,8 +38,8 @@
 #           32 / 16 against the loops; then the replay GPU tests (at 6a0daa4 its streaming tiles won 2.1-2.6x over
 #           the tile pass they replaced)
 #   nocompile  the no-compile-after-start-up GPU test, then the GEMV / CUDA-graph / replay GPU tests
-#   next: "nocompile" (the GEMV split-stride rounding of cb1ac0b has not run on a GPU), then
-#   benchmarks/swe_smith_session.sh (no Triton kernel should compile mid-serve)
+#   next: "nocompile" (the GEMV split-stride rounding of cb1ac0b and the test's n-gram case have not run on a GPU),
+#   then SPEC_CONC=16 ... "specab" (its host breakdown now at concurrency 16), then benchmarks/swe_smith_session.sh
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "

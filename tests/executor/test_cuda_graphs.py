@@ -232,11 +232,14 @@ MIXED_AFTER_START = [(1, 1, 0), (2, 6, 0), (3, 9, 0), (1, 14, 0), (4, 12, 0), (2
 
 
 @needs_cuda
-def test_no_triton_kernel_compiles_after_start_up_gpu(tmp_path) -> None:
+@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "ngram", "speculative_num_steps": 3}],
+                         ids=["plain", "ngram"])
+def test_no_triton_kernel_compiles_after_start_up_gpu(tmp_path, spec: dict) -> None:
     """A bf16 Kimi-Linear served with graphs: once the engine is built (warm-up and capture), steps of decodes
     beside new prompts or new turns of 1 to 70 tokens (eager mixed steps of 2 to 71 tokens) compile or load no
-    Triton kernel, so no request stalls on a compile mid-serve. A failure names each late variant, the step that
-    asked for it and how its specialisation differs from the start-up variants of the same kernel."""
+    Triton kernel, so no request stalls on a compile mid-serve; with n-gram speculation the decodes are verify
+    windows (written after the last device run: not yet run on a GPU). A failure names each late variant, the
+    step that asked for it and how its specialisation differs from the start-up variants of the same kernel."""
     import triton
 
     path = str(write_tiny_checkpoint(tmp_path / "tiny-kimi-linear", "tiny-kimi-linear", dtype=torch.bfloat16,
@@ -246,14 +249,16 @@ def test_no_triton_kernel_compiles_after_start_up_gpu(tmp_path) -> None:
     phase = ["start-up"]
     knobs = triton.knobs.runtime
     knobs.jit_post_compile_hook = lambda **kw: seen.append((phase[0], kw["fn"].name, _spec(kw["compile"])))
+    llm = None
     try:
-        llm = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=8, num_pages=GPU_PAGES)
+        llm = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=8, num_pages=GPU_PAGES, **spec)
         for decoding, new, history in MIXED_AFTER_START:
             phase[0] = f"{decoding} decoding + {new} new tokens (history {history})"
             _mixed_step(llm, decoding, new, history)
     finally:
         knobs.jit_post_compile_hook = None
-        _release(llm)
+        if llm is not None:
+            _release(llm)
     late = [(p, name, r) for p, name, r in seen if p != "start-up"]
     early = {}
     for p, name, r in seen:
