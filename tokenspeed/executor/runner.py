@@ -294,13 +294,6 @@ class ModelRunner:
         todo = [r for r in reqs if r.sample]
         if not todo:
             return {}
-        if not drafts and all(is_plain_greedy(r.request.params, len(r.request.output_token_ids)) for r in todo):
-            # the common decode batch: one argmax, no per-row sampler inputs (what `sample` does for such rows)
-            picked = [row_of[r.request.request_id][-1] for r in todo]
-            if picked != list(range(logits.shape[0])):  # a decode graph's rows are exactly the sampled ones
-                logits = logits[picked]
-            ids = logits.argmax(dim=-1).tolist()
-            return {r.request.request_id: [SampledToken(t, None, None)] for r, t in zip(todo, ids, strict=True)}
         if all(is_plain_greedy(r.request.params, len(r.request.output_token_ids)) for r in todo):
             return self._accept_greedy(todo, logits, row_of, drafts)
         inputs, rows, owners = [], [], []
@@ -332,9 +325,14 @@ class ModelRunner:
 
     def _accept_greedy(self, todo: list[ScheduledRequest], logits: Tensor, row_of: dict[str, list[int]],
                        drafts: dict[str, list[int]]) -> dict[str, list[SampledToken]]:
-        """`_sample` for verify steps whose requests are all plain greedy (`is_plain_greedy`: then every position
-        of a window is too, having more output tokens): each position's choice is its row's argmax, one argmax
-        over all rows, then chain acceptance; no per-position sampler inputs or output-list copies."""
+        """`_sample` for steps whose requests are all plain greedy (`is_plain_greedy`: then every position of a
+        verify window is too, having more output tokens), decode batches included: each position's choice is its
+        row's argmax, one argmax over all rows, then chain acceptance where there are drafts; no per-position
+        sampler inputs (what `sample` does for such rows) or output-list copies."""
+        if not drafts:  # a decode batch: the last row of each request (a decode graph's rows are exactly these)
+            rows = [row_of[r.request.request_id][-1] for r in todo]
+            ids = (logits if rows == list(range(logits.shape[0])) else logits[rows]).argmax(dim=-1).tolist()
+            return {r.request.request_id: [SampledToken(t, None, None)] for r, t in zip(todo, ids, strict=True)}
         rows, spans = [], []
         for r in todo:
             rid = r.request.request_id

@@ -165,7 +165,7 @@ def moe_variant_token_counts(k: int, num_experts: int, dim: int, inter: int, max
     compiles them all, so a warm-up of these lengths leaves no experts kernel to compile mid-serve. Host-only."""
     from tokenspeed.ops.triton.moe_config import variant_token_counts
 
-    return variant_token_counts(k, num_experts, dim, inter, max_tokens, torch.empty((), dtype=dtype).element_size())
+    return variant_token_counts(k, num_experts, dim, inter, max_tokens, dtype.itemsize)
 
 
 def moe_experts(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,

@@ -270,8 +270,8 @@ def kda_replay_layers(
     is chosen for the N * H * L programs and ceil(T / N) tokens per sequence). A WY config (the default's from
     `MULTI_TABLE`'s WY row) with `max_seq_tokens` <= MAX_WINDOW, the caller's bound on every sequence's rows, takes
     the two-launch WY replay (`kda_replay_wy.py`, its V tile REPLAY_WY_BLOCK_V unless given); without the bound
-    its split form. Raises ValueError when
-    `dispatch.kda_replay_layers_unsupported(table)` names a reason, or for an explicit WY config it cannot run."""
+    its split form. Raises ValueError when `dispatch.kda_replay_layers_unsupported(table)` names a reason, or for
+    an explicit WY config it cannot run."""
     why = kda_replay_layers_unsupported(table)
     if why is not None:
         raise ValueError(f"kda_replay_layers: {why}")
