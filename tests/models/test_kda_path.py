@@ -1,6 +1,6 @@
 """Which KDA path a batch takes (`takes_fused_path`): the fused kernel for decode / verify windows everywhere, and
-on CUDA for short prompt tails and steps that mix them with decodes; the chunked scan for long prefill chunks,
-for verifications that are not uniform, and for everything non-uniform on the CPU (the reference numerics)."""
+on CUDA for short prompt tails and steps that mix them with decodes or verify windows; the chunked scan for long
+prefill chunks (beside verify windows too) and for everything non-uniform on the CPU (the reference numerics)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ def _batch(qlens: list[int], verify: bool = False) -> ForwardBatch:
     ([kda.FUSED_MAX_TAIL_CUDA, 1, 1], False, True, True),              # CUDA tail beside decodes
     ([kda.FUSED_MAX_TAIL_CUDA + 1, 1], False, True, False),            # CUDA long chunk
     ([3, 1], False, False, False),                                     # CPU mixed step
-    ([3, 1], True, True, False),                                       # non-uniform verify: scratch-state path
+    ([3, 1], True, True, True),                                        # CUDA verify window beside a short tail
+    ([kda.FUSED_MAX_TAIL_CUDA + 1, 4], True, True, False),             # long chunk beside a window: scratch states
+    ([3, 1], True, False, False),                                      # CPU non-uniform verify: scratch states
 ])
 def test_kda_path_choice(qlens: list[int], verify: bool, on_cuda: bool, fused: bool) -> None:
     assert takes_fused_path(_batch(qlens, verify), on_cuda) is fused

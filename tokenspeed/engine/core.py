@@ -99,7 +99,8 @@ class EngineCore:
         mixed = [q for q in WARM_UP_MIXED if len(q) <= max_seqs and sum(q) <= chunk]
         logger.info("warming up kernels (on a machine without a Triton cache this compiles every kernel: about "
                     "2-3 minutes on an H200; later starts reuse the on-disk cache)")
-        self.runner.warm_up([n for n in lengths if n <= self.max_model_len], mixed)
+        self.runner.warm_up([n for n in lengths if n <= self.max_model_len], mixed,
+                            num_drafts=self.config.spec.num_draft_tokens)
         logger.info("warmed up prefill kernels for %s-token prompts and mixed steps %s in %.1f s", lengths, mixed,
                     time.perf_counter() - start)
 

@@ -97,27 +97,41 @@ class ModelRunner:
                 continue
             self.graphs[q] = graphs
 
-    def warm_up(self, lengths: list[int], mixed: Sequence[Sequence[int]] = ()) -> None:
+    def warm_up(self, lengths: list[int], mixed: Sequence[Sequence[int]] = (), num_drafts: int = 0) -> None:
         """One eager prefill forward per length in `lengths` (one sequence of that many tokens), then one eager
         forward per entry of `mixed` (several sequences with a cached history, taking those many new tokens each:
         the mixed decode + tail steps of serving, whose ragged kernel variants differ from a lone prompt's), so the
         kernels that compile or autotune per shape class (Triton tiles chosen by rows per expert, fla's chunked
         scan, the ragged MLA and short-tail KDA forms) do it at start-up, not in the first requests. Every sequence
         writes only the scratch page (every page of its table) and KDA slot 0, whose state every sequence that
-        takes it later zeroes or restores first (the values the warm-up leaves there are never read)."""
+        takes it later zeroes or restores first (the values the warm-up leaves there are never read). With
+        `num_drafts` (speculation), each mixed step runs again as a verification, its one-token rows as windows of
+        1 + num_drafts tokens, followed by the KDA state replay (the eager verify kernels)."""
         page_size = self.buffers.page_size
         for n in lengths:
             pages = [self.num_pages] * (-(-n // page_size))
             forward = ForwardBatch.build([[0] * n], [0], [pages], [0], page_size, self.device)
             self.model(forward, self.buffers, device_longs([n - 1], self.device))
-        history = 4 * page_size
         for qlens in mixed:
-            pages = [[self.num_pages] * (-(-(history + q) // page_size)) for q in qlens]
-            forward = ForwardBatch.build([[0] * q for q in qlens], [history] * len(qlens), pages, [0] * len(qlens),
-                                         page_size, self.device)
-            self.model(forward, self.buffers, device_longs([c - 1 for c in accumulate(qlens)], self.device))
+            self._warm_up_mixed(list(qlens), [])
+            if num_drafts:
+                self._warm_up_mixed([1 + num_drafts if q == 1 else q for q in qlens],
+                                    [i for i, q in enumerate(qlens) if q != 1])
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def _warm_up_mixed(self, qlens: list[int], prompt_rows: list[int]) -> None:
+        """One eager forward of sequences with a cached history taking qlens[n] new tokens each (scratch page, KDA
+        slot 0); a verification with its replay when `prompt_rows` (the rows without drafts) is not every row."""
+        page_size = self.buffers.page_size
+        history = 4 * page_size
+        verify = len(prompt_rows) < len(qlens)
+        pages = [[self.num_pages] * (-(-(history + q) // page_size)) for q in qlens]
+        forward = ForwardBatch.build([[0] * q for q in qlens], [history] * len(qlens), pages, [0] * len(qlens),
+                                     page_size, self.device, verify=verify, prompt_rows=prompt_rows if verify else ())
+        self.model(forward, self.buffers, device_longs([c - 1 for c in accumulate(qlens)], self.device))
+        if verify:
+            self.model.replay_kda(self.buffers, forward, qlens)
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (its random stream, the proposer's index) once the request has ended."""
@@ -176,7 +190,8 @@ class ModelRunner:
         else:
             drafts = {r.request.request_id: self._drafts(r) for r in reqs if r.num_draft_tokens}
         tokens = [r.new_token_ids + drafts.get(r.request.request_id, []) for r in reqs]
-        forward = self._build(reqs, tokens, verify=bool(drafts))
+        forward = self._build(reqs, tokens, verify=bool(drafts),
+                              prompt_rows=[i for i, r in enumerate(reqs) if r.request.request_id not in drafts])
         rows, row_of = self._logits_rows(reqs, forward.cu_seqlens_host, drafts)
         features = None
         graphs = self._graphs_for(forward, rows)
@@ -236,11 +251,13 @@ class ModelRunner:
         self.copy_states(batch.state_copies_after)
         return launched
 
-    def _build(self, reqs: list[ScheduledRequest], tokens: list[list[int]], verify: bool) -> ForwardBatch:
-        """The device batch of `reqs` feeding `tokens` (each request's new tokens, plus drafts when verifying)."""
+    def _build(self, reqs: list[ScheduledRequest], tokens: list[list[int]], verify: bool,
+               prompt_rows: Sequence[int] = ()) -> ForwardBatch:
+        """The device batch of `reqs` feeding `tokens` (each request's new tokens, plus drafts when verifying;
+        `prompt_rows`: the verified batch's rows without drafts)."""
         return ForwardBatch.build(
             tokens, [r.num_computed_tokens for r in reqs], [r.page_table for r in reqs], [r.slot for r in reqs],
-            self.buffers.page_size, self.device, verify=verify,
+            self.buffers.page_size, self.device, verify=verify, prompt_rows=prompt_rows if verify else (),
         )
 
     def _graphs_for(self, forward: ForwardBatch, rows: list[int]) -> DecodeGraphs | None:

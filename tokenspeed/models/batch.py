@@ -35,6 +35,9 @@ class ForwardBatch:
     cu_seqlens_host: list[int]  # N+1 host copy of cu_seqlens
     kv_lens_host: list[int]  # N host copy of kv_lens
     verify: bool = False  # speculative verification: KDA states are read, not written (see KDAAttention.replay)
+    # Verify batches: the sequences whose new tokens carry no drafts (a prompt chunk beside the verified windows).
+    # A KDA layer that runs them through the chunked scan commits their state in the forward (`ReplayInputs`).
+    prompt_rows_host: tuple[int, ...] = ()
     uniform_query_len: int | None = None  # q_len shared by every sequence (decode: 1, verify: k), else None.
     # When set, layers take their device-only paths (no host list is read), which CUDA graphs require.
 
@@ -52,6 +55,11 @@ class ForwardBatch:
         c = self.cu_seqlens_host
         return [c[i + 1] - c[i] for i in range(len(c) - 1)]
 
+    @functools.cached_property
+    def prompt_rows(self) -> Tensor:
+        """prompt_rows_host as an int64 device tensor (built once per batch)."""
+        return device_longs(list(self.prompt_rows_host), self.kda_slots.device)
+
     @classmethod
     def build(
         cls,
@@ -62,6 +70,7 @@ class ForwardBatch:
         page_size: int,
         device: torch.device | str = "cpu",
         verify: bool = False,
+        prompt_rows: Sequence[int] = (),
     ) -> ForwardBatch:
         """Assemble a batch from per-sequence host data. page_tables[n] must cover num_cached[n] + len(new).
 
@@ -69,7 +78,7 @@ class ForwardBatch:
         CUDA) that goes to the device in a single non-blocking copy; the tensors are views into that one device
         buffer (each field starts 64-byte aligned; the int32 page table is a reinterpreted int64 span). Page
         tables that keep an int32 copy of themselves (`tokenspeed.cache.PageList`, the cache manager's) are copied
-        without converting their Python ints.
+        without converting their Python ints. `prompt_rows` (verify only): the sequences without drafts.
         """
         n = len(new_tokens)
         if len(num_cached) != n or len(page_tables) != n:
@@ -145,6 +154,7 @@ class ForwardBatch:
             cu_seqlens_host=cu,
             kv_lens_host=kv_lens,
             verify=verify,
+            prompt_rows_host=tuple(prompt_rows),
             uniform_query_len=uniform,
         )
 
@@ -184,6 +194,9 @@ class ReplayInputs:
     projected: Tensor  # [T, 3 * channels] q/k/v projections before the short conv (model dtype)
     f: Tensor  # [T, channels] gate logits before the K3 / softplus gate (model dtype)
     b: Tensor  # [T, heads] beta logits before the sigmoid (model dtype)
+    # Sequences (batch rows) whose state the forward already committed (prompt chunks beside the verified windows,
+    # run through the chunked scan): the replay applies none of their tokens.
+    committed: tuple[int, ...] = ()
 
 
 # The KDA recurrent pools hold each head's state as [V, K]: the fused decode kernel's [K, block_v] tiles are then
@@ -223,7 +236,7 @@ class CacheBuffers:
         *,
         kv_cache_dtype: torch.dtype | None = None,
         tp_size: int = 1,
-    ) -> "CacheBuffers":
+    ) -> CacheBuffers:
         """Zero-filled buffers for every MLA and KDA layer of `config` (KDA heads split over tp_size)."""
         heads = config.kda_num_heads // tp_size
         channels = 3 * heads * config.kda_head_dim

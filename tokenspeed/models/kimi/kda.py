@@ -51,8 +51,7 @@ def _in_parts(local: int, hd: int, heads: int, full_rank_gate: bool) -> list[Par
 
 # Batches whose sequences all have this many new tokens or fewer (decode, verify windows) take the fused path.
 FUSED_MAX_QUERY_LEN = 16
-# On CUDA, other batches that are not verifications (prefill chunks, steps mixing decodes with a prompt's tail)
-# take it too when no sequence has more than this many new tokens: the fused kernel walks each sequence's tokens
+# On CUDA, other batches (prefill chunks, steps mixing decodes or verify windows with a prompt's tail) take it too when no sequence has more than this many new tokens: the fused kernel walks each sequence's tokens
 # in one launch, while the chunked scan's dozen launches per layer (fla's Python included) make an eager step of a
 # short agentic tail host-bound. Chosen from `benchmarks/step_profile_h200.py` (tail_policy section).
 FUSED_MAX_TAIL_CUDA = 256
@@ -60,14 +59,13 @@ FUSED_MAX_TAIL_CUDA = 256
 
 def takes_fused_path(batch: ForwardBatch, on_cuda: bool) -> bool:
     """Whether a KDA layer runs `batch` through the fused `ops.kda_decode` rather than conv + `ops.kda_prefill`:
-    every sequence has the same 1..FUSED_MAX_QUERY_LEN new tokens (decode, verify; any device), or, on CUDA, the
-    batch is not a verification and no sequence has more than FUSED_MAX_TAIL_CUDA new tokens. A host decision from
-    the batch's host lengths only."""
+    every sequence has the same 1..FUSED_MAX_QUERY_LEN new tokens (decode, verify; any device), or, on CUDA, no
+    sequence has more than FUSED_MAX_TAIL_CUDA new tokens (verifications included: their short prompt tails are
+    then replayed with the windows). A host decision from the batch's host lengths only."""
     ql = batch.uniform_query_len
     if ql is not None and 1 <= ql <= FUSED_MAX_QUERY_LEN:
         return True
-    return (on_cuda and not batch.verify and batch.num_tokens > 0
-            and max(batch.query_lens_host) <= FUSED_MAX_TAIL_CUDA)
+    return on_cuda and batch.num_tokens > 0 and max(batch.query_lens_host) <= FUSED_MAX_TAIL_CUDA
 
 
 class KDAAttention(nn.Module):
@@ -124,16 +122,19 @@ class KDAAttention(nn.Module):
         Commit mode (default): advances the KDA state of batch.kda_slots in place. Verify mode
         (`batch.verify`): reads the states but leaves them untouched, and records in `cache.replay[cache_index]`
         what the model's replay (`replay_kda`, through `replay_tensors`) needs to advance them later by the accepted
-        tokens only. Batches where every sequence has the same few new tokens (decode, verify) run the fused
+        tokens only; on the chunked-scan path the prompt rows (`batch.prompt_rows_host`, no drafts) are the
+        exception: their scan's final state is committed and recorded as such (`ReplayInputs.committed`). Batches where every sequence has the same few new tokens (decode, verify) run the fused
         `ops.kda_decode` (one launch, graph-safe), and so do CUDA batches whose longest run of new tokens is
         short (FUSED_MAX_TAIL_CUDA); others (prefill chunks, mixed steps) compose conv, gate and `ops.kda_prefill`.
         """
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
         projected, f, b, gate = self.projections(x)
+        fused = takes_fused_path(batch, x.is_cuda)
         if batch.verify:
-            cache.replay[self.cache_index] = ReplayInputs(projected, f, b)
+            cache.replay[self.cache_index] = ReplayInputs(projected, f, b,
+                                                          committed=() if fused else batch.prompt_rows_host)
         conv_state, rec_state = cache.kda_conv[self.cache_index], cache.kda_recurrent[self.cache_index]
-        if takes_fused_path(batch, x.is_cuda):  # the output norm is the fused kernel's epilogue
+        if fused:  # the output norm is the fused kernel's epilogue
             o = ops.kda_decode(projected, f, b, self.conv_weight, conv_state, self.A_log, self.dt_bias, rec_state,
                                batch.kda_slots, batch.cu_seqlens, lower_bound=self.lower_bound,
                                scale=1.0 / math.sqrt(hd), update_state=not batch.verify,
@@ -152,6 +153,11 @@ class KDAAttention(nn.Module):
                                 scale=1.0 / math.sqrt(hd), state=rec_state, state_indices=slots,
                                 cu_seqlens=batch.cu_seqlens, cu_seqlens_host=batch.cu_seqlens_host,
                                 state_v_first=cache.kda_state_v_first)
+            if batch.verify and batch.prompt_rows_host:  # prompt chunks keep their scan's final state
+                rows = batch.prompt_rows
+                dst = batch.kda_slots[rows]
+                cache.kda_conv[self.cache_index].index_copy_(0, dst, conv_state[rows])
+                cache.kda_recurrent[self.cache_index].index_copy_(0, dst, rec_state[rows])
             o = ops.gated_rms_norm(o, gate.view(t, h, hd), self.o_norm.weight, self.eps)
         return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
 

@@ -130,6 +130,10 @@ class KimiForCausalLM(nn.Module):
         return [layer.self_attn.replay_tensors(cache) for layer in self.model.layers
                 if hasattr(layer.self_attn, "replay_tensors")]
 
+    def _committed_rows(self, cache: CacheBuffers) -> frozenset[int]:
+        """The batch rows whose KDA state the recorded verification committed (the same in every KDA layer)."""
+        return frozenset(next((rec.committed for rec in cache.replay.values()), ()))
+
     def kda_replay_table(self, cache: CacheBuffers) -> ops.KdaLayerTable | None:
         """The layer table of a KDA state replay of the verification now recorded in `cache.replay` (None when the
         model has no KDA layer). Host work plus one small host -> device copy: build it outside CUDA-graph capture
@@ -145,7 +149,8 @@ class KimiForCausalLM(nn.Module):
         from the inputs the verification recorded (`cache.replay`, consumed): one `ops.kda_replay_layers` over all
         KDA layers (one launch on CUDA when the layers are uniform). `table`: a prebuilt `kda_replay_table` of the
         same recorded tensors (required inside CUDA-graph capture; ValueError if it was built from others);
-        None builds one now."""
+        None builds one now. Rows the verification already committed (`ReplayInputs.committed`: prompt chunks of
+        the chunked scan) apply no token, whatever num_accepted says."""
         layers = self._kda_replay_layers(cache)
         if not layers:
             return
@@ -153,8 +158,12 @@ class KimiForCausalLM(nn.Module):
             table = ops.KdaLayerTable.build(layers)
         elif not table.matches(layers):
             raise ValueError("the KDA replay table was built from other tensors than the recorded verification's")
+        committed = self._committed_rows(cache)
+        if committed and isinstance(num_accepted, Tensor):
+            raise ValueError("a verification that committed prompt rows is replayed from host counts only")
         accepted = num_accepted if isinstance(num_accepted, Tensor) else torch.tensor(
-            list(num_accepted), dtype=torch.int64, device=batch.cu_seqlens.device)
+            [0 if n in committed else a for n, a in enumerate(num_accepted)], dtype=torch.int64,
+            device=batch.cu_seqlens.device)
         ops.kda_replay_layers(table, batch.kda_slots, batch.cu_seqlens, accepted,
                               lower_bound=self.config.gate_lower_bound, state_v_first=cache.kda_state_v_first,
                               max_seq_tokens=batch.uniform_query_len)
