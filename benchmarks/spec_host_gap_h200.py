@@ -57,8 +57,32 @@ def _time_graphs(graphs, patch, events: list) -> None:
         setattr(graphs, name, timed)
 
 
+def plot(result: dict, path: str) -> None:
+    """One bar per quantity: the step's wall time against its graphs' GPU time and the GPU's idle time, and each
+    phase's host time per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    host = result["host_ms_per_step"]
+    rows = [("step (wall, median)", result["step_ms_median"]), ("verify graph (GPU)", result["verify_gpu_ms_median"]),
+            ("replay graph (GPU)", result["replay_gpu_ms_median"]), ("GPU idle", result["gpu_idle_ms_per_step"]),
+            *((f"host: {k}", v) for k, v in host.items() if not k.startswith(("execute", "sample")))]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.barh([r[0] for r in rows][::-1], [r[1] for r in rows][::-1], color="tab:blue")
+    for i, (_, v) in enumerate(rows[::-1]):
+        ax.text(v, i, f" {v:.2f}", va="center", fontsize=8)
+    ax.set_xlabel("ms per step")
+    ax.set_title(f"{result['model']}, {result['concurrency']} requests verifying 4-token windows "
+                 f"({result['gpu']}, {result['commit']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plot", help="only draw the PNG of this result JSON (next to it)")
     p.add_argument("--model", default="kimi-linear-48b-a3b")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--prompt", type=int, default=1024)
@@ -68,6 +92,10 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (no graphs, no events)")
     p.add_argument("--out", default="benchmarks/results")
     a = p.parse_args()
+    if a.plot:
+        with open(a.plot) as f:
+            plot(json.load(f), a.plot.replace(".json", ".png"))
+        return
     from tokenspeed.executor import runner as runner_mod
 
     spec = {"speculative_algorithm": "repeat", "speculative_num_steps": 3, "speculative_force_accept_length": 3}
@@ -146,6 +174,7 @@ def main() -> None:
     result["date"] = time.strftime("%Y-%m-%d")
     with open(os.path.join(a.out, f"spec_host_gap_c{n}.json"), "w") as f:
         json.dump(result, f, indent=1)
+    plot(result, os.path.join(a.out, f"spec_host_gap_c{n}.png"))
     print(json.dumps({k: v for k, v in result.items() if k != "profile_self_cpu_top"}, indent=1))
     print("\n".join(table.splitlines()))
 
