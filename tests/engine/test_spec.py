@@ -122,3 +122,44 @@ def test_penalised_greedy_with_speculation_equals_without() -> None:
     outs = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert sum(o.metrics.num_spec_steps for o in outs) > 0
+
+
+def _staggered(llm: LLM, prompts: list[list[int]], params: SamplingParams, every: int = 3) -> list[list[int]]:
+    """Greedy tokens of `prompts` added one every `every` engine steps (later prompts prefill while earlier ones
+    decode), in prompt order."""
+    engine, out, step = llm.engine, {}, 0
+    pending = list(enumerate(prompts))
+    while pending or engine.has_work:
+        if pending and step % every == 0:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, params)
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        step += 1
+    return [out.get(f"r{i}", []) for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
+def test_prompt_chunks_beside_verify_windows_equal_plain(model: str, monkeypatch) -> None:
+    """Prompts that arrive while others are speculating prefill in chunks beside verify windows (the KDA layers
+    commit those chunks in the forward, `ReplayInputs.committed`): the greedy tokens equal plain decoding's, and such
+    mixed verify steps did run."""
+    from tokenspeed.executor.runner import ModelRunner
+
+    mixed = []
+    build = ModelRunner._build
+
+    def spy(self, reqs, tokens, verify, prompt_rows=()):
+        if verify and prompt_rows:
+            mixed.append(max(len(tokens[i]) for i in prompt_rows))
+        return build(self, reqs, tokens, verify, prompt_rows)
+    monkeypatch.setattr(ModelRunner, "_build", spy)
+    rng = random.Random(7)
+    prompts = [(p * 8)[: rng.randint(30, 70)] for p in _prompts(6, 13)]
+    params = GREEDY.clone(max_tokens=14)
+    opts = {"cache_memory_gb": 0.02, "page_size": 8, "chunked_prefill_size": 16, "max_num_batched_tokens": 32}
+    expected = _staggered(LLM(model, **opts), prompts, params)
+    spec = LLM(model, speculative_algorithm="ngram", speculative_num_steps=3, **opts)
+    assert _staggered(spec, prompts, params) == expected
+    assert mixed and max(mixed) > 1
+    spec.engine.cache.check_integrity()

@@ -137,6 +137,27 @@ def test_graphs_capture_and_equal_eager_and_cpu(tiny_dir: str, spec: dict) -> No
 
 
 @needs_cuda
+def test_prompt_tails_beside_verify_windows_gpu(tiny_dir: str) -> None:
+    """N-gram speculation with prompts arriving while others verify (chunks of 16 beside verify windows: on CUDA the
+    fused KDA kernel without state writes, the prompt tails replayed with the windows): the greedy tokens of the
+    CUDA engine (fp32, graphs) equal the CPU engine's (the chunked scan, prompt chunks committed in the forward)."""
+    import random
+
+    from tests.engine.test_spec import _prompts, _staggered
+
+    rng = random.Random(7)
+    prompts = [(p * 8)[: rng.randint(30, 70)] for p in _prompts(6, 13)]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    opts = {"dtype": "float32", "max_num_seqs": 8, "chunked_prefill_size": 16, "max_num_batched_tokens": 32,
+                "speculative_algorithm": "ngram", "speculative_num_steps": 3}
+    torch.cuda.empty_cache()
+    llm = LLM(tiny_dir, device="cuda", num_pages=GPU_PAGES, **opts)
+    got = _staggered(llm, prompts, params)
+    _release(llm)
+    assert got == _staggered(LLM(tiny_dir, device="cpu", **opts), prompts, params)
+
+
+@needs_cuda
 def test_default_model_graphs_equal_cpu() -> None:
     """The default model (KDA head dim 48: the fused kernel's padded lanes) captures decode graphs and gives the
     CPU reference's greedy tokens."""
