@@ -20,7 +20,9 @@ KDA state replay after a verify step.
 - --concurrency N > 1: N requests of the same lengths run together (max_num_seqs N), so verify steps take batch-N
   graphs (where `kda_config.MULTI_TABLE` picks the WY verify kernel from 96 (sequence, head) pairs); TPS/user is the
   output tokens of all requests from the step where the last request got its first token (every prompt prefilled:
-  the prefill chunks of later requests no longer fall into the window) to the last token, divided by N. A/B the KDA
+  the prefill chunks of later requests no longer fall into the window) to the step where the first request
+  finished (the prompts prefill one per step, so requests finish at different steps and the batch would shrink),
+  divided by N. A/B the KDA
   verify schedule with TOKENSPEED_KDA_VERIFY=<label> (e.g. bv32-split-w4, the old plain loop).
 Writes spec_h200.json (spec_h200_c<N>.json with --concurrency N) to --out.
 """
@@ -73,12 +75,15 @@ def run(model: str, device: str, prompt: int, output: int, spec: dict, concurren
         evs.clear()
     for r in range(concurrency):
         llm.add_request([(1000 + 7 * r + i) % vocab for i in range(prompt)], params)
-    stamps, started = [], set()  # (time, tokens) of the steps from the one where the last request got its first token
+    # (time, tokens) of the steps from the one where the last request got its first token to the one where the first
+    # request finished: every request is decoding in between (the batch neither fills nor drains)
+    stamps, started, done = [], set(), False
     while llm.engine.has_work:
         outs = llm.engine.step()
         started.update(o.request_id for o in outs if o.new_token_ids)
-        if len(started) == concurrency and any(o.new_token_ids for o in outs):
+        if len(started) == concurrency and any(o.new_token_ids for o in outs) and not done:
             stamps.append((time.perf_counter(), sum(len(o.new_token_ids) for o in outs)))
+        done = done or any(o.finished for o in outs)
     if cuda:
         torch.cuda.synchronize()
     tokens = sum(n for _, n in stamps[1:])
