@@ -37,9 +37,13 @@
 #   replaywy  the replay schedules' errors (N 1 / 8) and times at 1 / 4 / 16 / 64 sequences: the WY replay at BV 64 /
 #           32 / 16 against the loops; then the replay GPU tests (at 6a0daa4 its streaming tiles won 2.1-2.6x over
 #           the tile pass they replaced)
-#   nocompile  the no-compile-after-start-up GPU test, then the GEMV / CUDA-graph / replay GPU tests
-#   next: "nocompile" (the GEMV split-stride rounding of cb1ac0b and the test's n-gram case have not run on a GPU),
-#   then SPEC_CONC=16 ... "specab" (its host breakdown now at concurrency 16), then benchmarks/swe_smith_session.sh
+#   nocompile  the no-compile-after-start-up GPU test, then the GEMV / CUDA-graph / replay GPU tests (all passed at
+#           61d9710, the n-gram case included)
+#   spectest  the speculative engine's GPU tests: prompt tails beside verify windows (CUDA == CPU greedy; written at
+#           3ab3082, not yet run on a GPU), the n-gram no-compile case, the graph tests with speculation
+#   specgap   the batched verify step as served (spec_host_gap_h200.py at concurrency ${SPEC_CONC:-16}), then
+#           spec_h200.py at that concurrency (its TPS/user window now ends when the first request finishes)
+#   next: "spectest specgap"
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "
@@ -116,6 +120,18 @@ if has nocompile; then
   timeout 300 python3 -m pytest -n "${PYTEST_N:-8}" -p no:cacheprovider tests/executor/test_cuda_graphs.py \
     tests/ops/test_triton_kda_replay.py tests/ops/test_triton_gemv.py tests/ops/test_triton_gemv_fused.py \
     -k "(gpu or graphs or cuda) and not no_triton and not second_engine" -rfE --tb=line 2>&1 | tail -4
+fi
+if has spectest; then
+  timeout 300 python3 -m pytest -n "${PYTEST_N:-4}" -p no:cacheprovider tests/executor/test_cuda_graphs.py \
+    -k "prompt_tails_beside or (no_triton and ngram) or (graphs_capture and (verify or eagle3))" -rfE --tb=short \
+    2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
+fi
+if has specgap; then
+  timeout 300 python3 benchmarks/spec_host_gap_h200.py --concurrency "${SPEC_CONC:-16}" --out "$OUT" 2>&1 \
+    | grep -E '"(step_ms_median|verify_gpu_ms_median|replay_gpu_ms_median|gpu_idle_ms_per_step)"'
+  mkdir -p "$OUT/spec"
+  timeout 240 python3 benchmarks/spec_h200.py --concurrency "${SPEC_CONC:-16}" --out "$OUT/spec" 2>&1 \
+    | grep -E "^\{'model'" | cut -c1-400
 fi
 if has nopdl; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" --pdl off \
