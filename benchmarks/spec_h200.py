@@ -7,8 +7,8 @@ KDA state replay after a verify step.
   CUDA graphs; then the same with `--speculative-algorithm repeat --speculative-num-steps 3
   --speculative-force-accept-length 3` (FORCED ACCEPTANCE: 3 drafts accepted per step whatever the target says;
   a benchmark of the verify path, not of a draft model) with verify CUDA graphs, each after a short warm-up request
-  (Triton compiles). TPS/user = output tokens / the time from the first to the last output token; the ratio is also given
-  from the host breakdown's median ms per token (insensitive to a one-off slow step).
+  (Triton compiles). TPS/user = output tokens / the time from the first to the last output token; the ratio is also
+  given from the host breakdown's median ms per token (insensitive to a one-off slow step).
 - Replay cost: inside the speculative run, the GPU time of each verify graph replay vs of the KDA replay that
   follows it (CUDA events), i.e. how much slower a verify step with replay is than one that writes no state.
 - Host breakdown: a second set of requests (as many as --concurrency) through the engine with every phase

@@ -1,8 +1,9 @@
 """Speculative verification with KDA replay on whole tiny models (fp32).
 
 Scenarios: a verify forward of k+1 tokens per sequence gives the same logits as committing them, leaves every KDA
-state untouched (except a prompt chunk's beside the windows: committed in the forward, skipped by the replay); replaying any accepted count 0..k+1 per sequence (different per sequence in one batch) leaves
-conv and recurrent states equal to decoding those tokens one by one (within 1e-5); decoding continues correctly.
+state untouched (except a prompt chunk's beside the windows: committed in the forward, skipped by the replay);
+replaying any accepted count 0..k+1 per sequence (different per sequence in one batch) leaves conv and recurrent
+states equal to decoding those tokens one by one (within 1e-5); decoding continues correctly.
 """
 
 from __future__ import annotations

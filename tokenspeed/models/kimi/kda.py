@@ -51,9 +51,10 @@ def _in_parts(local: int, hd: int, heads: int, full_rank_gate: bool) -> list[Par
 
 # Batches whose sequences all have this many new tokens or fewer (decode, verify windows) take the fused path.
 FUSED_MAX_QUERY_LEN = 16
-# On CUDA, other batches (prefill chunks, steps mixing decodes or verify windows with a prompt's tail) take it too when no sequence has more than this many new tokens: the fused kernel walks each sequence's tokens
-# in one launch, while the chunked scan's dozen launches per layer (fla's Python included) make an eager step of a
-# short agentic tail host-bound. Chosen from `benchmarks/step_profile_h200.py` (tail_policy section).
+# On CUDA, other batches (prefill chunks, steps mixing decodes or verify windows with a prompt's tail) take it too
+# when no sequence has more than this many new tokens: the fused kernel walks each sequence's tokens in one launch,
+# while the chunked scan's dozen launches per layer (fla's Python included) make an eager step of a short agentic
+# tail host-bound. Chosen from `benchmarks/step_profile_h200.py` (tail_policy section).
 FUSED_MAX_TAIL_CUDA = 256
 
 
@@ -123,7 +124,8 @@ class KDAAttention(nn.Module):
         (`batch.verify`): reads the states but leaves them untouched, and records in `cache.replay[cache_index]`
         what the model's replay (`replay_kda`, through `replay_tensors`) needs to advance them later by the accepted
         tokens only; on the chunked-scan path the prompt rows (`batch.prompt_rows_host`, no drafts) are the
-        exception: their scan's final state is committed and recorded as such (`ReplayInputs.committed`). Batches where every sequence has the same few new tokens (decode, verify) run the fused
+        exception: their scan's final state is committed and recorded as such (`ReplayInputs.committed`).
+        Batches where every sequence has the same few new tokens (decode, verify) run the fused
         `ops.kda_decode` (one launch, graph-safe), and so do CUDA batches whose longest run of new tokens is
         short (FUSED_MAX_TAIL_CUDA); others (prefill chunks, mixed steps) compose conv, gate and `ops.kda_prefill`.
         """
