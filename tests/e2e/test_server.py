@@ -145,11 +145,14 @@ def test_auth_errors(server: Server) -> None:
 
 def _metric(server: Server, name: str) -> float:
     text = httpx.get(f"{server.url}/metrics").text
-    match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
 
 
 def test_disconnect_aborts_the_request(server: Server) -> None:
+    done = httpx.post(f"{server.url}/v1/completions", headers=server.headers(),
+                      json={"model": "tiny-k3", "prompt": [4, 5], "max_tokens": 3, "ignore_eos": True})
+    assert done.status_code == 200  # a finished request, whatever ran before: the counters below are non-zero
     body = {"model": "tiny-k3", "prompt": [1, 2, 3], "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers()) as r:
         lines = r.iter_lines()
@@ -159,6 +162,8 @@ def test_disconnect_aborts_the_request(server: Server) -> None:
         time.sleep(0.2)
     assert _metric(server, "tokenspeed:num_requests_running") == 0
     assert _metric(server, "tokenspeed:request_success_total") >= 1  # counters are exported
+    assert _metric(server, "tokenspeed:request_queue_time_seconds_count") >= 1  # and the phase histograms
+    assert _metric(server, "tokenspeed:request_decode_time_seconds_count") >= 1
 
 
 def test_64_concurrent_streams(server: Server) -> None:

@@ -182,6 +182,7 @@ def _observe(state: ServerState, prep: Prepared, choice: _Choice, out: RequestOu
                                getattr(choice, "started_ttft", None), now - prep.arrival)
         m = out.metrics
         state.metrics.speculation(m.num_draft_tokens, m.num_accepted_tokens, m.num_spec_steps)
+        state.metrics.phases(m)
 
 
 def usage_json(prep: Prepared, finals: list[RequestOutput]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tokenspeed.engine.outputs import StepStats
+from tokenspeed.engine.outputs import RequestMetrics, StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                     40.0, 80.0, 160.0)
@@ -40,6 +40,14 @@ class Metrics:
                              labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tokenspeed:e2e_request_latency_seconds", "arrival to finish", labels,
                              buckets=_LATENCY_BUCKETS, registry=r)
+        # Where a request's time went, measured by the engine (vLLM's request_*_time_seconds): a long time to first
+        # token is queueing (no free sequence slot or cache pages) or prefill (its chunks, and the steps it shared)
+        self.queue_time = Histogram("tokenspeed:request_queue_time_seconds", "engine: arrival to first scheduled",
+                                    labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("tokenspeed:request_prefill_time_seconds", "engine: first scheduled to first "
+                                      "output token", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("tokenspeed:request_decode_time_seconds", "engine: first output token to "
+                                     "finish", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.running = Gauge("tokenspeed:num_requests_running", "requests running in the engine", labels,
                              registry=r)
         self.waiting = Gauge("tokenspeed:num_requests_waiting", "requests waiting in the engine", labels,
@@ -61,6 +69,17 @@ class Metrics:
         self.e2e.labels(m).observe(e2e)
         if ttft is not None and output_tokens > 1:
             self.tpot.labels(m).observe((e2e - ttft) / (output_tokens - 1))
+
+    def phases(self, m: RequestMetrics) -> None:
+        """A finished request's engine-side phases (each observed only when both of its ends happened: an aborted
+        request may never have been scheduled or produced a token)."""
+        name = self.model_name
+        if m.queue_time is not None:
+            self.queue_time.labels(name).observe(m.queue_time)
+            if m.ttft is not None:
+                self.prefill_time.labels(name).observe(max(m.ttft - m.queue_time, 0.0))
+        if m.ttft is not None and m.e2e is not None:
+            self.decode_time.labels(name).observe(max(m.e2e - m.ttft, 0.0))
 
     def token(self, itl: float | None, first: float | None) -> None:
         self.generation_tokens.labels(self.model_name).inc()
