@@ -113,3 +113,26 @@ garbage line here
     assert c == prom.CacheCounters(400, 1000)
     assert prom.hit_between(prom.CacheCounters(100, 200), prom.CacheCounters(400, 1000)) == pytest.approx(300 / 800)
     assert prom.cache_counters({"x_total": 1.0}) is None and prom.hit_between(None, c) is None
+
+
+def test_request_phase_means_between_scrapes():
+    """The engine-side phase histograms (ours and vLLM's names) give each phase's mean over the requests finished
+    between two scrapes; a phase absent from a scrape, or with no request finished, is left out."""
+    def scrape(text: str) -> prom.Scrape:
+        m = prom.parse_prometheus(text)
+        return prom.Scrape(prom.cache_counters(m), prom.phase_sums(m))
+
+    before = scrape('tokenspeed:request_queue_time_seconds_sum{model_name="a"} 1.0\n'
+                    'tokenspeed:request_queue_time_seconds_count{model_name="a"} 4\n'
+                    'vllm:request_prefill_time_seconds_sum{model_name="a"} 2.0\n'
+                    'vllm:request_prefill_time_seconds_count{model_name="a"} 4\n')
+    after = scrape('tokenspeed:request_queue_time_seconds_sum{model_name="a"} 1.5\n'
+                   'tokenspeed:request_queue_time_seconds_count{model_name="a"} 6\n'
+                   'vllm:request_prefill_time_seconds_sum{model_name="a"} 2.0\n'
+                   'vllm:request_prefill_time_seconds_count{model_name="a"} 4\n'
+                   'tokenspeed:request_decode_time_seconds_sum{model_name="a"} 3.0\n'
+                   'tokenspeed:request_decode_time_seconds_count{model_name="a"} 2\n')
+    assert prom.phase_ms_between(before, after) == pytest.approx({"queue": 250.0, "decode": 1500.0})
+    assert prom.phase_ms_between(None, after) == {}
+    s = summarize(RECORDS, server_phase_ms={"queue": 250.0})
+    assert "Server queue time, mean (ms):" in format_table(s) and "prefill time" not in format_table(s)

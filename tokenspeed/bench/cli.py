@@ -169,7 +169,7 @@ async def _sweep(a: argparse.Namespace, trace: Trace, name: str) -> list[dict]:
         for k, conc in enumerate(a.concurrency):
             spec = plan_run(a, trace, conc, base_nonce + k)
             res = await runner.run(client, cfg, spec)
-            s = summarize(res.records, a.num_gpus, res.peak_inflight, res.server_hit_metrics)
+            s = summarize(res.records, a.num_gpus, res.peak_inflight, res.server_hit_metrics, res.server_phase_ms)
             jsonl = out_dir / f"{name}-c{conc}.jsonl"
             report.write_jsonl(res.records, jsonl)
             window = {"start_s": res.window_start_s, "end_s": res.window_end_s, "duration_s": spec.duration_s,

@@ -85,6 +85,7 @@ class Summary:
     tokens_per_chunk: float  # streamed tokens per chunk after the first (~ tokens per decode iteration)
     server_cache_hit: float | None  # usage.prompt_tokens_details.cached_tokens / prompt tokens
     server_cache_hit_metrics: float | None  # /metrics prefix-cache counters over the window
+    server_phase_ms: dict  # mean engine-side queue / prefill / decode ms per request finished in the window
     ideal_cache_hit: float | None  # infinite block-level cache over exactly the requests sent
     cache_hit_by_kind: dict  # kind -> {"server", "ideal", "requests"}
     peak_inflight: int
@@ -97,7 +98,7 @@ class Summary:
 
 
 def summarize(records: Sequence[RequestRecord], num_gpus: int = 1, peak_inflight: int = 0,
-              server_hit_metrics: float | None = None) -> Summary:
+              server_hit_metrics: float | None = None, server_phase_ms: dict | None = None) -> Summary:
     """Metrics of the scored records (others are ignored)."""
     scored = [r for r in records if r.phase == "scored"]
     ok = [r for r in scored if r.ok]
@@ -139,7 +140,7 @@ def summarize(records: Sequence[RequestRecord], num_gpus: int = 1, peak_inflight
         ttft_later_turns=Dist.of([r.ttft_ms for r in ok if not r.first_turn]),
         tokens_per_chunk=sum(sum(c) for c in later) / chunks if chunks else 0.0,
         server_cache_hit=_ratio(sum(r.cached_tokens for r in reported), sum(_plen(r) for r in reported)),
-        server_cache_hit_metrics=server_hit_metrics,
+        server_cache_hit_metrics=server_hit_metrics, server_phase_ms=dict(server_phase_ms or {}),
         ideal_cache_hit=_ratio(sum(r.ideal_cached for r in ok), sum(r.prompt_len for r in ok)),
         cache_hit_by_kind=by_kind, peak_inflight=peak_inflight,
         prompt_len_mismatches=sum(1 for r in ok if r.prompt_tokens is not None and r.prompt_tokens != r.prompt_len),

@@ -57,6 +57,8 @@ def format_table(s: Summary, title: str = "Serving Benchmark Result", header: Se
             _line("P90 TTFT, first turns (ms):", s.ttft_first_turn.p90),
             _line("Median TTFT, later turns (ms):", s.ttft_later_turns.p50),
             _line("P90 TTFT, later turns (ms):", s.ttft_later_turns.p90),
+            *(_line(f"Server {p} time, mean (ms):", s.server_phase_ms[p]) for p in ("queue", "prefill", "decode")
+              if p in s.server_phase_ms),
             _title("Time per Output Token (excl. 1st token)"), *_dist("TPOT", "ms", s.tpot),
             _title("Inter-token Latency"), *_dist("ITL", "ms", s.itl),
             _title("End-to-end Latency"), *_dist("E2EL", "ms", s.e2el),

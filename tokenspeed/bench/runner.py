@@ -18,7 +18,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,8 @@ class RunResult:
     peak_inflight: int  # most requests in flight at once during the scored window
     server_hit_metrics: float | None  # prefix-cache hit from /metrics counters over the scored window
     started_unix: float
+    # mean engine-side ms per request of each phase (queue, prefill, decode) over the scored window, from /metrics
+    server_phase_ms: dict[str, float] = field(default_factory=dict)
 
     def scored(self) -> list[RequestRecord]:
         return [r for r in self.records if r.phase == "scored"]
@@ -175,8 +177,9 @@ async def run(client, cfg: ClientConfig, spec: RunSpec) -> RunResult:
         for task in list(ex.tasks):
             task.cancel()
     after = await prom.scrape(client, cfg.base_url)
-    return RunResult(spec.concurrency, tuple(ex.records), w0 - t0, window_end, ex.peak_inflight,
-                     prom.hit_between(before, after), started)
+    hit = prom.hit_between(before and before.cache, after and after.cache)
+    return RunResult(spec.concurrency, tuple(ex.records), w0 - t0, window_end, ex.peak_inflight, hit, started,
+                     prom.phase_ms_between(before, after))
 
 
 def split_sessions(pool: Sequence[Session], n: int, warmup_offset: int | None,
