@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from tokenspeed.cache.hashing import extend_hashes
 from tokenspeed.cache.page_list import PageList
 from tokenspeed.cache.page_pool import PagePool
+from tokenspeed.cache.recent_hashes import RecentHashes
 from tokenspeed.cache.slot_pool import SlotPool
 
 
@@ -51,6 +52,7 @@ class CacheManager:
         self.page_size = plan.page_size
         self.slots = SlotPool(plan.num_slots)
         self.pages = PagePool(plan.num_pages, on_evict=self._on_page_evicted)
+        self.recent = RecentHashes(plan.page_size)  # finished requests' page hashes, for the next turn's prompt
         self.requests: dict[str, _RequestCache] = {}
         self.pending: set[int] = set()
         self.num_hit_tokens = 0  # prefix-cache statistics: tokens served from the cache / tokens asked
@@ -67,34 +69,45 @@ class CacheManager:
 
         At most len(token_ids) - 1 tokens are matched. Does not modify anything but LRU order.
         """
+        pages, slot = self._matched_pages(token_ids, [] if hashes is None else hashes)
+        return len(pages), slot
+
+    def _matched_pages(self, token_ids: Sequence[int], hashes: list[int]) -> tuple[list[int], int | None]:
+        """`match` with the matched page ids themselves; `hashes` (mutated) is extended to the prompt's full pages
+        (seeded from `recent` when empty)."""
         if not self.plan.enable_prefix_caching or len(token_ids) <= 1:
-            return 0, None
+            return [], None
         p = self.page_size
-        hashes = extend_hashes(hashes if hashes is not None else [], token_ids, p, (len(token_ids) - 1) // p)
-        run = 0
-        while run < len(hashes) and self.pages.lookup(hashes[run]) is not None:
-            run += 1
+        limit = (len(token_ids) - 1) // p
+        if not hashes:  # a new turn of a conversation: the shared history's hashes from its previous request
+            hashes.extend(self.recent.prefix_hashes(token_ids, limit))
+        extend_hashes(hashes, token_ids, p, limit)
+        index, pages = self.pages.index, []
+        for h in hashes:
+            page = index.get(h)
+            if page is None:
+                break
+            pages.append(page)
         if not self.plan.needs_state:
-            return run, None
-        for b in range(run, 0, -1):
+            return pages, None
+        for b in range(len(pages), 0, -1):
             if hashes[b - 1] not in self.pending:
                 slot = self.slots.lookup(hashes[b - 1])
                 if slot is not None:
-                    return b, slot
-        return 0, None
+                    return pages[:b], slot
+        return [], None
 
     def admit(self, request_id: str, token_ids: Sequence[int]) -> Admission | None:
         """Give a waiting request a live slot and its matched pages. None (nothing changed) if no slot is free."""
         rc = _RequestCache()
-        num_pages, ckpt = self.match(token_ids, rc.hashes)
+        pages, ckpt = self._matched_pages(token_ids, rc.hashes)
         slot = self.slots.acquire_live()
         if slot is None:
             return None
         rc.slot = slot
-        rc.pages = PageList(self.pages.lookup(h) for h in rc.hashes[:num_pages])  # type: ignore[misc]
-        for page in rc.pages:
-            self.pages.ref(page)
-        rc.num_published = num_pages
+        rc.pages = PageList(pages)
+        self.pages.ref_all(pages)
+        num_pages = rc.num_published = len(pages)
         self.requests[request_id] = rc
         self.num_hit_tokens += num_pages * self.page_size
         self.num_query_tokens += len(token_ids)
@@ -156,9 +169,13 @@ class CacheManager:
                     self.pending.discard(key)
             rc.pending = [(key, b) for key, b in rc.pending if b > num_computed_tokens]
 
-    def release(self, request_id: str) -> None:
-        """Drop a finished, aborted or preempted request's pages and live slot (cached pages stay evictable)."""
+    def release(self, request_id: str, token_ids: Sequence[int] | None = None) -> None:
+        """Drop a finished, aborted or preempted request's pages and live slot (cached pages stay evictable).
+        With `token_ids` (a finished request's tokens), the hashes of its published pages are kept for the next
+        prompt that starts with them (`RecentHashes`)."""
         rc = self.requests.pop(request_id)
+        if token_ids is not None and self.plan.enable_prefix_caching and rc.num_published:
+            self.recent.remember(token_ids, rc.hashes[: rc.num_published])
         for key, _ in rc.pending:  # a step that never ran: its checkpoints hold no valid state
             self.pending.discard(key)
             self.slots.drop_checkpoint(key)

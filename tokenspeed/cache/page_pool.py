@@ -57,6 +57,16 @@ class PagePool:
             del self.evictable[page]
         self.refcount[page] += 1
 
+    def ref_all(self, pages: list[int]) -> None:
+        """`ref` of each page in order (a prefix hit of many pages)."""
+        refcount, evictable = self.refcount, self.evictable
+        for page in pages:
+            if refcount[page] == 0:
+                if page not in evictable:
+                    raise AssertionError(f"page {page} is free; only cached pages can be shared")
+                del evictable[page]
+            refcount[page] += 1
+
     def unref(self, page: int) -> None:
         """Drop a reference; an unreferenced page becomes evictable if cached, else free."""
         if self.refcount[page] <= 0:
