@@ -9,7 +9,8 @@ engine loop, so every decoding stream waits for it. The model is the stub of `ho
 step costs host work only. Per history length: a first request (the history) is run to its end, then a second turn
 (history + its output + a 100-token tail) is added and its first step taken; the timed phases are
 `add_request`, `CacheManager.admit` (within the step) and the whole first step, medians over --reps turns (each a
-new tail after the same history). Prints a table; --out writes admission_cpu.json.
+new tail after the same history). Prints a table; --out writes admission_cpu.json. `--plot BEFORE AFTER PNG`
+draws two such JSONs (e.g. the same script run with PYTHONPATH at two commits) side by side.
 """
 
 from __future__ import annotations
@@ -86,12 +87,40 @@ def time_history(history: int, reps: int) -> dict:
             **{k: statistics.median(v[1:] or v) for k, v in spent.items()}}
 
 
+def plot(before: str, after: str, png: str) -> None:
+    """Admission and whole-first-step ms against history length, two runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for path, style in ((before, "--"), (after, "-")):
+        with open(path) as f:
+            doc = json.load(f)
+        xs = [r["history"] / 1000 for r in doc["rows"]]
+        for key, color in (("admit", "tab:blue"), ("first_step", "tab:orange")):
+            ax.plot(xs, [r[key] for r in doc["rows"]], style, marker="o", color=color,
+                    label=f"{key.replace('_', ' ')} ({doc.get('label') or doc['commit']})")
+    ax.set_xlabel("cached history (K tokens), + 100-token tail")
+    ax.set_ylabel("host ms on the engine loop (median)")
+    ax.set_title("A new turn's admission, stub model, pages of 16 (CPU)", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--histories", default="10000,50000,100000,200000")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", help="directory for admission_cpu.json")
+    p.add_argument("--plot", nargs=3, metavar=("BEFORE", "AFTER", "PNG"), help="only draw two result JSONs")
     a = p.parse_args()
+    if a.plot:
+        plot(*a.plot)
+        return
     rows = [time_history(int(h), a.reps) for h in a.histories.split(",")]
     print(f"{'history':>8} {'cached':>8} {'add_request ms':>15} {'admit ms':>9} {'first step ms':>14}")
     for r in rows:
