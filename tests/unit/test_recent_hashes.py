@@ -68,6 +68,20 @@ def test_capacity_drops_the_least_recently_used() -> None:
     assert memo.prefix_hashes(prompts[1] + [5], 5) == [] and memo.prefix_hashes(prompts[0] + [5], 5)
 
 
+def test_the_token_bound_drops_the_least_recently_used() -> None:
+    memo = RecentHashes(P, capacity=10, max_tokens=5 * P)
+    a, b, c = [1] * 3 * P, [2] * 2 * P, [3] * 2 * P
+    for t in (a, b):
+        memo.remember(t, _hashes(t))
+    assert memo.num_tokens == 5 * P
+    memo.remember(c, _hashes(c))  # 7 pages > 5: the oldest (a) goes
+    assert memo.num_tokens == 4 * P and memo.prefix_hashes(a + [0], 9) == [] and memo.prefix_hashes(b + [0], 9)
+    memo.remember(b + [4] * P, _hashes(b + [4] * P))  # replaces b's entry (same first page)
+    assert len(memo) == 2 and memo.num_tokens == 5 * P
+    memo.remember([5] * 6 * P, _hashes([5] * 6 * P))  # longer than the bound: not kept
+    assert len(memo) == 2
+
+
 def test_the_next_turn_hashes_only_its_new_pages(monkeypatch) -> None:
     plan = CachePlan(num_pages=64, page_size=P, num_slots=4, needs_state=False)
     cms = CacheManager(plan), CacheManager(plan)

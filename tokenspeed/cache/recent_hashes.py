@@ -18,14 +18,20 @@ from collections.abc import Sequence
 from tokenspeed.cache.hashing import ROOT_HASH, page_hash
 
 RECENT_REQUESTS = 64  # finished requests whose page hashes are kept
+# ... and at most this many of their tokens: an entry keeps its token ids alive (a Python list, about 36 bytes a
+# token), so 4M tokens (20 histories of 200K) bound the memo at about 150 MB of host memory
+RECENT_TOKENS = 4_000_000
 
 
 class RecentHashes:
-    """first page hash -> (tokens of the full pages, their chained hashes) of recently finished requests, LRU."""
+    """first page hash -> (tokens of the full pages, their chained hashes) of recently finished requests, LRU,
+    bounded by a request count and a token count."""
 
-    def __init__(self, page_size: int, capacity: int = RECENT_REQUESTS) -> None:
+    def __init__(self, page_size: int, capacity: int = RECENT_REQUESTS, max_tokens: int = RECENT_TOKENS) -> None:
         self.page_size = page_size
         self.capacity = capacity
+        self.max_tokens = max_tokens
+        self.num_tokens = 0  # tokens held by the entries
         self._entries: OrderedDict[int, tuple[list[int], list[int]]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -33,14 +39,18 @@ class RecentHashes:
 
     def remember(self, token_ids: Sequence[int], hashes: Sequence[int]) -> None:
         """Keep copies of a finished request's hashed pages: hashes[i] must be the chained hash of pages 0..i of
-        token_ids. Replaces an entry with the same first page and drops the least recently used beyond capacity."""
+        token_ids. Replaces an entry with the same first page and drops the least recently used beyond the
+        request or token bound (a request longer than the token bound is not kept)."""
         n = min(len(hashes), len(token_ids) // self.page_size)
-        if n == 0 or self.capacity <= 0:
+        if n == 0 or self.capacity <= 0 or n * self.page_size > self.max_tokens:
             return
+        old = self._entries.pop(hashes[0], None)
+        if old is not None:
+            self.num_tokens -= len(old[0])
         self._entries[hashes[0]] = (list(token_ids[: n * self.page_size]), list(hashes[:n]))
-        self._entries.move_to_end(hashes[0])
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        self.num_tokens += n * self.page_size
+        while len(self._entries) > self.capacity or self.num_tokens > self.max_tokens:
+            self.num_tokens -= len(self._entries.popitem(last=False)[1][0])
 
     def prefix_hashes(self, token_ids: Sequence[int], max_pages: int) -> list[int]:
         """The chained hashes of the first pages of token_ids (at most max_pages) that a kept request shares with
