@@ -76,10 +76,30 @@ def test_the_token_bound_drops_the_least_recently_used() -> None:
     assert memo.num_tokens == 5 * P
     memo.remember(c, _hashes(c))  # 7 pages > 5: the oldest (a) goes
     assert memo.num_tokens == 4 * P and memo.prefix_hashes(a + [0], 9) == [] and memo.prefix_hashes(b + [0], 9)
-    memo.remember(b + [4] * P, _hashes(b + [4] * P))  # replaces b's entry (same first page)
-    assert len(memo) == 2 and memo.num_tokens == 5 * P
+    memo.remember(b, _hashes(b))  # the same request again: replaced, not doubled
+    assert len(memo) == 2 and memo.num_tokens == 4 * P
     memo.remember([5] * 6 * P, _hashes([5] * 6 * P))  # longer than the bound: not kept
     assert len(memo) == 2
+
+
+def test_conversations_sharing_a_system_prompt_find_their_own_previous_turn() -> None:
+    """Two conversations start with the same pages (a system prompt); each next turn gets its own previous
+    request's hashes, whichever finished last, also when that turn repeats only the previous prompt (its output
+    re-rendered differently), and a third conversation gets the shared system prompt's."""
+    rng = random.Random(5)
+    system = [rng.randrange(1000) for _ in range(3 * P)]
+    a_prompt = system + [rng.randrange(1000) for _ in range(5 * P + 1)]
+    a_done = a_prompt + [rng.randrange(1000) for _ in range(2 * P)]
+    b_done = system + [rng.randrange(1000) for _ in range(6 * P)]
+    memo = RecentHashes(P)
+    memo.remember(a_done, _hashes(a_done), num_prompt_tokens=len(a_prompt))
+    memo.remember(b_done, _hashes(b_done), num_prompt_tokens=len(b_done) - P)  # B finished last
+    a_next = a_done + [7] * 5
+    assert memo.prefix_hashes(a_next, 100) == _hashes(a_next)[: len(a_done) // P]
+    a_rerendered = a_prompt + [9] * (4 * P)  # the previous prompt, then other tokens than the output
+    assert memo.prefix_hashes(a_rerendered, 100) == _hashes(a_rerendered)[: len(a_prompt) // P]
+    c = system + [rng.randrange(1000) for _ in range(4 * P)]
+    assert memo.prefix_hashes(c, 100) == _hashes(c)[:3]
 
 
 def test_the_next_turn_hashes_only_its_new_pages(monkeypatch) -> None:

@@ -169,13 +169,13 @@ class CacheManager:
                     self.pending.discard(key)
             rc.pending = [(key, b) for key, b in rc.pending if b > num_computed_tokens]
 
-    def release(self, request_id: str, token_ids: Sequence[int] | None = None) -> None:
+    def release(self, request_id: str, token_ids: Sequence[int] | None = None, num_prompt_tokens: int = 0) -> None:
         """Drop a finished, aborted or preempted request's pages and live slot (cached pages stay evictable).
-        With `token_ids` (a finished request's tokens), the hashes of its published pages are kept for the next
-        prompt that starts with them (`RecentHashes`)."""
+        With `token_ids` (a finished request's tokens, the first num_prompt_tokens its prompt), the hashes of its
+        published pages are kept for the next prompt that starts with them (`RecentHashes`)."""
         rc = self.requests.pop(request_id)
         if token_ids is not None and self.plan.enable_prefix_caching and rc.num_published:
-            self.recent.remember(token_ids, rc.hashes[: rc.num_published])
+            self.recent.remember(token_ids, rc.hashes[: rc.num_published], num_prompt_tokens)
         for key, _ in rc.pending:  # a step that never ran: its checkpoints hold no valid state
             self.pending.discard(key)
             self.slots.drop_checkpoint(key)

@@ -364,7 +364,7 @@ class EngineCore:
             self._num_sync_requests -= 1
         self.scheduler.forget(req.request_id)
         self.scheduler.running.remove(req)
-        self.cache.release(req.request_id, req.all_token_ids)
+        self.cache.release(req.request_id, req.all_token_ids, req.num_prompt_tokens)
         self.runner.release(req.request_id)
         self.requests.pop(req.request_id, None)
         req.transition(RequestState.FINISHED)
