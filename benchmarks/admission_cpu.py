@@ -9,7 +9,8 @@ engine loop, so every decoding stream waits for it. The model is the stub of `ho
 step costs host work only. Per history length: a first request (the history) is run to its end, then a second turn
 (history + its output + a 100-token tail) is added and its first step taken; the timed phases are
 `add_request`, `CacheManager.admit` (within the step) and the whole first step, medians over --reps turns (each a
-new tail after the same history). Prints a table; --out writes admission_cpu.json. `--plot BEFORE AFTER PNG`
+new tail after the same history); and the engine process's intake of the same turn (msgpack unpack + add_request)
+with the prompt sent as a list of ints (`wire_list`) or as int64 bytes (`wire_bytes`, `process.prompt_bytes`). Prints a table; --out writes admission_cpu.json. `--plot BEFORE AFTER PNG`
 draws two such JSONs (e.g. the same script run with PYTHONPATH at two commits) side by side.
 """
 
@@ -29,6 +30,7 @@ from host_overhead import ZeroModel
 from tokenspeed.config import EngineConfig
 from tokenspeed.core.sampling_params import SamplingParams
 from tokenspeed.engine.core import EngineCore
+from tokenspeed.engine.process import pack, prompt_array, prompt_bytes, unpack
 
 PAGE = 16
 
@@ -83,6 +85,14 @@ def time_history(history: int, reps: int) -> dict:
         while engine.has_work:
             outs = engine.step()
         del outs
+    turn = prompt + output + [7] * 100
+    for wire, ids in (("wire_list", turn), ("wire_bytes", prompt_bytes(turn))):  # the engine process's add
+        msg, spent[wire] = pack({"type": "add", "id": "w", "prompt_ids": ids}), []
+        for r in range(reps):
+            t = time.perf_counter()
+            engine.add_request(f"{wire}{r}", prompt_array(unpack(msg)["prompt_ids"]), params)
+            spent[wire].append((time.perf_counter() - t) * 1e3)
+            engine.abort(f"{wire}{r}")
     return {"history": history, "cached_tokens": hit[-1],
             **{k: statistics.median(v[1:] or v) for k, v in spent.items()}}
 
@@ -122,10 +132,11 @@ def main() -> None:
         plot(*a.plot)
         return
     rows = [time_history(int(h), a.reps) for h in a.histories.split(",")]
-    print(f"{'history':>8} {'cached':>8} {'add_request ms':>15} {'admit ms':>9} {'first step ms':>14}")
+    print(f"{'history':>8} {'cached':>8} {'add_request ms':>15} {'admit ms':>9} {'first step ms':>14} "
+          f"{'intake list ms':>15} {'intake bytes ms':>16}")
     for r in rows:
         print(f"{r['history']:>8} {r['cached_tokens']!s:>8} {r['add_request']:>15.2f} {r['admit']:>9.2f} "
-              f"{r['first_step']:>14.2f}")
+              f"{r['first_step']:>14.2f} {r['wire_list']:>15.2f} {r['wire_bytes']:>16.2f}")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True,

@@ -123,6 +123,8 @@ def _error(server: Server, path: str, body: dict, key: str | None = "test-key") 
     ({"model": "tiny-k3", "prompt": [5] * 2100}, 400, "maximum context length"),
     ({"model": "tiny-k3", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "tiny-k3", "prompt": [10**7]}, 400, "range"),
+    ({"model": "tiny-k3", "prompt": [3, 4, -2, 5]}, 400, "[-2]"),  # checked by the engine on its int64 array
+    ({"model": "tiny-k3", "prompt": [3, 2**70]}, 400, "integers in the vocabulary"),  # not an int64
     ({"model": "tiny-k3"}, 400, "prompt"),
     ({"model": "nope", "prompt": "x"}, 404, "nope"),
     ({"model": "tiny-k3", "prompt": "x", "logit_bias": {"abc": 5}}, 400, "logit_bias keys"),

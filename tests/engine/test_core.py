@@ -1,12 +1,17 @@
 """The engine core's slow-step warning: a step slower than TOKENSPEED_SLOW_STEP_S is logged with the shape of its
-batch (and, with asynchronous scheduling, of the step read back in it), so a stall in serving names its batch."""
+batch (and, with asynchronous scheduling, of the step read back in it), so a stall in serving names its batch; and
+prompts in the engine process's wire form (an int64 array) behave as lists."""
 
 from __future__ import annotations
 
 import logging
 
+import pytest
+
 from tokenspeed import LLM, SamplingParams
+from tokenspeed.core.sampling_params import RequestError
 from tokenspeed.engine import core
+from tokenspeed.engine.process import prompt_array, prompt_bytes
 
 
 def test_slow_steps_are_logged_with_their_shape(monkeypatch, caplog) -> None:
@@ -25,3 +30,23 @@ def test_slow_steps_are_logged_with_their_shape(monkeypatch, caplog) -> None:
     assert any("new tokens 2 x 1" in m for m in msgs), msgs
     assert any("read back the step of" in m for m in msgs), msgs  # async: the step waited on is named too
 
+
+
+def test_prompt_ids_as_the_engine_process_receives_them() -> None:
+    """The engine process hands `add_request` the prompt as an int64 array over the message bytes
+    (`process.prompt_bytes` / `prompt_array`): the same greedy tokens as a list, and out-of-vocabulary ids are
+    refused with the ids named."""
+    llm = LLM("tiny-k3", cache_memory_gb=0.02)
+    engine, params = llm.engine, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompt = [5, 17, 300, 42, 9, 61]
+    out: dict[str, list[int]] = {}
+    engine.add_request("list", prompt, params)
+    engine.add_request("array", prompt_array(prompt_bytes(prompt)), params)
+    while engine.has_work:
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert out["array"] == out["list"] and len(out["list"]) == 5
+    with pytest.raises(RequestError, match=r"\[-1, 99999999\]"):
+        engine.add_request("bad", prompt_array(prompt_bytes([3, -1, 4, 99999999])), params)
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request("empty", prompt_array(b""), params)

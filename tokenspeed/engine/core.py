@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenspeed.cache import CacheManager
@@ -134,15 +135,19 @@ class EngineCore:
         return Eagle3Drafter(draft, draft.capture_layers(self.model), plan.num_pages, plan.page_size)
 
     # ----- intake -----
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Validate a request against this model; returns the params with max_tokens filled in.
+    def check_request(self, prompt_ids: list[int] | np.ndarray, params: SamplingParams) -> SamplingParams:
+        """Validate a request against this model; returns the params with max_tokens filled in. prompt_ids: a list
+        of ints, or a 1-D integer numpy array (checked vectorised: the engine process receives prompts so).
 
         Raises RequestError (a client error) for an empty or too long prompt, bad token ids or bad parameters.
         """
         params.validate(self.vocab_size)
-        if not prompt_ids:
+        if len(prompt_ids) == 0:
             raise RequestError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if isinstance(prompt_ids, np.ndarray):
+            bad = prompt_ids[(prompt_ids < 0) | (prompt_ids >= self.vocab_size)][:5].tolist()
+        else:
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         room = self.max_model_len - len(prompt_ids)
@@ -155,13 +160,15 @@ class EngineCore:
             return params.clone(max_tokens=room)
         return params
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request (after `check_request`); raises RequestError if the id is in use."""
+    def add_request(self, request_id: str, prompt_ids: list[int] | np.ndarray, params: SamplingParams) -> None:
+        """Queue a request (after `check_request`; prompt_ids a list of ints or a 1-D integer array); raises
+        RequestError if the id is in use."""
         params = self.check_request(prompt_ids, params)
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         eos = () if params.ignore_eos else self.tokenizer.eos_token_ids
-        req = Request(request_id, list(prompt_ids), params, eos_token_ids=eos)
+        ids = prompt_ids.tolist() if isinstance(prompt_ids, np.ndarray) else list(prompt_ids)
+        req = Request(request_id, ids, params, eos_token_ids=eos)
         self.requests[request_id] = req
         if _needs_sync(params):
             self._num_sync_requests += 1

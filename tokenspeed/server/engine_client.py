@@ -20,7 +20,7 @@ from tokenspeed.config import EngineConfig
 from tokenspeed.core.sampling_params import SamplingParams
 from tokenspeed.engine.output_processor import OutputProcessor
 from tokenspeed.engine.outputs import EngineOutput, RequestOutput, StepStats
-from tokenspeed.engine.process import engine_main, pack, params_to_dict, unpack
+from tokenspeed.engine.process import engine_main, pack, params_to_dict, prompt_bytes, unpack
 from tokenspeed.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -92,10 +92,10 @@ class EngineClient:
         if self.dead:
             raise EngineDead(self.dead)
         rid = request_id or uuid.uuid4().hex
+        wire = prompt_bytes(prompt_ids)  # RequestError before anything is registered
         self.queues[rid] = asyncio.Queue()
         self.processor.add(rid, prompt_ids, params, prompt, index)
-        await self.push.send(pack({"type": "add", "id": rid, "prompt_ids": prompt_ids,
-                                   "params": params_to_dict(params)}))
+        await self.push.send(pack({"type": "add", "id": rid, "prompt_ids": wire, "params": params_to_dict(params)}))
         return rid
 
     async def abort(self, request_id: str) -> None:
