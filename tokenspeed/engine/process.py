@@ -1,8 +1,9 @@
 """The engine core as its own process, talking to the HTTP server over ZeroMQ with msgpack.
 
 Messages to the engine (PULL): {"type": "add", "id", "prompt_ids", "params"} | {"type": "abort", "id"} |
-{"type": "shutdown"}. prompt_ids are int64 bytes (`prompt_bytes`; a list of ints is accepted too):
-msgpack decodes a 200K-token list in ~6 ms on the engine loop, the bytes are checked and listed in ~4. Messages from the engine (PUSH): {"type": "ready", ...model facts} once loaded;
+{"type": "shutdown"}. prompt_ids are int64 bytes (`prompt_bytes`; a list of ints is accepted too): msgpack decodes
+a 200K-token list in ~6 ms on the engine loop, where the bytes are checked and listed in ~2 (`admission_cpu.py`).
+Messages from the engine (PUSH): {"type": "ready", ...model facts} once loaded;
 {"type": "outputs", "outputs": [EngineOutput dicts], "stats": StepStats dict} after each step;
 {"type": "error", "id", "message"} for a request the engine refused; {"type": "fatal", "message"} before exiting
 non-zero on an engine failure (a device error is not recoverable).
