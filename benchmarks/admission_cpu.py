@@ -10,8 +10,9 @@ step costs host work only. Per history length: a first request (the history) is 
 (history + its output + a 100-token tail) is added and its first step taken; the timed phases are
 `add_request`, `CacheManager.admit` (within the step) and the whole first step, medians over --reps turns (each a
 new tail after the same history); and the engine process's intake of the same turn (msgpack unpack + add_request)
-with the prompt sent as a list of ints (`wire_list`) or as int64 bytes (`wire_bytes`, `process.prompt_bytes`). Prints a table; --out writes admission_cpu.json. `--plot BEFORE AFTER PNG`
-draws two such JSONs (e.g. the same script run with PYTHONPATH at two commits) side by side.
+with the prompt sent as a list of ints (`wire_list`) or as int64 bytes (`wire_bytes`, `process.prompt_bytes`).
+Prints a table; --out writes admission_cpu.json. `--plot BEFORE AFTER PNG` draws two such JSONs (e.g. the same
+script run with PYTHONPATH at two commits) side by side.
 """
 
 from __future__ import annotations
