@@ -155,7 +155,8 @@ class Scheduler:
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         self.running.remove(req)
         self.forget(req.request_id)
-        self.cache.release(req.request_id)
+        # its hashed pages hold known tokens only (a placeholder's page has no hash yet): kept for its resumption
+        self.cache.release(req.request_id, req.all_token_ids, req.num_prompt_tokens)
         req.transition(RequestState.PREEMPTED)
         req.num_computed_tokens = 0
         req.stats.num_preemptions += 1
