@@ -205,3 +205,37 @@ def test_hf_missing_tokenizer_json_raises(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ConfigError, match="cannot load"):
         HFTokenizer(tmp_path)
+
+
+def test_encode_segments_remembers_long_segments(tmp_path: Path) -> None:
+    """A conversation's next turn: its long segments come from the segment cache (counted as hits), the ids equal
+    a fresh tokenizer's for the whole prompt, and the same long text as a control segment (special-token strings
+    are tokens) and as user content (they stay text) are kept apart."""
+    from tokenspeed.engine.segment_cache import MIN_CHARS
+
+    tok, fresh = (load_tokenizer(write_model_dir(tmp_path / d), 400) for d in ("a", "b"))
+    long_text = (" ".join(CORPUS) + "<|im_end|>") * (MIN_CHARS // 40)
+    assert len(long_text) >= MIN_CHARS
+    turn1 = [("[BOS]", True), (long_text, False), ("<|im_end|>", True)]
+    turn2 = turn1 + [(long_text[::-1], False), (long_text, True)]
+    first = tok.encode_segments(turn1)
+    second = tok.encode_segments([("".join(list(t)), c) for t, c in turn2])  # new str objects, as from a new body
+    cache = tok._segment_cache
+    assert (cache.hits, cache.misses) == (1, 3)  # long_text as plain reused; reversed and control encoded
+    assert first == fresh.encode_segments(turn1) and second == fresh.encode_segments(turn2)
+    assert second[: len(first)] == first
+    control = tok.encode(long_text)
+    assert tok.encode_plain(long_text) != control and second[-len(control):] == control
+
+
+def test_segment_cache_bound() -> None:
+    from tokenspeed.engine.segment_cache import SegmentCache
+
+    cache = SegmentCache(max_tokens=10, min_chars=2)
+    enc = lambda s: [ord(c) for c in s]  # noqa: E731 - one id per char
+    assert list(cache.encode("abcdef", False, enc)) == enc("abcdef")
+    assert list(cache.encode("ghij", False, enc)) == enc("ghij") and cache.num_tokens == 10
+    cache.encode("klm", False, enc)  # 13 > 10: the oldest entry goes
+    assert cache.num_tokens == 7 and len(cache) == 2
+    cache.encode("x" * 11, False, enc)  # longer than the bound: returned, not kept
+    assert cache.num_tokens == 7 and cache.encode("a", False, enc) == [97]  # under min_chars: not kept

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+from tokenspeed.engine.segment_cache import SegmentCache
 from tokenspeed.errors import ConfigError
 
 __all__ = [
@@ -62,10 +63,15 @@ class Tokenizer(ABC):
 
     def encode_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
         """Ids of a rendered chat prompt given as (text, is_control) segments: control text (the template's
-        markers) may contain special tokens; the rest is encoded as plain text, so a user cannot inject them."""
+        markers) may contain special tokens; the rest is encoded as plain text, so a user cannot inject them.
+        Each segment is encoded on its own, so long ones are remembered (`SegmentCache`): the next turn of a
+        conversation encodes only its new messages."""
+        cache = self.__dict__.get("_segment_cache")
+        if cache is None:
+            cache = self._segment_cache = SegmentCache()
         ids: list[int] = []
         for text, control in segments:
-            ids.extend(self.encode(text) if control else self.encode_plain(text))
+            ids.extend(cache.encode(text, control, self.encode if control else self.encode_plain))
         return ids
 
     @abstractmethod
