@@ -232,7 +232,7 @@ def test_segment_cache_bound() -> None:
     from tokenspeed.engine.segment_cache import SegmentCache
 
     cache = SegmentCache(max_tokens=10, min_chars=2)
-    enc = lambda s: [ord(c) for c in s]  # noqa: E731 - one id per char
+    enc = lambda s: [ord(c) for c in s]
     assert list(cache.encode("abcdef", False, enc)) == enc("abcdef")
     assert list(cache.encode("ghij", False, enc)) == enc("ghij") and cache.num_tokens == 10
     cache.encode("klm", False, enc)  # 13 > 10: the oldest entry goes
