@@ -221,7 +221,9 @@ def test_encode_segments_remembers_long_segments(tmp_path: Path) -> None:
     first = tok.encode_segments(turn1)
     second = tok.encode_segments([("".join(list(t)), c) for t, c in turn2])  # new str objects, as from a new body
     cache = tok._segment_cache
-    assert (cache.hits, cache.misses) == (1, 3)  # long_text as plain reused; reversed and control encoded
+    # long_text as plain reused, reversed encoded; as control it is split at its added tokens into short runs
+    # (under MIN_CHARS: encoded, not kept)
+    assert (cache.hits, cache.misses) == (1, 2)
     assert first == fresh.encode_segments(turn1) and second == fresh.encode_segments(turn2)
     assert second[: len(first)] == first
     control = tok.encode(long_text)
@@ -239,3 +241,51 @@ def test_segment_cache_bound() -> None:
     assert cache.num_tokens == 7 and len(cache) == 2
     cache.encode("x" * 11, False, enc)  # longer than the bound: returned, not kept
     assert cache.num_tokens == 7 and cache.encode("a", False, enc) == [97]  # under min_chars: not kept
+
+
+def _conversation_turns(rng, specials: list[str], turns: int = 3) -> list[str]:
+    """Rendered turns as a chat template makes them: markers (added tokens) around long runs of text."""
+    parts = ["hello", "world", " ", "  ", "\n", "café", "日本語", "x=1", "(", ")", "w"]
+    out = []
+    for _ in range(turns):
+        body = "".join(rng.choice(parts) for _ in range(150))
+        out.append(f"{rng.choice(specials)}user{rng.choice(specials)}{body}{rng.choice(specials)}")
+    return out
+
+
+def _metaspace_bpe() -> RustTokenizer:
+    """A BPE trained through a Metaspace pre-tokenizer that marks only the input's first run ("first")."""
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    tok.train_from_iterator(CORPUS * 4, trainer=trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS))
+    return tok
+
+
+@pytest.mark.parametrize("variant", ["byte_bpe", "lstrip", "metaspace_first"])
+def test_control_text_split_at_added_tokens_equals_the_whole_encode(tmp_path: Path, variant: str) -> None:
+    """A rendered conversation (one control segment) is encoded in runs between added tokens, message by message
+    through the segment cache, only where that is exact: the ids always equal encoding the text whole, for a
+    byte-level BPE (split, and the next turn reuses the earlier runs), one whose special token strips its left
+    neighbour (not split), and a Metaspace pre-tokenizer that marks only the input's first run (the load-time
+    samples catch it: not split)."""
+    import random
+
+    from tokenizers import AddedToken
+
+    raw = _metaspace_bpe() if variant == "metaspace_first" else build_byte_bpe()
+    if variant == "lstrip":
+        raw.add_special_tokens([AddedToken("<|lstrip|>", lstrip=True, special=True)])
+    path = tmp_path / "m"
+    path.mkdir()
+    raw.save(str(path / "tokenizer.json"))
+    tok = HFTokenizer(path)
+    specials = SPECIALS + (["<|lstrip|>"] if variant == "lstrip" else [])
+    turns = _conversation_turns(random.Random(variant), specials)
+    assert (tok.split_at_added_tokens(turns[0]) is not None) == (variant == "byte_bpe")
+    conversation = ""
+    for turn in turns:  # each request: the conversation so far plus one more message
+        conversation += turn
+        assert tok.encode_segments([(conversation, True)]) == tok.encode(conversation)
+    if variant == "byte_bpe":
+        assert tok._segment_cache.hits >= 3  # turn 2 reused turn 1's message, turn 3 both

@@ -14,6 +14,7 @@ supported: a directory with `tiktoken.model` but no `tokenizer.json` raises `Con
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,23 @@ class Tokenizer(ABC):
             cache = self._segment_cache = SegmentCache()
         ids: list[int] = []
         for text, control in segments:
-            ids.extend(cache.encode(text, control, self.encode if control else self.encode_plain))
+            pieces = self.split_at_added_tokens(text) if control and len(text) >= cache.min_chars else None
+            if pieces is None:
+                ids.extend(cache.encode(text, control, self.encode if control else self.encode_plain))
+                continue
+            for piece, token_id in pieces:  # a whole rendered conversation: cached message by message
+                if token_id is not None:
+                    ids.append(token_id)
+                else:
+                    ids.extend(cache.encode(piece, True, self.encode))
         return ids
+
+    def split_at_added_tokens(self, text: str) -> list[tuple[str, int | None]] | None:
+        """`text` as (piece, None) runs of ordinary text and (token, id) added tokens, when encoding the runs one by
+        one gives exactly `encode(text)`; None when this tokenizer cannot promise that (then `encode_segments`
+        encodes control text whole). A Jinja chat template renders a conversation as one control text: split so,
+        its messages are cached one by one."""
+        return None
 
     @abstractmethod
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -308,6 +324,49 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special-token strings in `text` become their special ids (HF semantics)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def split_at_added_tokens(self, text: str) -> list[tuple[str, int | None]] | None:
+        """HF tokenizers cut the input at added tokens (leftmost, longest) before normalising and pre-tokenising
+        each run on its own, so the runs encode independently, unless an added token strips its neighbours
+        (lstrip / rstrip / single_word) or is matched after normalisation, or a pre-tokenizer treats the input's
+        first run specially (checked once on samples: `_added_token_pattern`)."""
+        pattern = self._added_token_pattern()
+        if pattern is None:
+            return None
+        out: list[tuple[str, int | None]] = []
+        pos = 0
+        for m in pattern.finditer(text):
+            if m.start() > pos:
+                out.append((text[pos : m.start()], None))
+            out.append((m.group(), self._added_ids[m.group()]))
+            pos = m.end()
+        if pos < len(text):
+            out.append((text[pos:], None))
+        return out
+
+    def _added_token_pattern(self) -> re.Pattern | None:
+        """The alternation of every added token (longest first), or None when splitting at them is not exact.
+        Built once."""
+        if "_added_pattern" in self.__dict__:
+            return self._added_pattern
+        self._added_pattern = None
+        tokens = list(self._tok.get_added_tokens_decoder().values())
+        if not tokens or any(t.lstrip or t.rstrip or t.single_word for t in tokens) or (
+                any(t.normalized for t in tokens) and self._tok.normalizer is not None):
+            return None
+        self._added_ids = {t.content: self._tok.token_to_id(t.content) for t in tokens}
+        pattern = re.compile("|".join(re.escape(c) for c in sorted(self._added_ids, key=len, reverse=True)))
+        self._added_pattern = pattern
+        names = list(self._added_ids)
+        samples = [f"{lead}{a} x{b}\n  y {a}\n\nz{b}{a}w  " for a, b in zip(names[:4], names[-4:])
+                   for lead in ("", " q\n")]
+        for sample in samples:
+            pieces = self.split_at_added_tokens(sample)
+            got = [i for piece, tid in pieces for i in ([tid] if tid is not None else self.encode(piece))]
+            if got != self.encode(sample):
+                self._added_pattern = None
+                break
+        return self._added_pattern
 
     def encode_plain(self, text: str) -> list[int]:
         self._tok.encode_special_tokens = True  # special-token strings are split like any text
