@@ -3,9 +3,10 @@
     PYTHONPATH=. python benchmarks/tokenize_turns_cpu.py --messages 25,50,100 --out DIR
 
 The default model's HuggingFace fast tokenizer; a conversation of N messages of ~1,600 tokens of code-like text,
-each rendered as (marker, content, marker) segments as the chat template does. Per N: the time to encode turn
-N + 1 (the N messages again, as new strings, plus one new message) with an empty segment cache (every turn before
-the cache) and after turn N was encoded (the cache kept its segments), the same ids checked; medians of --reps.
+rendered as the server renders it (`render_chat_segments` with the model's Jinja chat template: one control
+text, which `encode_segments` splits at added tokens). Per N: the time to render and encode turn N + 1 (the N
+messages again, as new strings, plus one new message) with an empty segment cache (every turn before the cache)
+and after turn N was encoded (the cache kept its runs), the same ids checked; medians of --reps.
 Writes tokenize_turns_cpu.json (and a PNG) to --out.
 """
 
@@ -22,17 +23,17 @@ import time
 from tokenspeed.engine.tokenizer import load_tokenizer
 from tokenspeed.models import resolve_config
 from tokenspeed.models.default_model import default_model_path
+from tokenspeed.server.chat.template import render_chat_segments
 
 WORDS = ["def", "return", "import", "self", "the", "error", "file", "value", "class", "print", "for", "in", "if",
          "else", "None", "True", "x", "y", "data", "result", "(", ")", ":", "\n", "    ", "=", "+", "tests", "assert"]
 
 
-def _segments(messages: list[str]) -> list[tuple[str, bool]]:
-    """As a chat template renders them; each text a new str object (as parsed from a new request body)."""
-    out = []
-    for m in messages:
-        out += [("<|im_start|>user\n", True), ("".join(list(m)), False), ("<|im_end|>\n", True)]
-    return out
+def _segments(tok, messages: list[str]) -> list[tuple[str, bool]]:
+    """As the server renders them (each text a new str object, as parsed from a new request body)."""
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": "".join(list(m))}
+            for i, m in enumerate(messages)]
+    return render_chat_segments(msgs, None, tok.chat_template)
 
 
 def main() -> None:
@@ -51,15 +52,16 @@ def main() -> None:
         for _ in range(a.reps):
             tok = load_tokenizer(path, resolve_config(path)[0].vocab_size)
             t = time.perf_counter()
-            want = tok.encode_segments(_segments(texts[: n + 1]))
+            want = tok.encode_segments(_segments(tok, texts[: n + 1]))
             cold.append((time.perf_counter() - t) * 1e3)
             tok = load_tokenizer(path, resolve_config(path)[0].vocab_size)
-            tok.encode_segments(_segments(texts[:n]))  # turn N
+            tok.encode_segments(_segments(tok, texts[:n]))  # turn N
             t = time.perf_counter()
-            got = tok.encode_segments(_segments(texts[: n + 1]))  # turn N + 1
+            got = tok.encode_segments(_segments(tok, texts[: n + 1]))  # turn N + 1
             warm.append((time.perf_counter() - t) * 1e3)
             assert got == want
             tokens = len(got)
+        assert tok.chat_template is not None and tok._added_token_pattern() is not None  # the split path ran
         rows.append({"messages": n + 1, "tokens": tokens, "uncached_ms": statistics.median(cold),
                      "cached_ms": statistics.median(warm)})
         print(f"{n + 1:>4} messages {tokens:>7} tokens: {rows[-1]['uncached_ms']:7.1f} ms without the cache, "
