@@ -328,7 +328,7 @@ class HFTokenizer(Tokenizer):
     def split_at_added_tokens(self, text: str) -> list[tuple[str, int | None]] | None:
         """HF tokenizers cut the input at added tokens (leftmost, longest) before normalising and pre-tokenising
         each run on its own, so the runs encode independently, unless an added token strips its neighbours
-        (lstrip / rstrip / single_word) or is matched after normalisation, or a pre-tokenizer treats the input's
+        (lstrip / rstrip / single_word) or is matched on normalised text, or a pre-tokenizer treats the input's
         first run specially (checked once on samples: `_added_token_pattern`)."""
         pattern = self._added_token_pattern()
         if pattern is None:
@@ -351,9 +351,8 @@ class HFTokenizer(Tokenizer):
             return self._added_pattern
         self._added_pattern = None
         tokens = list(self._tok.get_added_tokens_decoder().values())
-        if not tokens or any(t.lstrip or t.rstrip or t.single_word for t in tokens) or (
-                any(t.normalized for t in tokens) and self._tok.normalizer is not None):
-            return None
+        if not tokens or any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in tokens):
+            return None  # normalised added tokens are matched in a second pass, after the others: not one split
         self._added_ids = {t.content: self._tok.token_to_id(t.content) for t in tokens}
         pattern = re.compile("|".join(re.escape(c) for c in sorted(self._added_ids, key=len, reverse=True)))
         self._added_pattern = pattern
