@@ -38,6 +38,7 @@ import os
 import pstats
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -112,30 +113,9 @@ def breakdown(llm: LLM, prompts: list[list[int]], params: SamplingParams, cuda: 
     """Median wall ms per phase of the decode/verify steps of `prompts` run together (once every one of them is
     past its prompt), each phase synchronised, plus the top of a cProfile of the same steps (host time by
     function)."""
-    from tokenspeed.executor import runner as runner_mod
-
-    engine, runner = llm.engine, llm.engine.runner
+    engine = llm.engine
     times: dict[str, list[float]] = {}
-    patched = []
-
-    def sync_timed(obj, name: str, label: str) -> None:
-        fn = getattr(obj, name)
-        setattr(obj, name, lambda *a, **kw: _timed_call(times, label, fn, cuda, *a, **kw))
-        patched.append((obj, name, fn))
-
-    sync_timed(engine.scheduler, "schedule", "schedule")
-    sync_timed(engine, "_update", "update")
-    sync_timed(runner, "execute", "execute")
-    sync_timed(runner, "_sample", "sample")
-    sync_timed(runner, "copy_states", "copy_states")
-    sync_timed(runner.model, "replay_kda", "replay_eager")
-    for q, graphs in runner.graphs.items():
-        sync_timed(graphs, "run", f"graph_run_q{q}")
-        sync_timed(graphs, "replay_state", f"replay_state_q{q}")
-    if runner.proposer is not None:
-        sync_timed(runner.proposer, "propose", "propose")
-    build = runner_mod.ForwardBatch.build
-    runner_mod.ForwardBatch.build = staticmethod(lambda *a, **kw: _timed_call(times, "build", build, cuda, *a, **kw))
+    restore = patch_phases(engine, lambda label, fn: lambda *a, **kw: _timed_call(times, label, fn, cuda, *a, **kw))
     ids = [f"breakdown{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, params)
@@ -154,9 +134,7 @@ def breakdown(llm: LLM, prompts: list[list[int]], params: SamplingParams, cuda: 
             tokens = sum(len(o.new_token_ids) for o in outs) / len(prompts)  # per request
             if tokens:
                 ms_per_token.append(step_ms[-1] / tokens)
-    runner_mod.ForwardBatch.build = build
-    for obj, name, fn in patched:
-        setattr(obj, name, fn)
+    restore()
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
     result = {"step_ms_median": statistics.median(step_ms) if step_ms else None, "steps": len(step_ms),
@@ -166,6 +144,33 @@ def breakdown(llm: LLM, prompts: list[list[int]], params: SamplingParams, cuda: 
               "cprofile_top_tottime": text.getvalue().splitlines()[:60]}
     print("\n".join(result["cprofile_top_tottime"]), flush=True)
     return result
+
+
+def patch_phases(engine, wrap) -> Callable[[], None]:
+    """Replace each phase of the engine's step (schedule, update, execute, sample, state copies, batch build, the
+    proposer, the eager KDA replay, each graph set's run and state replay) by wrap(label, fn); returns the function
+    that puts the originals back."""
+    from tokenspeed.executor import runner as runner_mod
+
+    runner = engine.runner
+    targets = [(engine.scheduler, "schedule", "schedule"), (engine, "_update", "update"), (runner, "execute", "execute"),
+               (runner, "_sample", "sample"), (runner, "copy_states", "copy_states"),
+               (runner.model, "replay_kda", "replay_eager")]
+    for q, graphs in runner.graphs.items():
+        targets += [(graphs, "run", f"graph_run_q{q}"), (graphs, "replay_state", f"replay_state_q{q}")]
+    if runner.proposer is not None:
+        targets.append((runner.proposer, "propose", "propose"))
+    originals = [(obj, name, getattr(obj, name)) for obj, name, _ in targets]
+    for (obj, name, label), (_, _, fn) in zip(targets, originals, strict=True):
+        setattr(obj, name, wrap(label, fn))
+    build = runner_mod.ForwardBatch.build
+    runner_mod.ForwardBatch.build = staticmethod(wrap("build", build))
+
+    def restore() -> None:
+        runner_mod.ForwardBatch.build = build
+        for obj, name, fn in originals:
+            setattr(obj, name, fn)
+    return restore
 
 
 def _timed_call(times: dict, label: str, fn, cuda: bool, *a, **kw):

@@ -6,10 +6,10 @@ engine's own steps, against the GPU time of its graphs.
 `spec_h200.py`'s host breakdown synchronises before and after every phase, so each phase's time includes the GPU
 work it waits for and the synchronisations themselves. Here the steps run as served (one synchronisation per step,
 where the sampled tokens are read) and each phase only records its host wall time (perf_counter around the call):
-schedule, drafts (proposer), batch build, the verify graph's host launch (input copies + replay), sampling (which
-waits for the GPU), the replay graph's host launch, the state copies, the update. The step's wall time minus the
-GPU time of its verify and replay graphs (CUDA events) is the time the GPU sits idle, to be set against the phases
-that run between the sampled tokens' arrival and the next launch. A torch.profiler trace of a few steps (CPU ops,
+the phases `spec_h200.patch_phases` names: schedule, drafts (propose), batch build, each graph's host launch
+(graph_run_q4: input copies + replay; replay_state_q4), sampling (which waits for the GPU), the state copies, the
+update. The step's wall time minus the GPU time of its verify and replay graphs (CUDA events) is the time the GPU
+sits idle, to be set against the phases that run between the sampled tokens' arrival and the next launch. A torch.profiler trace of a few steps (CPU ops,
 CUDA runtime calls) is summarised by self CPU time and saved as a Chrome trace.
 Model: kimi-linear-48b-a3b with dummy weights, 1024-token prompts, forced acceptance of 3 drafts (benchmarking the
 verify path, not a drafter), as `spec_h200.py`. Writes spec_host_gap_c<N>.json and the trace to --out.
@@ -24,8 +24,10 @@ import statistics
 import subprocess
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
+from spec_h200 import patch_phases
 
 from tokenspeed import LLM, SamplingParams
 
@@ -40,12 +42,12 @@ def _stamp(times: dict, label: str, fn):
     return wrapper
 
 
-def _time_graphs(graphs, patch, events: list) -> None:
-    """Stamp the verify / replay graphs' host launches and record CUDA events around their GPU work."""
-    patch(graphs, "run", "verify graph launch (host)")
-    patch(graphs, "replay_state", "replay graph launch (host)")
+def _record_graph_events(graphs, events: list) -> Callable[[], None]:
+    """Record (label, start, end) CUDA events around each verify / replay graph's GPU work into `events`; returns
+    the function that removes the recording."""
+    originals = {name: getattr(graphs, name) for name in ("run", "replay_state")}
     for name, label in (("run", "verify"), ("replay_state", "replay")):
-        fn = getattr(graphs, name)
+        fn = originals[name]
 
         def timed(*args, _fn=fn, _label=label, **kw):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -55,6 +57,11 @@ def _time_graphs(graphs, patch, events: list) -> None:
             events.append((_label, s, e))
             return out
         setattr(graphs, name, timed)
+
+    def unrecord() -> None:
+        for name, fn in originals.items():
+            setattr(graphs, name, fn)
+    return unrecord
 
 
 def plot(result: dict, path: str) -> None:
@@ -96,8 +103,6 @@ def main() -> None:
         with open(a.plot) as f:
             plot(json.load(f), a.plot.replace(".json", ".png"))
         return
-    from tokenspeed.executor import runner as runner_mod
-
     spec = {"speculative_algorithm": "repeat", "speculative_num_steps": 3, "speculative_force_accept_length": 3}
     n = a.concurrency
     cuda = a.device.startswith("cuda")
@@ -115,24 +120,9 @@ def main() -> None:
         engine.step()
 
     times: dict[str, list[float]] = defaultdict(list)
-    patched = []
-
-    def patch(obj, name, label):
-        fn = getattr(obj, name)
-        setattr(obj, name, _stamp(times, label, fn))
-        patched.append((obj, name, fn))
-
-    patch(engine.scheduler, "schedule", "schedule")
-    patch(engine, "_update", "update")
-    patch(runner, "execute", "execute (all)")
-    patch(runner, "_sample", "sample (waits for the GPU)")
-    patch(runner, "copy_states", "copy_states")
-    patch(runner.proposer, "propose", "propose (all requests)")
-    build = runner_mod.ForwardBatch.build
-    runner_mod.ForwardBatch.build = staticmethod(_stamp(times, "build", build))
-    events = []
-    if cuda:
-        _time_graphs(runner.graphs[4], patch, events)
+    events: list = []
+    unrecord = _record_graph_events(runner.graphs[4], events) if cuda else (lambda: None)  # inside the host stamps
+    restore = patch_phases(engine, lambda label, fn: _stamp(times, label, fn))
     step_ms = []
     for _ in range(a.steps):
         t = time.perf_counter()
@@ -166,9 +156,8 @@ def main() -> None:
     prof.export_chrome_trace(os.path.join(a.out, f"spec_host_gap_c{n}_trace.json"))
     subprocess.run(["gzip", "-f", os.path.join(a.out, f"spec_host_gap_c{n}_trace.json")], check=False)
     result["profile_self_cpu_top"] = table.splitlines()
-    for obj, name, fn in patched:
-        setattr(obj, name, fn)
-    runner_mod.ForwardBatch.build = build
+    restore()
+    unrecord()
     result["commit"] = os.environ.get("BENCH_COMMIT", "")
     result["gpu"] = torch.cuda.get_device_name() if cuda else "cpu"
     result["date"] = time.strftime("%Y-%m-%d")
