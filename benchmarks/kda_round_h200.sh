@@ -43,7 +43,9 @@
 #           3ab3082, not yet run on a GPU), the n-gram no-compile case, the graph tests with speculation
 #   specgap   the batched verify step as served (spec_host_gap_h200.py at concurrency ${SPEC_CONC:-16}), then
 #           spec_h200.py at that concurrency (its TPS/user window now ends when the first request finishes)
-#   next: "spectest specgap"
+#   tailprof  step_profile_h200.py prefill part: 256- and 1300-token tails on a 64K history beside 15 decodes, and
+#           a 1300-token tail alone (the swe-smith mixed step): kernel table, host syncs, cProfile
+#   next: "tailprof"
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "
@@ -132,6 +134,13 @@ if has specgap; then
   mkdir -p "$OUT/spec"
   timeout 240 python3 benchmarks/spec_h200.py --concurrency "${SPEC_CONC:-16}" --out "$OUT/spec" 2>&1 \
     | grep -E "^\{'model'" | cut -c1-400
+fi
+if has tailprof; then  # a swe-smith turn's tail on a 64K history, beside 15 decodes and alone: kernels + host
+  mkdir -p "$OUT/tail15" "$OUT/tail0"
+  timeout 330 python3 benchmarks/step_profile_h200.py --skip decode,policy --history 65536 --tails 256,1300 \
+    --beside 15 --out "$OUT/tail15" 2>&1 | grep -vE "^\s*$" | cut -c1-220 | head -150
+  timeout 200 python3 benchmarks/step_profile_h200.py --skip decode,policy --history 65536 --tails 1300 \
+    --out "$OUT/tail0" 2>&1 | grep -E "^prefill" | cut -c1-300
 fi
 if has nopdl; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" --pdl off \

@@ -242,17 +242,21 @@ def pdl_ab(model, batch: int, ctx: int, configs: list[str], steps: int = 8, roun
     return out
 
 
-def prefill_profile(model, history: int, tails: list[int]) -> list:
+def prefill_profile(model, history: int, tails: list[int], beside: int = 0) -> list:
+    """Eager forward of a T-token tail on a `history`-token history, alone or beside `beside` sequences decoding
+    at the same history (the mixed step a serving engine runs when a turn's new tokens arrive)."""
     cfg, page_size = model.config, 64
     pages = (history + max(tails)) // page_size + 2
-    buf = CacheBuffers.allocate(cfg, pages + 1, page_size, 2, model.dtype, "cuda")
+    buf = CacheBuffers.allocate(cfg, pages * (beside + 1) + 1, page_size, beside + 2, model.dtype, "cuda")
     for t in buf.mla_latent:
         t.normal_(0, 1)
     rows = []
     for tail in tails:
         ids = torch.randint(0, cfg.vocab_size, (tail,)).tolist()
-        fb = ForwardBatch.build([ids], [history], [list(range(pages))], [0], page_size, "cuda")
-        last = torch.tensor([tail - 1], device="cuda")
+        toks = [ids] + [[5 + i] for i in range(beside)]
+        tables = [list(range(i * pages, (i + 1) * pages)) for i in range(beside + 1)]
+        fb = ForwardBatch.build(toks, [history] * (beside + 1), tables, list(range(beside + 1)), page_size, "cuda")
+        last = torch.tensor([tail - 1 + i for i in range(beside + 1)], device="cuda")
 
         def step(fb=fb, last=last):
             return model(fb, buf, last)
@@ -275,10 +279,13 @@ def prefill_profile(model, history: int, tails: list[int]) -> list:
         prof.disable()
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-        row = {"history": history, "tail": tail, "wall_ms": statistics.median(walls),
+        cum = io.StringIO()
+        pstats.Stats(prof, stream=cum).sort_stats("cumulative").print_stats("tokenspeed", 40)
+        row = {"history": history, "tail": tail, "beside": beside, "wall_ms": statistics.median(walls),
                "events_ms": events_ms(step, 10, 2), "kernels": len(ks), "kernel_ms": sum(u for _, u in ks) / 1e3,
-               "host_syncs": syncs, "top": summary(ks, 15), "cprofile": s.getvalue()[-6000:]}
-        log(f"prefill tail {tail} on {history}: wall {row['wall_ms']:.2f} ms, events {row['events_ms']:.2f} ms, "
+               "host_syncs": syncs, "top": summary(ks, 25), "cprofile": s.getvalue()[-6000:],
+               "cprofile_cumulative": cum.getvalue()[-9000:]}
+        log(f"prefill tail {tail} on {history} beside {beside}: wall {row['wall_ms']:.2f} ms, events {row['events_ms']:.2f} ms, "
             f"{len(ks)} kernels summing {row['kernel_ms']:.2f} ms, syncs {syncs}")
         for r in row["top"][:10]:
             log("   ", r)
@@ -349,6 +356,7 @@ def main() -> None:
     ap.add_argument("--tails", default="64,256,1024")
     ap.add_argument("--history", type=int, default=16384)
     ap.add_argument("--policy-tails", default="16,64,160,256,512,1024")
+    ap.add_argument("--beside", type=int, default=0, help="decoding sequences beside the profiled prefill tail")
     ap.add_argument("--skip", default="", help="comma list of: decode, prefill, policy")
     ap.add_argument("--host", action="store_true", help="cProfile one eager batch-1 decode forward")
     ap.add_argument("--pdl-ab", default="", help="comma list of batches for the PDL / prefetch A/B at 4K (none: skip)")
@@ -369,7 +377,8 @@ def main() -> None:
             configs = args.pdl_configs.split(";")
             res["pdl_ab"] = [pdl_ab(model, int(b), 4096, configs) for b in args.pdl_ab.split(",")]
         if "prefill" not in skip:
-            res["prefill"] = prefill_profile(model, args.history, [int(t) for t in args.tails.split(",")])
+            res["prefill"] = prefill_profile(model, args.history, [int(t) for t in args.tails.split(",")],
+                                             args.beside)
         if "policy" not in skip:
             res["tail_policy"] = tail_policy(model, args.history, [int(t) for t in args.policy_tails.split(",")])
     os.makedirs(args.out, exist_ok=True)
