@@ -45,7 +45,8 @@
 #           spec_h200.py at that concurrency (its TPS/user window now ends when the first request finishes)
 #   tailprof  step_profile_h200.py prefill part: 256- and 1300-token tails on a 64K history beside 15 decodes, and
 #           a 1300-token tail alone (the swe-smith mixed step): kernel table, host syncs, cProfile
-#   next: "tailprof"
+#   mlaexp    mla_expanded_h200.py: expansion (cat vs head-major GEMM) and attention (masked SDPA vs split + LSE merge)
+#   next: "mlaexp"
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "
@@ -141,6 +142,9 @@ if has tailprof; then  # a swe-smith turn's tail on a 64K history, beside 15 dec
     --beside 15 --out "$OUT/tail15" 2>&1 | grep -vE "^\s*$" | cut -c1-220 | head -150
   timeout 200 python3 benchmarks/step_profile_h200.py --skip decode,policy --history 65536 --tails 1300 \
     --out "$OUT/tail0" 2>&1 | grep -E "^prefill" | cut -c1-300
+fi
+if has mlaexp; then  # MLA expanded prefill over a long history: expansion and attention variants
+  timeout 300 python3 benchmarks/mla_expanded_h200.py --out "$OUT" 2>&1 | grep -vE "^\s*$" | cut -c1-1500 | tail -12
 fi
 if has nopdl; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" --pdl off \
