@@ -46,7 +46,8 @@
 #   tailprof  step_profile_h200.py prefill part: 256- and 1300-token tails on a 64K history beside 15 decodes, and
 #           a 1300-token tail alone (the swe-smith mixed step): kernel table, host syncs, cProfile
 #   mlaexp    mla_expanded_h200.py: expansion (cat vs head-major GEMM) and attention (masked SDPA vs split + LSE merge)
-#   next: "mlaexp"
+#   sdpatest  tests/ops/test_cuda_sdpa.py and the MLA decode GPU tests
+#   next: "sdpatest nocompile tailprof"
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "
@@ -145,6 +146,11 @@ if has tailprof; then  # a swe-smith turn's tail on a 64K history, beside 15 dec
 fi
 if has mlaexp; then  # MLA expanded prefill over a long history: expansion and attention variants
   timeout 300 python3 benchmarks/mla_expanded_h200.py --out "$OUT" 2>&1 | grep -vE "^\s*$" | cut -c1-1500 | tail -12
+fi
+if has sdpatest; then  # the split expanded attention and the head-major expansion against their references
+  timeout 200 python3 -m pytest -n "${PYTEST_N:-4}" -p no:cacheprovider tests/ops/test_cuda_sdpa.py \
+    tests/ops/test_triton_mla_decode.py tests/ops/test_triton_mla_gluon.py -k "gpu or cuda" -rfE --tb=short \
+    2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
 fi
 if has nopdl; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" --pdl off \

@@ -8,7 +8,8 @@
   histories up to 50 tokens): with the kernel, the whole batch is one ragged `mla_decode` (neither the expanded
   form nor the torch absorbed reference runs) and matches the reference path (1e-5; the split plan forced to
   split); with the tail over ABSORBED_MAX_TAIL, the tail is expanded and only the short sequences go through the
-  ragged kernel (a subset); on the CPU without TOKENSPEED_OPS=triton the layer takes today's path bit for bit.
+  ragged kernel (a subset), or the uniform decode kernels when they are all decodes; on the CPU without
+  TOKENSPEED_OPS=triton the layer takes today's path bit for bit.
 * The fused decode (FUSED_DECODE; TOKENSPEED_MLA_FUSED overrides it at each call) against the unfused Triton ops.
 """
 
@@ -186,14 +187,14 @@ def _count_paths(monkeypatch, attn) -> dict:
     """Counts the layer's attention forms and the ragged `mla_decode` calls (with their sequence counts)."""
     from tokenspeed.ops.triton import mla_decode as dec
 
-    calls = {"expanded": 0, "absorbed_ref": 0, "ragged_seqs": []}
+    calls = {"expanded": 0, "absorbed_ref": 0, "ragged_seqs": [], "uniform_seqs": []}
     for name, key in (("_attend_expanded", "expanded"), ("_attend_absorbed", "absorbed_ref")):
         real = getattr(attn, name)
         monkeypatch.setattr(attn, name, lambda *a, _r=real, _k=key: calls.__setitem__(_k, calls[_k] + 1) or _r(*a))
     decode = dec.mla_decode
     monkeypatch.setattr(dec, "mla_decode", lambda *a, cu_seqlens_q=None, **k: (
-        cu_seqlens_q is not None and calls["ragged_seqs"].append(cu_seqlens_q.numel() - 1)) or decode(
-        *a, cu_seqlens_q=cu_seqlens_q, **k))
+        calls["ragged_seqs"].append(cu_seqlens_q.numel() - 1) if cu_seqlens_q is not None
+        else calls["uniform_seqs"].append(a[0].shape[0])) or decode(*a, cu_seqlens_q=cu_seqlens_q, **k))
     return calls
 
 
@@ -210,7 +211,7 @@ def test_mixed_batch_takes_the_ragged_kernel(monkeypatch) -> None:
     monkeypatch.setenv("TOKENSPEED_OPS", "triton")
     calls = _count_paths(monkeypatch, attn)
     got = _mixed_steps(model, attn)
-    assert calls == {"expanded": 0, "absorbed_ref": 0, "ragged_seqs": [4, 4]}  # both steps: one whole-batch call
+    assert calls == {"expanded": 0, "absorbed_ref": 0, "ragged_seqs": [4, 4], "uniform_seqs": []}  # whole batch
     for g, r in zip(got, ref, strict=True):
         assert rel_err(g, r) < 1e-5
 
@@ -226,8 +227,9 @@ def test_tail_over_the_limit_is_expanded(monkeypatch) -> None:
     monkeypatch.setenv("TOKENSPEED_OPS", "triton")
     calls = _count_paths(monkeypatch, attn)
     got = _mixed_steps(model, attn)
-    # prefill: 50 and 40 expanded, 3 and 5 ragged; mixed step: the tail expanded, the two decodes ragged
-    assert calls == {"expanded": 2, "absorbed_ref": 0, "ragged_seqs": [2, 2]}
+    # prefill: 50 and 40 expanded, 3 and 5 ragged; mixed step: the tail expanded, the two decodes through the
+    # uniform decode kernels (Gluon on an H200)
+    assert calls == {"expanded": 2, "absorbed_ref": 0, "ragged_seqs": [2], "uniform_seqs": [2]}
     for g, r in zip(got, ref, strict=True):
         assert rel_err(g, r) < 1e-5
 
@@ -241,7 +243,7 @@ def test_cpu_path_unchanged(monkeypatch) -> None:
     monkeypatch.delenv("TOKENSPEED_OPS")
     calls = _count_paths(monkeypatch, attn)
     got = _mixed_steps(model, attn)
-    assert calls == {"expanded": 2, "absorbed_ref": 2, "ragged_seqs": []}
+    assert calls == {"expanded": 2, "absorbed_ref": 2, "ragged_seqs": [], "uniform_seqs": []}
     for g, r in zip(got, ref, strict=True):
         assert torch.equal(g, r)
 

@@ -277,8 +277,10 @@ class MLAAttention(nn.Module):
         if len(subset) == batch.num_seqs:
             cu, kv_lens = batch.cu_seqlens, batch.kv_lens
         else:
-            cu = to_device(_cumsum([qlens[n] for n in subset]), torch.long, q.device)
             kv_lens = to_device([batch.kv_lens_host[n] for n in subset], torch.long, q.device)
+            if all(qlens[n] == 1 for n in subset):  # decodes beside a long chunk: the decode kernels (Gluon on sm_90)
+                return self._attend_latent(q, latent_cache, page_table, kv_lens, kv_scale)
+            cu = to_device(_cumsum([qlens[n] for n in subset]), torch.long, q.device)
         return self._attend_latent(q, latent_cache, page_table, kv_lens, kv_scale, cu, max_q)
 
     def _attend_absorbed(self, q, subset, batch, latent_cache, kv_scale, page_table) -> Tensor:
@@ -299,14 +301,42 @@ class MLAAttention(nn.Module):
         cdt = q.dtype if q.is_cuda else torch.float32
         kv_lens = [batch.kv_lens_host[n] for n in subset]
         latent = ops.mla_gather_latent(latent_cache, page_table, kv_lens, cdt, kv_scale)
-        kv = nn.functional.linear(latent[:, : self.kv_lora_rank], self.kv_b_proj.weight.to(cdt))
-        kv = kv.view(-1, self.num_heads, self.nope + self.v_dim)
-        k_pe = latent[:, None, self.kv_lora_rank :].expand(-1, self.num_heads, -1)
-        k = torch.cat([kv[..., : self.nope], k_pe], dim=-1)
+        if q.is_cuda:
+            k, v = self._expand_head_major(latent)
+        else:
+            kv = nn.functional.linear(latent[:, : self.kv_lora_rank], self.kv_b_proj.weight.to(cdt))
+            kv = kv.view(-1, self.num_heads, self.nope + self.v_dim)
+            k_pe = latent[:, None, self.kv_lora_rank :].expand(-1, self.num_heads, -1)
+            k, v = torch.cat([kv[..., : self.nope], k_pe], dim=-1), kv[..., self.nope :]
         return ops.mla_attention_expanded(
-            q.to(cdt), k, kv[..., self.nope :], _cumsum([batch.query_lens_host[n] for n in subset]),
-            _cumsum(kv_lens), self.scale,
+            q.to(cdt), k, v, _cumsum([batch.query_lens_host[n] for n in subset]), _cumsum(kv_lens), self.scale,
         ).to(q.dtype)
+
+    def _expand_head_major(self, latent: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-head keys [S, H, nope + rope] and values [S, H, v] from latent rows [S, r + rope], each a view of a
+        contiguous head-major [H, S, d] tensor (what SDPA reads without a copy). Keys come from one batched GEMM
+        over the whole 576-wide row with [W_UK[h] 0 ; 0 I] per head, so k_pe is copied exactly (no cat); the
+        same bits as the kv_b GEMM followed by the cat on an H200 (`benchmarks/mla_expanded_h200.py`)."""
+        w_k, w_v = self._head_major_weights(latent.dtype)
+        k = torch.matmul(latent.unsqueeze(0), w_k.transpose(1, 2))
+        v = torch.matmul(latent[:, : self.kv_lora_rank].unsqueeze(0), w_v.transpose(1, 2))
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def _head_major_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(W_K' [H, nope + rope, r + rope], W_UV [H, v, r]) in `dtype`, built from kv_b_proj's weight and rebuilt
+        when that weight is replaced or written in place (a reload)."""
+        w = self.kv_b_proj.weight
+        key = (w.data_ptr(), w._version, dtype)
+        cached = getattr(self, "_head_major", None)
+        if cached is None or cached[0] != key:
+            wh = w.detach().to(dtype).view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+            rope = self.rope
+            w_k = wh.new_zeros(self.num_heads, self.nope + rope, self.kv_lora_rank + rope)
+            w_k[:, : self.nope, : self.kv_lora_rank] = wh[:, : self.nope]
+            w_k[:, self.nope :, self.kv_lora_rank :] = torch.eye(rope, dtype=dtype, device=w.device)
+            cached = (key, w_k, wh[:, self.nope :].contiguous())
+            self._head_major = cached
+        return cached[1], cached[2]
 
 
 def _uniform_form(batch: ForwardBatch, q: Tensor) -> bool:

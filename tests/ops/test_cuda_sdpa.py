@@ -1,0 +1,114 @@
+"""The CUDA expanded-attention path (`tokenspeed.ops.cuda.sdpa`): a chunk with a cached history split into the
+history part and its own causal square, merged by log-sum-exp.
+
+* CPU: `attend_split` with a float32 attend that returns its log-sum-exp equals the bottom-right causal reference
+  (1e-6), for histories of 1 row and longer, and `merge_partials` weighs two partials by their softmax mass.
+* CPU: `split_worth` (no history: never; small work: never; large: when cuDNN is there).
+* GPU: `attention_expanded` with the split forced (SPLIT_MIN_WORK 0) and not, bf16, on a batch of a fresh
+  prompt, a short tail on a short history and a long chunk on a long history, with keys / values head-major
+  views (what the model passes) and plain [S, H, D]: within bf16 tolerance of the float32 reference.
+* GPU: the MLA layer's head-major expansion (`_expand_head_major`) gives the same bf16 keys / values as the kv_b
+  GEMM followed by the cat (the CPU path's construction).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import rel_err
+from tests.ops.triton_env import needs_cuda
+from tokenspeed.ops.cuda import sdpa
+from tokenspeed.ops.reference.mla import mla_attention_expanded as reference
+
+
+def _ref_attend(q, k, v, causal, scale):
+    """[1, H, L, D] float32 attention with its natural-log log-sum-exp; causal = top-left (square calls)."""
+    s = torch.einsum("bhld,bhsd->bhls", q, k) * scale
+    if causal:
+        L, S = s.shape[-2:]
+        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhls,bhsd->bhld", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("L,S", [(1, 2), (5, 6), (7, 40), (16, 16 + 300)])
+def test_attend_split_equals_bottom_right_causal(L: int, S: int) -> None:
+    g = torch.Generator().manual_seed(L * 1000 + S)
+    H, D, DV = 3, 24, 16
+    q, k = torch.randn(L, H, D, generator=g), torch.randn(S, H, D, generator=g)
+    v = torch.randn(S, H, DV, generator=g)
+    want = reference(q, k, v, [0, L], [0, S], 0.3)
+    got = sdpa.attend_split(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), 0.3, attend=_ref_attend)
+    assert rel_err(got.squeeze(0).transpose(0, 1), want) < 1e-6
+
+
+def test_merge_partials_weighs_by_softmax_mass() -> None:
+    o1, o2 = torch.full((1, 2, 3, 4), 1.0), torch.full((1, 2, 3, 4), 3.0)
+    lse1 = torch.zeros(1, 2, 3)
+    lse2 = torch.log(torch.tensor(3.0)).expand(1, 2, 3)  # three times the mass: (1 * 1 + 3 * 3) / 4
+    assert torch.allclose(sdpa.merge_partials(o1, lse1, o2, lse2), torch.full((1, 2, 3, 4), 2.5))
+    # a partial with no mass at all (every key masked) leaves the other unchanged
+    dead = torch.full((1, 2, 3), float("-inf"))
+    assert torch.equal(sdpa.merge_partials(o1, lse1, o2, dead), o1)
+
+
+def test_split_worth(monkeypatch) -> None:
+    monkeypatch.setattr(sdpa, "_split_ok", True)
+    assert not sdpa.split_worth(8192, 0)  # a fresh prompt: one causal call already
+    assert not sdpa.split_worth(300, 3796)
+    assert sdpa.split_worth(256, 65536) and sdpa.split_worth(8192, 8192)
+    monkeypatch.setattr(sdpa, "_split_ok", False)
+    assert not sdpa.split_worth(8192, 65536)
+
+
+# ----------------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_attention_expanded_gpu(monkeypatch, force: bool, head_major: bool) -> None:
+    if force:
+        monkeypatch.setattr(sdpa, "SPLIT_MIN_WORK", 0)
+    H, D, DV = 32, 192, 128
+    batch = [(300, 300), (20, 900), (1300, 1300 + 20000), (4, 70)]  # (q_len, k_len)
+    cu_q, cu_k = [0], [0]
+    for ql, kl in batch:
+        cu_q.append(cu_q[-1] + ql)
+        cu_k.append(cu_k[-1] + kl)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(cu_q[-1], H, D, device="cuda", generator=g).bfloat16()
+    if head_major:  # [S, H, d] views of contiguous [H, S, d], as the MLA layer passes them
+        k = torch.randn(H, cu_k[-1], D, device="cuda", generator=g).bfloat16().transpose(0, 1)
+        v = torch.randn(H, cu_k[-1], DV, device="cuda", generator=g).bfloat16().transpose(0, 1)
+    else:
+        k = torch.randn(cu_k[-1], H, D, device="cuda", generator=g).bfloat16()
+        v = torch.randn(cu_k[-1], H, DV, device="cuda", generator=g).bfloat16()
+    got = sdpa.attention_expanded(q, k, v, cu_q, cu_k, D ** -0.5)
+    want = reference(q.float(), k.float(), v.float(), cu_q, cu_k, D ** -0.5)
+    for n in range(len(batch)):
+        rows = slice(cu_q[n], cu_q[n + 1])
+        assert rel_err(got[rows].float(), want[rows]) < 1e-2, batch[n]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_mla_head_major_expansion_equals_cat_gpu() -> None:
+    from tokenspeed.models import KimiForCausalLM, parse_hf_config, preset_hf_config
+    from tokenspeed.models.weights import init_dummy_weights
+
+    model = KimiForCausalLM(parse_hf_config(preset_hf_config("tiny-kimi-linear")), dtype=torch.bfloat16,
+                            device="cuda").eval()
+    init_dummy_weights(model, seed=2)
+    attn = model.model.layers[model.config.mla_layers[0]].self_attn
+    r = attn.kv_lora_rank
+    latent = torch.randn(333, r + attn.rope, device="cuda").bfloat16()
+    k, v = attn._expand_head_major(latent)
+    kv = torch.nn.functional.linear(latent[:, :r], attn.kv_b_proj.weight).view(-1, attn.num_heads,
+                                                                              attn.nope + attn.v_dim)
+    k_pe = latent[:, None, r:].expand(-1, attn.num_heads, -1)
+    assert torch.equal(k[..., attn.nope:], k_pe)  # copied exactly through the identity block
+    assert rel_err(k[..., : attn.nope].float(), kv[..., : attn.nope].float()) < 1e-2
+    assert rel_err(v.float(), kv[..., attn.nope:].float()) < 1e-2
+    with torch.no_grad():
+        attn.kv_b_proj.weight.mul_(2)  # an in-place reload rebuilds the head-major weights
+    assert rel_err(attn._expand_head_major(latent)[1].float(), 2 * v.float()) < 1e-2
