@@ -155,11 +155,47 @@ def case(L: int, hist: int, check_ref: bool) -> dict:
     return row
 
 
+def plot(path: str) -> None:
+    """Bars per case: today's expansion + masked attention against the head-major expansion + split attention."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        data = json.load(f)
+    rows = data["rows"]
+    labels = [f"{r['L']} new\non {r['history'] // 1024}K" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    w = 0.38
+    ax.bar([i - w / 2 for i in x], [r["today_total_ms"] for r in rows], w, label="cat + masked SDPA (before)")
+    ax.bar([i + w / 2 for i in x], [r["split_cudnn_total_ms"] for r in rows], w,
+           label="head-major GEMM + split cuDNN (after)")
+    for i, r in enumerate(rows):
+        ax.text(i + w / 2, r["split_cudnn_total_ms"], f"{r['today_total_ms'] / r['split_cudnn_total_ms']:.2f}x",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("ms per MLA layer (expansion + attention)")
+    env = data["env"]
+    ax.set_title(f"MLA expanded prefill over a cached history, 32 heads ({env['gpu']}, {env['commit']})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path.replace(".json", ".png"), dpi=120)
+    print(f"wrote {path.replace('.json', '.png')}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--cases", default="300:3796,256:65536,1300:65536,8192:40960,1300:16384")
+    ap.add_argument("--plot", help="plot a result JSON of this script (no GPU needed) and exit")
     args = ap.parse_args()
+    if args.plot:
+        plot(args.plot)
+        return
     rows = []
     with torch.no_grad():
         for i, c in enumerate(args.cases.split(",")):
