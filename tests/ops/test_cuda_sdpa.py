@@ -3,7 +3,8 @@ history part and its own causal square, merged by log-sum-exp.
 
 * CPU: `attend_split` with a float32 attend that returns its log-sum-exp equals the bottom-right causal reference
   (1e-6), for histories of 1 row and longer, and `merge_partials` weighs two partials by their softmax mass.
-* CPU: `split_worth` (no history: never; small work: never; large: when cuDNN is there).
+* CPU: `split_worth` (no history: never; small work: never; large: when cuDNN is there); a cuDNN that refuses the
+  split call switches to the masked call once, with a warning (out-of-memory is raised, not taken for a refusal).
 * GPU: `attention_expanded` with the split forced (SPLIT_MIN_WORK 0) and not, bf16, on a batch of a fresh
   prompt, a short tail on a short history and a long chunk on a long history, with keys / values head-major
   views (what the model passes) and plain [S, H, D]: within bf16 tolerance of the float32 reference.
@@ -59,6 +60,37 @@ def test_split_worth(monkeypatch) -> None:
     assert sdpa.split_worth(256, 65536) and sdpa.split_worth(8192, 8192)
     monkeypatch.setattr(sdpa, "_split_ok", False)
     assert not sdpa.split_worth(8192, 65536)
+
+
+def test_refused_split_falls_back_to_the_masked_call_once(monkeypatch, caplog) -> None:
+    """A cuDNN that refuses the split call (a RuntimeError) switches the process to the masked call, with one
+    warning, and the chunk's result is still right; out-of-memory is not taken for a refusal."""
+    calls = []
+
+    def refuse(*a):
+        calls.append(1)
+        raise RuntimeError("no engine for this graph")
+
+    monkeypatch.setattr(sdpa, "_split_ok", True)
+    monkeypatch.setattr(sdpa, "SPLIT_MIN_WORK", 0)
+    monkeypatch.setattr(sdpa, "cudnn_attend", refuse)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(4, 2, 8, generator=g), torch.randn(10, 2, 8, generator=g), torch.randn(10, 2, 6, generator=g)
+    want = reference(q, k, v, [0, 4], [0, 10], 0.5)
+    for _ in range(2):
+        got = sdpa.attention_expanded(q, k, v, [0, 4], [0, 10], 0.5)
+        assert rel_err(got, want) < 1e-5
+    assert calls == [1] and not sdpa._split_ok
+    assert sum("refused" in r.getMessage() for r in caplog.records) == 1
+
+    def oom(*a):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(sdpa, "_split_ok", True)
+    monkeypatch.setattr(sdpa, "cudnn_attend", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        sdpa.attention_expanded(q, k, v, [0, 4], [0, 10], 0.5)
+    assert sdpa._split_ok
 
 
 # ----------------------------------------------------------------------------- CUDA

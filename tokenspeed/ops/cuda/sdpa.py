@@ -57,9 +57,11 @@ def merge_partials(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor
     return (o / (w1 + w2).unsqueeze(-1)).to(o1.dtype)
 
 
-def attend_split(qn: Tensor, kn: Tensor, vn: Tensor, scale: float, attend: Attend = cudnn_attend) -> Tensor:
+def attend_split(qn: Tensor, kn: Tensor, vn: Tensor, scale: float, attend: Attend | None = None) -> Tensor:
     """Bottom-right causal attention of qn [1, H, L, D] over kn / vn [1, H, S, D] (S > L) as the history part
-    (keys 0..S-L-1, every query sees all of them) and the square part (is_causal), merged. Returns [1, H, L, Dv]."""
+    (keys 0..S-L-1, every query sees all of them) and the square part (is_causal), merged. Returns [1, H, L, Dv].
+    `attend` defaults to `cudnn_attend`."""
+    attend = attend or cudnn_attend
     L, S = qn.shape[2], kn.shape[2]
     o_hist, lse_hist = attend(qn, kn[:, :, : S - L], vn[:, :, : S - L], False, scale)
     o_tail, lse_tail = attend(qn, kn[:, :, S - L:], vn[:, :, S - L:], True, scale)
@@ -92,6 +94,8 @@ def _attend_with_history(qn: Tensor, kn: Tensor, vn: Tensor, scale: float) -> Te
     if split_worth(ql, kl - ql):
         try:
             return attend_split(qn.contiguous(), kn, vn, scale)
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError as e:  # a cuDNN build or GPU without this fused attention: fall back, once, loudly
             _split_ok = False
             _log.warning("cuDNN attention with log-sum-exp refused (%s); chunks with a history now use one masked "
