@@ -6,7 +6,8 @@ PTX facts of its PDL protocol, or its error.
         [--only REGEX] [--sass]
 
 Each wrapper runs on small CPU tensors with `pdl.enabled` forced to the chosen value; its kernel launches (the
-router `_moe_route_kernel`, the fused alignment `_align_kernel`, `_gather_x_kernel`, `_gate_up_kernel`,
+router `_moe_route_kernel`, the fused alignment `_align_kernel`, the multi-program alignment's three kernels
+(`_align_count_kernel`, `_align_scan_kernel`, `_align_scatter_kernel`), `_gather_x_kernel`, `_gate_up_kernel`,
 `_down_kernel`, the combines `_combine_kernel` / `_combine_norm_kernel`) are caught instead of run and handed to
 `triton.compile` for GPUTarget("cuda", 90, 32) with the signature and specialisations the JIT would derive
 (16-divisible strides, constant 1s, descriptor block shapes); launches that compile to the same kernel are compiled
@@ -40,7 +41,8 @@ from tokenspeed.ops.triton import moe_align, moe_combine, moe_pdl, moe_route
 from tokenspeed.ops.triton import moe_experts as tk
 
 KERNELS = {tk: ("_gate_up_kernel", "_down_kernel", "_gather_x_kernel"), moe_combine: ("_combine_kernel",
-           "_combine_norm_kernel"), moe_align: ("_align_kernel",), moe_route: ("_moe_route_kernel",)}
+           "_combine_norm_kernel"), moe_align: ("_align_kernel", "_align_count_kernel", "_align_scan_kernel",
+           "_align_scatter_kernel"), moe_route: ("_moe_route_kernel",)}
 KIMI = {"k": 8, "E": 256, "D": 2304, "DI": 1024}
 
 

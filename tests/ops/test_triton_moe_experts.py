@@ -280,6 +280,50 @@ def test_cuda_graph_replay_gpu(T):
 
 
 @cpu_interp
+@pytest.mark.parametrize("T,k,E,bm", [(37, 3, 5, 32), (300, 2, 16, 64), (600, 8, 256, 16), (1500, 9, 257, 128),
+                                      (2000, 4, 8, 16)])
+def test_multi_align_equals_torch_align_interp(T, k, E, bm):
+    """The multi-program alignment (prefill) gives the torch alignment's layout bit for bit: stable in-bucket order
+    across counting programs of 1024 pairs (one program up to 13 of them; a heavy bucket crossing several), padding,
+    the invalid bucket, unused tail blocks."""
+    from tokenspeed.ops.triton.moe_align import align_pairs, align_pairs_multi
+
+    _, _, ids = make_routing(T, k, E, 8, torch.float32, "cpu", invalid=True, same=False)
+    ids[: T // 2] = ids[0]  # a heavy run that crosses programs
+    ids = ids.t().contiguous().t()
+    sp, be = align_pairs(ids, E, bm)
+    sp_m, be_m = align_pairs_multi(ids, E, bm)
+    assert torch.equal(sp_m, sp) and torch.equal(be_m, be)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T,k,E,bm", [(600, 8, 256, 16), (8192, 9, 257, 128), (4096, 16, 896, 64), (513, 8, 256, 32)])
+def test_multi_align_equals_torch_align_gpu(T, k, E, bm):
+    from tokenspeed.ops.triton.moe_align import align_pairs, align_pairs_multi
+
+    _, _, ids = make_routing(T, k, E, 8, torch.float32, "cuda", invalid=True, same=False)
+    ids[: T // 2] = ids[0]
+    sp, be = align_pairs(ids, E, bm)
+    sp_m, be_m = align_pairs_multi(ids, E, bm)
+    assert torch.equal(sp_m, sp) and torch.equal(be_m, be)
+
+
+def test_align_dispatch(monkeypatch):
+    """`align` takes the one-launch kernel up to 4096 pairs, the multi-program kernels above (up to 2046 experts),
+    and the torch sort beyond that many experts."""
+    from tokenspeed.ops.triton import moe_align as ma
+
+    taken = []
+    for name in ("align_pairs_fused", "align_pairs_multi", "align_pairs"):
+        monkeypatch.setattr(ma, name, lambda *a, _n=name: taken.append(_n))
+    ma.align(torch.zeros(512, 8, dtype=torch.long), 256, 16)
+    ma.align(torch.zeros(513, 8, dtype=torch.long), 256, 16)
+    ma.align(torch.zeros(8, 8, dtype=torch.long), 4096, 16)
+    assert taken == ["align_pairs_fused", "align_pairs_multi", "align_pairs"]
+
+
+@cpu_interp
 @pytest.mark.parametrize("T,k,E,bm", [(1, 8, 256, 16), (29, 4, 8, 16), (64, 8, 256, 16), (37, 3, 5, 32),
                                       (300, 2, 16, 64)])
 def test_fused_align_equals_torch_align_interp(T, k, E, bm):
