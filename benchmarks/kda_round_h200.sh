@@ -47,7 +47,9 @@
 #           a 1300-token tail alone (the swe-smith mixed step): kernel table, host syncs, cProfile
 #   mlaexp    mla_expanded_h200.py: expansion (cat vs head-major GEMM) and attention (masked SDPA vs split + LSE merge)
 #   sdpatest  tests/ops/test_cuda_sdpa.py and the MLA decode GPU tests
-#   next: "sdpatest nocompile tailprof"
+#   sdpafirst sdpa_first_call_h200.py (cuDNN plan build per new shape)
+#   alignab   moe_align_h200.py (torch sort vs multi-program alignment) and the MoE GPU tests
+#   next: "sdpafirst alignab nocompile tailprof"
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "
@@ -151,6 +153,14 @@ if has sdpatest; then  # the split expanded attention and the head-major expansi
   timeout 200 python3 -m pytest -n "${PYTEST_N:-4}" -p no:cacheprovider tests/ops/test_cuda_sdpa.py \
     tests/ops/test_triton_mla_decode.py tests/ops/test_triton_mla_gluon.py -k "gpu or cuda" -rfE --tb=short \
     2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
+fi
+if has sdpafirst; then  # cuDNN's first call at a new (query, key) shape against a repeat: masked vs split
+  timeout 200 python3 benchmarks/sdpa_first_call_h200.py --out "$OUT" 2>&1 | grep -E "^\{" | cut -c1-400
+fi
+if has alignab; then  # the MoE alignment of prefill-sized calls: torch sort vs the multi-program kernels
+  timeout 200 python3 benchmarks/moe_align_h200.py --out "$OUT" 2>&1 | grep -E "^\{" | cut -c1-400
+  timeout 200 python3 -m pytest -p no:cacheprovider tests/ops/test_triton_moe_experts.py -k "gpu" -rfE \
+    --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
 fi
 if has nopdl; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --shapes "$big" --only "$only" --pdl off \

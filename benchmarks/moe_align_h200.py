@@ -49,8 +49,9 @@ def main() -> None:
             row = {"tokens": T, "pairs": T * 9, "block_m": bm,
                    "equal": bool(torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]))}
             for name, fn in (("torch", align_pairs), ("multi", align_pairs_multi)):
-                row[f"{name}_host_us"] = host_us(lambda fn=fn: fn(ids, 257, bm))
-                row[f"{name}_gpu_us"] = events_ms(lambda fn=fn: [fn(ids, 257, bm) for _ in range(26)]) * 1e3 / 26
+                row[f"{name}_host_us"] = host_us(lambda fn=fn, ids=ids, bm=bm: fn(ids, 257, bm))
+                row[f"{name}_gpu_us"] = events_ms(
+                    lambda fn=fn, ids=ids, bm=bm: [fn(ids, 257, bm) for _ in range(26)]) * 1e3 / 26
             print(row, flush=True)
             rows.append(row)
     write_result(os.path.join(args.out, "moe_align_h200.json"), {"rows": rows})
