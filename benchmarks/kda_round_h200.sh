@@ -149,13 +149,17 @@ fi
 if has mlaexp; then  # MLA expanded prefill over a long history: expansion and attention variants
   timeout 300 python3 benchmarks/mla_expanded_h200.py --out "$OUT" 2>&1 | grep -vE "^\s*$" | cut -c1-1500 | tail -12
 fi
-if has sdpatest; then  # the split expanded attention and the head-major expansion against their references
+if has sdpatest; then  # the split expanded attention and the per-head expansion against their references
   timeout 200 python3 -m pytest -n "${PYTEST_N:-4}" -p no:cacheprovider tests/ops/test_cuda_sdpa.py \
     tests/ops/test_triton_mla_decode.py tests/ops/test_triton_mla_gluon.py -k "gpu or cuda" -rfE --tb=short \
     2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
 fi
 if has sdpafirst; then  # cuDNN's first call at a new (query, key) shape against a repeat: masked vs split
-  timeout 200 python3 benchmarks/sdpa_first_call_h200.py --out "$OUT" 2>&1 | grep -E "^\{" | cut -c1-400
+  for layout in bhsd bshd; do for avoid in 0 1; do
+    echo "== layout $layout TORCH_CUDNN_SDPA_AVOID_RECOMPILE=$avoid"
+    TORCH_CUDNN_SDPA_AVOID_RECOMPILE=$avoid timeout 100 python3 benchmarks/sdpa_first_call_h200.py --out "$OUT" \
+      --layout $layout 2>&1 | grep -E "^\{" | cut -c1-300
+  done; done
 fi
 if has alignab; then  # the MoE alignment of prefill-sized calls: torch sort vs the multi-program kernels
   timeout 200 python3 benchmarks/moe_align_h200.py --out "$OUT" 2>&1 | grep -E "^\{" | cut -c1-400

@@ -2,7 +2,11 @@
 length is new), on one H200: the masked SDPA call against the split cuDNN calls (`ops/cuda/sdpa.py`), wall time
 of the first call at a shape vs a repeat at the same shape.
 
-    PYTHONPATH=. python benchmarks/sdpa_first_call_h200.py --out benchmarks/results
+    PYTHONPATH=. python benchmarks/sdpa_first_call_h200.py --out benchmarks/results [--layout bhsd|bshd]
+    TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 PYTHONPATH=. python benchmarks/sdpa_first_call_h200.py --layout bshd ...
+
+--layout: keys / values as views of head-major [H, S, d] tensors (what the model builds by default) or of [S, H, d]
+ones (PyTorch's avoid-recompile path takes only that layout). The JSON is named by layout and that variable.
 """
 
 from __future__ import annotations
@@ -40,10 +44,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--shapes", default="800:50000,813:50813,1300:52113,1311:53424,4:53428,8192:40960,7344:49152")
+    ap.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    kbig = torch.randn(1, H, 70000, DQK, device="cuda", generator=g).bfloat16()
-    vbig = torch.randn(1, H, 70000, DV, device="cuda", generator=g).bfloat16()
+    if args.layout == "bhsd":
+        kbig = torch.randn(1, H, 70000, DQK, device="cuda", generator=g).bfloat16()
+        vbig = torch.randn(1, H, 70000, DV, device="cuda", generator=g).bfloat16()
+    else:  # [1, H, S, d] views of [1, S, H, d] storage
+        kbig = torch.randn(1, 70000, H, DQK, device="cuda", generator=g).bfloat16().transpose(1, 2)
+        vbig = torch.randn(1, 70000, H, DV, device="cuda", generator=g).bfloat16().transpose(1, 2)
     rows = []
     with torch.no_grad():
         for spec in args.shapes.split(","):
@@ -57,7 +66,9 @@ def main() -> None:
                 row[f"{name}_repeat_ms"] = statistics.median(wall_ms(fn) for _ in range(3))
             print(row, flush=True)
             rows.append(row)
-    write_result(os.path.join(args.out, "sdpa_first_call_h200.json"), {"rows": rows})
+    avoid = os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "0")
+    write_result(os.path.join(args.out, f"sdpa_first_call_h200_{args.layout}_avoid{avoid}.json"), {"rows": rows},
+                 layout=args.layout, avoid_recompile=avoid)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ history part and its own causal square, merged by log-sum-exp.
 * GPU: `attention_expanded` with the split forced (SPLIT_MIN_WORK 0) and not, bf16, on a batch of a fresh
   prompt, a short tail on a short history and a long chunk on a long history, with keys / values head-major
   views (what the model passes) and plain [S, H, D]: within bf16 tolerance of the float32 reference.
-* GPU: the MLA layer's head-major expansion (`_expand_head_major`) gives the same bf16 keys / values as the kv_b
-  GEMM followed by the cat (the CPU path's construction).
+* CPU (fp32) and GPU (bf16): the MLA layer's per-head expansion (`_expand_per_head`, head-major and [S, H, d]
+  layouts) gives the keys / values of the kv_b GEMM followed by the cat (the CPU path's construction), k_pe
+  exactly, and is rebuilt after an in-place weight write.
 """
 
 from __future__ import annotations
@@ -122,25 +123,41 @@ def test_attention_expanded_gpu(monkeypatch, force: bool, head_major: bool) -> N
         assert rel_err(got[rows].float(), want[rows]) < 1e-2, batch[n]
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_mla_head_major_expansion_equals_cat_gpu() -> None:
+def _mla_layer(dtype: torch.dtype, device: str):
     from tokenspeed.models import KimiForCausalLM, parse_hf_config, preset_hf_config
     from tokenspeed.models.weights import init_dummy_weights
 
-    model = KimiForCausalLM(parse_hf_config(preset_hf_config("tiny-kimi-linear")), dtype=torch.bfloat16,
-                            device="cuda").eval()
+    model = KimiForCausalLM(parse_hf_config(preset_hf_config("tiny-kimi-linear")), dtype=dtype, device=device).eval()
     init_dummy_weights(model, seed=2)
-    attn = model.model.layers[model.config.mla_layers[0]].self_attn
-    r = attn.kv_lora_rank
-    latent = torch.randn(333, r + attn.rope, device="cuda").bfloat16()
-    k, v = attn._expand_head_major(latent)
-    kv = torch.nn.functional.linear(latent[:, :r], attn.kv_b_proj.weight).view(-1, attn.num_heads,
-                                                                              attn.nope + attn.v_dim)
-    k_pe = latent[:, None, r:].expand(-1, attn.num_heads, -1)
-    assert torch.equal(k[..., attn.nope:], k_pe)  # copied exactly through the identity block
-    assert rel_err(k[..., : attn.nope].float(), kv[..., : attn.nope].float()) < 1e-2
-    assert rel_err(v.float(), kv[..., attn.nope:].float()) < 1e-2
+    return model.model.layers[model.config.mla_layers[0]].self_attn
+
+
+def _check_expansion(attn, latent: torch.Tensor, layout: str, tol: float) -> None:
+    """`_expand_per_head` in `layout` against the kv_b GEMM + cat; k_pe copied exactly; rebuilt after a reload."""
+    r, h = attn.kv_lora_rank, attn.num_heads
+    k, v = attn._expand_per_head(latent, layout)
+    assert k.shape == (latent.shape[0], h, attn.nope + attn.rope) and v.shape == (latent.shape[0], h, attn.v_dim)
+    kv = torch.nn.functional.linear(latent[:, :r], attn.kv_b_proj.weight).view(-1, h, attn.nope + attn.v_dim)
+    assert torch.equal(k[..., attn.nope:], latent[:, None, r:].expand(-1, h, -1))  # through the identity block
+    assert rel_err(k[..., : attn.nope].float(), kv[..., : attn.nope].float()) < tol
+    assert rel_err(v.float(), kv[..., attn.nope:].float()) < tol
     with torch.no_grad():
-        attn.kv_b_proj.weight.mul_(2)  # an in-place reload rebuilds the head-major weights
-    assert rel_err(attn._expand_head_major(latent)[1].float(), 2 * v.float()) < 1e-2
+        attn.kv_b_proj.weight.mul_(2)  # an in-place reload rebuilds the per-head weights
+    assert rel_err(attn._expand_per_head(latent, layout)[1].float(), 2 * v.float()) < tol
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_mla_per_head_expansion_equals_cat(layout: str) -> None:
+    attn = _mla_layer(torch.float32, "cpu")
+    latent = torch.randn(57, attn.kv_lora_rank + attn.rope, generator=torch.Generator().manual_seed(4))
+    _check_expansion(attn, latent, layout, 1e-5)
+    with pytest.raises(ValueError, match="bhsd or bshd"):
+        attn._expand_per_head(latent, "hsbd")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_mla_per_head_expansion_equals_cat_gpu(layout: str) -> None:
+    attn = _mla_layer(torch.bfloat16, "cuda")
+    _check_expansion(attn, torch.randn(333, attn.kv_lora_rank + attn.rope, device="cuda").bfloat16(), layout, 1e-2)

@@ -62,6 +62,10 @@ FUSED_MIN_SEQS = 4
 # time to first token of 1.6-2.1 s against 0.7 s before this fusion; its combine + W_UV re-reads every split's
 # partials for each 16-token tile, which grows with the history. Not proven the cause; kept off until timed.
 FUSED_RAGGED = False
+# Memory layout of the per-head keys / values the expanded form builds on CUDA (`_expand_per_head`): "bhsd" (timed on
+# the H200: 1.53 vs 2.30 ms for the kv_b GEMM + cat at 64K rows) or "bshd"; the variable overrides it per call.
+EXPAND_LAYOUT = "bhsd"
+EXPAND_LAYOUT_ENV = "TOKENSPEED_MLA_EXPAND_LAYOUT"
 
 
 def fused_decode_enabled(num_seqs: int | None = None) -> bool:
@@ -302,7 +306,7 @@ class MLAAttention(nn.Module):
         kv_lens = [batch.kv_lens_host[n] for n in subset]
         latent = ops.mla_gather_latent(latent_cache, page_table, kv_lens, cdt, kv_scale)
         if q.is_cuda:
-            k, v = self._expand_head_major(latent)
+            k, v = self._expand_per_head(latent)
         else:
             kv = nn.functional.linear(latent[:, : self.kv_lora_rank], self.kv_b_proj.weight.to(cdt))
             kv = kv.view(-1, self.num_heads, self.nope + self.v_dim)
@@ -312,12 +316,24 @@ class MLAAttention(nn.Module):
             q.to(cdt), k, v, _cumsum([batch.query_lens_host[n] for n in subset]), _cumsum(kv_lens), self.scale,
         ).to(q.dtype)
 
-    def _expand_head_major(self, latent: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-head keys [S, H, nope + rope] and values [S, H, v] from latent rows [S, r + rope], each a view of a
-        contiguous head-major [H, S, d] tensor (what SDPA reads without a copy). Keys come from one batched GEMM
-        over the whole 576-wide row with [W_UK[h] 0 ; 0 I] per head, so k_pe is copied exactly (no cat); the
-        same bits as the kv_b GEMM followed by the cat on an H200 (`benchmarks/mla_expanded_h200.py`)."""
+    def _expand_per_head(self, latent: Tensor, layout: str | None = None) -> tuple[Tensor, Tensor]:
+        """Per-head keys [S, H, nope + rope] and values [S, H, v] from latent rows [S, r + rope], without a cat:
+        keys come from the whole 576-wide row times [W_UK[h] 0 ; 0 I] per head, so k_pe is copied exactly (the
+        same bf16 bits as the kv_b GEMM followed by the cat on an H200, `benchmarks/mla_expanded_h200.py`).
+
+        layout (default EXPAND_LAYOUT, or the TOKENSPEED_MLA_EXPAND_LAYOUT variable): "bhsd", views of contiguous
+        head-major [H, S, d] tensors from one batched GEMM each (SDPA's [1, H, S, d] view of them is contiguous;
+        the layout timed on the H200); "bshd", contiguous [S, H, d] from one plain GEMM each (the layout PyTorch's
+        TORCH_CUDNN_SDPA_AVOID_RECOMPILE path serves without a cuDNN plan per sequence length; not yet timed)."""
+        layout = layout or os.environ.get(EXPAND_LAYOUT_ENV, "").strip() or EXPAND_LAYOUT
         w_k, w_v = self._head_major_weights(latent.dtype)
+        h = self.num_heads
+        if layout == "bshd":
+            k = nn.functional.linear(latent, w_k.reshape(-1, w_k.shape[-1])).view(-1, h, w_k.shape[1])
+            v = nn.functional.linear(latent[:, : self.kv_lora_rank], w_v.reshape(-1, w_v.shape[-1]))
+            return k, v.view(-1, h, w_v.shape[1])
+        if layout != "bhsd":
+            raise ValueError(f"{EXPAND_LAYOUT_ENV} must be bhsd or bshd; got {layout!r}")
         k = torch.matmul(latent.unsqueeze(0), w_k.transpose(1, 2))
         v = torch.matmul(latent[:, : self.kv_lora_rank].unsqueeze(0), w_v.transpose(1, 2))
         return k.transpose(0, 1), v.transpose(0, 1)
