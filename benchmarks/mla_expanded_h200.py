@@ -7,7 +7,8 @@ of S cached latent rows plus themselves (bottom-right causal). Two stages are ti
 events, medians after warm-up):
 - expansion of the latent rows into per-head keys / values: `cat` (today: kv_b GEMM, then K = cat(k_nope, k_pe
   broadcast over heads)) against `headmajor` (one batched GEMM per K and V straight into [H, S, d], k_pe copied
-  through an identity block of the key weight: bit-exact);
+  through an identity block of the key weight: bit-exact) and `bshd` (the same weights, one plain GEMM each into
+  [S, H, d]; timed with the split attention as `split_cudnn_bshd`);
 - attention: `masked` (one SDPA call with an explicit [L, S] boolean mask, today) against `split_*` (the history
   without a mask and the tail's square with is_causal, merged by their log-sum-exps; cuDNN or the memory-efficient
   kernel) and `lower_right` (SDPA with torch's lower-right causal bias).
@@ -51,6 +52,13 @@ def expand_headmajor(latent: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -
     k = torch.matmul(latent.unsqueeze(0), wk.transpose(1, 2))
     v = torch.matmul(latent[:, :R].unsqueeze(0), wv.transpose(1, 2))
     return k, v
+
+
+def expand_bshd(latent: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same keys / values stored [S, H, d] (one plain GEMM each), returned as [H, S, d] views."""
+    k = F.linear(latent, wk.reshape(-1, wk.shape[-1])).view(-1, H, NOPE + ROPE)
+    v = F.linear(latent[:, :R], wv.reshape(-1, wv.shape[-1])).view(-1, H, V)
+    return k.transpose(0, 1), v.transpose(0, 1)
 
 
 def attn_masked(q, k, v, scale):
@@ -151,6 +159,12 @@ def case(L: int, hist: int, check_ref: bool) -> dict:
             row[f"{name}_total_ms"] = events_ms(lambda fn=fn: fn(q, *expand_headmajor(latent, wk, wv), scale))
         except (RuntimeError, TypeError, NotImplementedError) as e:  # a backend this build lacks: say so, go on
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    k_sh, v_sh = expand_bshd(latent, wk, wv)  # [S, H, d] storage: the layout of the avoid-recompile path
+    split = ATTN["split_cudnn"]
+    row["expand_bshd_ms"] = events_ms(lambda: expand_bshd(latent, wk, wv))
+    row["split_cudnn_bshd_rel_err_vs_masked"] = rel(split(q, k_sh, v_sh, scale), base)
+    row["split_cudnn_bshd_ms"] = events_ms(lambda: split(q, k_sh, v_sh, scale))
+    row["split_cudnn_bshd_total_ms"] = events_ms(lambda: split(q, *expand_bshd(latent, wk, wv), scale))
     print(row, flush=True)
     return row
 
