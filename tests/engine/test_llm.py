@@ -57,8 +57,8 @@ def test_chunk_sizes(solo, chunk: int) -> None:
 
 @pytest.mark.parametrize("num_drafts", [0, 3])
 def test_start_up_warm_up_touches_no_request_state(solo, num_drafts: int) -> None:
-    """The GPU start-up warm-up (prefill forwards, then mixed decode + tail steps on a cached history, all on the
-    scratch page and slot 0, run here on the CPU; with speculation the same steps again as verifications with their
+    """The GPU start-up warm-up (prefill forwards, then mixed decode + tail steps on a cached history, and a tail on
+    a long history, all on the scratch page and slot 0, run here on the CPU; with speculation the same steps again as verifications with their
     replay) writes only the scratch page (the one past the pool) and KDA slot 0, leaves no recorded verification
     behind, and changes no request's tokens."""
     model, prompts, params, expected = solo
@@ -69,7 +69,7 @@ def test_start_up_warm_up_touches_no_request_state(solo, num_drafts: int) -> Non
     for pool in buffers.kda_conv + buffers.kda_recurrent:
         pool[1:].normal_()
     before = [t.clone() for t in buffers.mla_latent + buffers.kda_conv + buffers.kda_recurrent]
-    llm.engine.runner.warm_up([70, 9, 1], [(1, 5), (1, 1, 1, 12)], num_drafts=num_drafts)
+    llm.engine.runner.warm_up([70, 9, 1], [(1, 5), (1, 1, 1, 12)], num_drafts=num_drafts, long_tails=[(20, 91)])
     assert not buffers.replay
     for old, new in zip(before[: len(buffers.mla_latent)], buffers.mla_latent, strict=True):
         assert torch.equal(old[:scratch], new[:scratch]) and not torch.equal(old[scratch], new[scratch])

@@ -44,6 +44,11 @@ logger = logging.getLogger(__name__)
 # two expanded-MLA tails whose key lengths are odd and 2 mod 4 (the first such torch SDPA call of a process took
 # over a second on an H200: benchmarks/results/compile_stalls_h200_5450477_profiled.json).
 WARM_UP_MIXED = ((1, 40), (1, 1, 1, 40), (1, 1, 300), (1, 1, 1, 600), (1, 301, 302))
+# Tails the warm-up also runs on a long history, each on the shortest (odd) history that takes MLA's split attention
+# (`ops/cuda/sdpa.py`, SPLIT_MIN_WORK): new-token counts that are and are not multiples of 128. Without them the first
+# such calls of a process compiled cuDNN kernels mid-serve: steps of 1.8 and 1.0 s in the first full-scale swe-smith
+# run (benchmarks/results/swe_smith_cuda_48b_server_scale1_049266f.log).
+WARM_UP_LONG_TAILS = (512, 300)
 # A step taking longer than this many seconds is logged at WARNING with its shape (new tokens per sequence), so a
 # stall in serving (a kernel compiled mid-request, an allocator retry) can be traced to the batch that caused it.
 SLOW_STEP_ENV = "TOKENSPEED_SLOW_STEP_S"
@@ -101,12 +106,14 @@ class EngineCore:
         lengths = sorted(lengths, reverse=True)
         max_seqs = self.config.scheduler.max_num_seqs
         mixed = [q for q in WARM_UP_MIXED if len(q) <= max_seqs and sum(q) <= chunk]
+        long = [(t, h) for t, h in ((t, split_history(t)) for t in WARM_UP_LONG_TAILS)
+                if t <= chunk and t + h <= self.max_model_len]
         logger.info("warming up kernels (on a machine without a Triton cache this compiles every kernel: about "
                     "2-3 minutes on an H200; later starts reuse the on-disk cache)")
         self.runner.warm_up([n for n in lengths if n <= self.max_model_len], mixed,
-                            num_drafts=self.config.spec.num_draft_tokens)
-        logger.info("warmed up prefill kernels for %s-token prompts and mixed steps %s in %.1f s", lengths, mixed,
-                    time.perf_counter() - start)
+                            num_drafts=self.config.spec.num_draft_tokens, long_tails=long)
+        logger.info("warmed up prefill kernels for %s-token prompts, mixed steps %s and (tail, history) %s in %.1f s",
+                    lengths, mixed, long, time.perf_counter() - start)
 
     def _use_cuda_graphs(self) -> bool:
         """Graphs need a CUDA device and the Triton ops (the references synchronise). With EAGLE3 the target's
@@ -390,6 +397,13 @@ class _InFlight:
     batch: ScheduledBatch
     launched: LaunchedStep
     computed: list[int]  # each request's num_computed_tokens right after this step (what `commit` publishes)
+
+
+def split_history(tail: int) -> int:
+    """The shortest odd history on which a `tail`-token chunk takes MLA's split attention (SPLIT_MIN_WORK)."""
+    from tokenspeed.ops.cuda.sdpa import SPLIT_MIN_WORK
+
+    return -(-SPLIT_MIN_WORK // tail) | 1
 
 
 def _shape(batch: ScheduledBatch) -> str:

@@ -97,7 +97,8 @@ class ModelRunner:
                 continue
             self.graphs[q] = graphs
 
-    def warm_up(self, lengths: list[int], mixed: Sequence[Sequence[int]] = (), num_drafts: int = 0) -> None:
+    def warm_up(self, lengths: list[int], mixed: Sequence[Sequence[int]] = (), num_drafts: int = 0,
+                long_tails: Sequence[tuple[int, int]] = ()) -> None:
         """One eager prefill forward per length in `lengths` (one sequence of that many tokens), then one eager
         forward per entry of `mixed` (several sequences with a cached history, taking those many new tokens each:
         the mixed decode + tail steps of serving, whose ragged kernel variants differ from a lone prompt's), so the
@@ -106,7 +107,9 @@ class ModelRunner:
         writes only the scratch page (every page of its table) and KDA slot 0, whose state every sequence that
         takes it later zeroes or restores first (the values the warm-up leaves there are never read). With
         `num_drafts` (speculation), each mixed step runs again as a verification, its one-token rows as windows of
-        1 + num_drafts tokens, followed by the KDA state replay (the eager verify kernels)."""
+        1 + num_drafts tokens, followed by the KDA state replay (the eager verify kernels). Each (tail, history) of
+        `long_tails` runs one sequence taking `tail` new tokens on a `history`-token history (the scratch page
+        throughout): the kernel classes of a turn on a long history (MLA's split attention, `docs/gpu.md`)."""
         page_size = self.buffers.page_size
         for n in lengths:
             pages = [self.num_pages] * (-(-n // page_size))
@@ -117,14 +120,17 @@ class ModelRunner:
             if num_drafts:
                 self._warm_up_mixed([1 + num_drafts if q == 1 else q for q in qlens],
                                     [i for i, q in enumerate(qlens) if q != 1])
+        for tail, history in long_tails:
+            self._warm_up_mixed([tail], [], history)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _warm_up_mixed(self, qlens: list[int], prompt_rows: list[int]) -> None:
-        """One eager forward of sequences with a cached history taking qlens[n] new tokens each (scratch page, KDA
-        slot 0); a verification with its replay when `prompt_rows` (the rows without drafts) is not every row."""
+    def _warm_up_mixed(self, qlens: list[int], prompt_rows: list[int], history: int | None = None) -> None:
+        """One eager forward of sequences with a cached history (default 4 pages) taking qlens[n] new tokens each
+        (scratch page, KDA slot 0); a verification with its replay when `prompt_rows` (the rows without drafts) is
+        not every row."""
         page_size = self.buffers.page_size
-        history = 4 * page_size
+        history = 4 * page_size if history is None else history
         verify = len(prompt_rows) < len(qlens)
         pages = [[self.num_pages] * (-(-(history + q) // page_size)) for q in qlens]
         forward = ForwardBatch.build([[0] * q for q in qlens], [history] * len(qlens), pages, [0] * len(qlens),
