@@ -45,9 +45,9 @@ logger = logging.getLogger(__name__)
 # over a second on an H200: benchmarks/results/compile_stalls_h200_5450477_profiled.json).
 WARM_UP_MIXED = ((1, 40), (1, 1, 1, 40), (1, 1, 300), (1, 1, 1, 600), (1, 301, 302))
 # Tails the warm-up also runs on a long history, each on the shortest (odd) history that takes MLA's split attention
-# (`ops/cuda/sdpa.py`, SPLIT_MIN_WORK): new-token counts that are and are not multiples of 128. Without them the first
-# such calls of a process compiled cuDNN kernels mid-serve: steps of 1.8 and 1.0 s in the first full-scale swe-smith
-# run (benchmarks/results/swe_smith_cuda_48b_server_scale1_049266f.log).
+# (`ops/cuda/sdpa.py`, SPLIT_MIN_WORK): new-token counts that are and are not multiples of 128. Without them, the
+# first full-scale swe-smith run had steps of 1.8 and 1.0 s at its first chunks on a history, most likely cuDNN
+# building the split's kernels (benchmarks/results/swe_smith_cuda_48b_server_scale1_049266f.log; not yet re-run).
 WARM_UP_LONG_TAILS = (512, 300)
 # A step taking longer than this many seconds is logged at WARNING with its shape (new tokens per sequence), so a
 # stall in serving (a kernel compiled mid-request, an allocator retry) can be traced to the batch that caused it.
