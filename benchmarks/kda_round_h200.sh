@@ -49,7 +49,7 @@
 #   sdpatest  tests/ops/test_cuda_sdpa.py and the MLA decode GPU tests
 #   sdpafirst sdpa_first_call_h200.py (cuDNN plan build per new shape)
 #   alignab   moe_align_h200.py (torch sort vs multi-program alignment) and the MoE GPU tests
-#   next: "sdpafirst alignab mlaexp nocompile tailprof"
+#   next: "sdpafirst alignab mlaexp", then "nocompile tailprof" (each under 10 minutes)
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "
