@@ -123,11 +123,11 @@ def test_attention_expanded_gpu(monkeypatch, force: bool, head_major: bool) -> N
         assert rel_err(got[rows].float(), want[rows]) < 1e-2, batch[n]
 
 
-def _mla_layer(dtype: torch.dtype, device: str):
+def _mla_layer(dtype: torch.dtype, device: str, preset: str = "tiny-kimi-linear"):
     from tokenspeed.models import KimiForCausalLM, parse_hf_config, preset_hf_config
     from tokenspeed.models.weights import init_dummy_weights
 
-    model = KimiForCausalLM(parse_hf_config(preset_hf_config("tiny-kimi-linear")), dtype=dtype, device=device).eval()
+    model = KimiForCausalLM(parse_hf_config(preset_hf_config(preset)), dtype=dtype, device=device).eval()
     init_dummy_weights(model, seed=2)
     return model.model.layers[model.config.mla_layers[0]].self_attn
 
@@ -146,9 +146,10 @@ def _check_expansion(attn, latent: torch.Tensor, layout: str, tol: float) -> Non
     assert rel_err(attn._expand_per_head(latent, layout)[1].float(), 2 * v.float()) < tol
 
 
+@pytest.mark.parametrize("preset", ["tiny-kimi-linear", "tiny-k3"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_mla_per_head_expansion_equals_cat(layout: str) -> None:
-    attn = _mla_layer(torch.float32, "cpu")
+def test_mla_per_head_expansion_equals_cat(layout: str, preset: str) -> None:
+    attn = _mla_layer(torch.float32, "cpu", preset)
     latent = torch.randn(57, attn.kv_lora_rank + attn.rope, generator=torch.Generator().manual_seed(4))
     _check_expansion(attn, latent, layout, 1e-5)
     with pytest.raises(ValueError, match="bhsd or bshd"):
