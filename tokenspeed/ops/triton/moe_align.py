@@ -11,7 +11,8 @@ Decode-sized calls (P <= 4096 pairs, E <= 2046) build the same layout in one sin
 the dozen small torch kernels of the sort path, which cost more than the weight streaming at batch 1. Larger calls
 (prefill chunks, E <= 2046) take `align_pairs_multi`: the same ranks over 1024-pair counting programs, one program's
 prefix over programs and buckets, then the scatter (three launches, no host work between them; the torch path's
-sort and its ~15 launches took 0.4-0.8 ms of host time per MoE layer in an H200 profile of a 1300-token step).
+sort and its ~15 launches took 0.77 ms of host time per MoE layer under cProfile, in an H200 profile of a
+1300-token step: `benchmarks/results/step_profile_tail64k_beside15_049266f.json`).
 
 PDL (`tokenspeed.ops.triton.pdl`): on Hopper the fused alignment launches as a programmatic dependent and waits
 first thing: its ids come from the launch right before it (the router), and its first act is a write.
@@ -64,6 +65,43 @@ FUSED_ALIGN_MAX_PAIRS = 4096
 FUSED_ALIGN_MAX_BINS = 2048
 
 
+@triton.jit
+def _buckets(Ids, o, m, E):
+    """Bucket of each pair o (masked lanes: m False): its expert id if in [0, E), else E (invalid ids)."""
+    ids = tl.load(Ids + o, mask=m, other=-1)
+    return tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+
+
+@triton.jit
+def _rank_chunk(Ids, Rank, Work, start, P, E, running, CHUNK: tl.constexpr, EB: tl.constexpr):
+    """Stable in-bucket ranks of pairs start..start + CHUNK - 1 (one program): Rank[p] = running[bucket] (the pairs
+    of earlier chunks) + the earlier pairs of this chunk in the same bucket, through the program's Work [EB]
+    scratch. Returns running plus this chunk's bucket counts; masked lanes count in bin EB - 1 (> E)."""
+    ci = tl.arange(0, CHUNK)
+    o = start + ci
+    m = o < P
+    b = tl.where(m, _buckets(Ids, o, m, E), EB - 1)
+    earlier_same = (b[:, None] == b[None, :]) & (ci[None, :] < ci[:, None])
+    bins = tl.arange(0, EB)
+    tl.store(Work + bins, running)
+    tl.debug_barrier()
+    base = tl.load(Work + b, cache_modifier=".cg")  # written by other threads of this program
+    tl.debug_barrier()
+    tl.store(Rank + o, base + tl.sum(earlier_same.to(tl.int32), axis=1), mask=m)
+    return running + tl.histogram(b, EB)
+
+
+@triton.jit
+def _store_block_expert(BlockExpert, blk_end, E, max_blocks, EB: tl.constexpr, MB_CHUNK: tl.constexpr):
+    """BlockExpert[i] = the bucket owning block i (its blocks end at blk_end [EB]), -1 past the last bucket."""
+    bins = tl.arange(0, EB)
+    end_real = tl.where(bins <= E, blk_end, 2**30)  # block i belongs to bucket #{b <= E : blk_end[b] <= i}
+    for start in range(0, max_blocks, MB_CHUNK):
+        i = start + tl.arange(0, MB_CHUNK)
+        owner = tl.sum((end_real[None, :] <= i[:, None]).to(tl.int32), axis=1)
+        tl.store(BlockExpert + i, tl.where(owner <= E, owner, -1), mask=i < max_blocks)
+
+
 @triton.jit(do_not_specialize=["P", "n_rows", "max_blocks"])  # per-step counts: no recompile per value
 def _align_kernel(
     Ids, SortedPair, BlockExpert, Rank, Work,
@@ -88,18 +126,7 @@ def _align_kernel(
     bins = tl.arange(0, EB)
     running = tl.zeros([EB], dtype=tl.int32)
     for start in range(0, P, CHUNK):
-        o = start + ci
-        m = o < P
-        ids = tl.load(Ids + o, mask=m, other=-1)
-        b = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
-        b = tl.where(m, b, EB - 1)
-        earlier_same = (b[:, None] == b[None, :]) & (ci[None, :] < ci[:, None])
-        tl.store(Work + bins, running)
-        tl.debug_barrier()
-        base = tl.load(Work + b, cache_modifier=".cg")  # written by other threads of this program
-        tl.debug_barrier()
-        tl.store(Rank + o, base + tl.sum(earlier_same.to(tl.int32), axis=1), mask=m)
-        running += tl.histogram(b, EB)
+        running = _rank_chunk(Ids, Rank, Work, start, P, E, running, CHUNK, EB)
     blocks = tl.where(bins <= E, (running + BLOCK_M - 1) // BLOCK_M, 0)
     blk_end = tl.cumsum(blocks, 0)
     tl.store(Work + bins, blk_end - blocks)
@@ -107,16 +134,11 @@ def _align_kernel(
     for start in range(0, P, CHUNK):
         o = start + ci
         m = o < P
-        ids = tl.load(Ids + o, mask=m, other=-1)
-        b = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+        b = _buckets(Ids, o, m, E)
         dest = (tl.load(Work + b, mask=m, other=0, cache_modifier=".cg") * BLOCK_M
                 + tl.load(Rank + o, mask=m, other=0, cache_modifier=".cg"))
         tl.store(SortedPair + dest, o.to(tl.int32), mask=m)
-    end_real = tl.where(bins <= E, blk_end, 2**30)  # block i belongs to bucket #{b <= E : blk_end[b] <= i}
-    for start in range(0, max_blocks, MB_CHUNK):
-        i = start + tl.arange(0, MB_CHUNK)
-        owner = tl.sum((end_real[None, :] <= i[:, None]).to(tl.int32), axis=1)
-        tl.store(BlockExpert + i, tl.where(owner <= E, owner, -1), mask=i < max_blocks)
+    _store_block_expert(BlockExpert, blk_end, E, max_blocks, EB, MB_CHUNK)
 
 
 def align_pairs_fused(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
@@ -169,23 +191,11 @@ def _align_count_kernel(
     for start in range(0, rows_per_prog, CHUNK):
         o = g * rows_per_prog + start + ci
         tl.store(SortedPair + o, tl.zeros([CHUNK], dtype=tl.int32) + P, mask=(o < n_rows) & (start + ci < rows_per_prog))
-    bins = tl.arange(0, EB)
     work = Counts + g * EB
     running = tl.zeros([EB], dtype=tl.int32)
     for start in range(0, SPAN, CHUNK):
-        o = g * SPAN + start + ci
-        m = o < P
-        ids = tl.load(Ids + o, mask=m, other=-1)
-        b = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
-        b = tl.where(m, b, EB - 1)
-        earlier_same = (b[:, None] == b[None, :]) & (ci[None, :] < ci[:, None])
-        tl.store(work + bins, running)
-        tl.debug_barrier()
-        base = tl.load(work + b, cache_modifier=".cg")  # written by other threads of this program
-        tl.debug_barrier()
-        tl.store(Rank + o, base + tl.sum(earlier_same.to(tl.int32), axis=1), mask=m)
-        running += tl.histogram(b, EB)
-    tl.store(work + bins, running)
+        running = _rank_chunk(Ids, Rank, work, g * SPAN + start, P, E, running, CHUNK, EB)
+    tl.store(work + tl.arange(0, EB), running)
 
 
 @triton.jit(do_not_specialize=["num_progs", "max_blocks"])
@@ -212,11 +222,7 @@ def _align_scan_kernel(
     blocks = tl.where(bins <= E, (total + BLOCK_M - 1) // BLOCK_M, 0)
     blk_end = tl.cumsum(blocks, 0)
     tl.store(BlkStart + bins, blk_end - blocks)
-    end_real = tl.where(bins <= E, blk_end, 2**30)  # block i belongs to bucket #{b <= E : blk_end[b] <= i}
-    for start in range(0, max_blocks, MB_CHUNK):
-        i = start + tl.arange(0, MB_CHUNK)
-        owner = tl.sum((end_real[None, :] <= i[:, None]).to(tl.int32), axis=1)
-        tl.store(BlockExpert + i, tl.where(owner <= E, owner, -1), mask=i < max_blocks)
+    _store_block_expert(BlockExpert, blk_end, E, max_blocks, EB, MB_CHUNK)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -239,8 +245,7 @@ def _align_scatter_kernel(
     for start in range(0, SPAN, CHUNK):
         o = g * SPAN + start + ci
         m = o < P
-        ids = tl.load(Ids + o, mask=m, other=-1)
-        b = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+        b = _buckets(Ids, o, m, E)
         dest = (tl.load(BlkStart + b, mask=m, other=0) * BLOCK_M + tl.load(Counts + g * EB + b, mask=m, other=0)
                 + tl.load(Rank + o, mask=m, other=0))
         tl.store(SortedPair + dest, o.to(tl.int32), mask=m)
