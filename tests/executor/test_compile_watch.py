@@ -1,6 +1,7 @@
 """`tokenspeed.executor.compile_watch`: a Triton compile after start-up is logged with the kernel's specialised
 signature, its constexprs by argument name and the tokenspeed call site; the hook lets the compile go ahead
-(returns None) and defers to a hook installed before it; installing it through Triton's knob chains that hook."""
+(returns None) and defers to a hook installed before it; installing it through Triton's knob chains that hook,
+once however many times it is asked."""
 
 from __future__ import annotations
 
@@ -33,10 +34,13 @@ def test_hook_chains_the_previous_one() -> None:
     assert _fire(hook) == "skip" and seen == ["_demo_kernel[num_warps=4](X: *bf16, n: i32)"]
 
 
-def test_watch_installs_through_tritons_knob(monkeypatch) -> None:
+def test_watch_installs_through_tritons_knob(monkeypatch, caplog) -> None:
     knobs = pytest.importorskip("triton.knobs")
     seen = []
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: seen.append(1))
     assert compile_watch.watch_late_compiles()
-    _fire(knobs.runtime.jit_cache_hook)
+    assert compile_watch.watch_late_compiles()  # a second engine: installed once, so one warning per compile
+    with caplog.at_level(logging.WARNING, logger=compile_watch.__name__):
+        _fire(knobs.runtime.jit_cache_hook)
     assert seen == [1]
+    assert sum("compiled after start-up" in r.getMessage() for r in caplog.records) == 1

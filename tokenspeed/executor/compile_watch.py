@@ -53,12 +53,13 @@ def late_compile_hook(previous: Callable[..., object] | None = None) -> Callable
                             already_compiled=already_compiled)
         return None
 
+    hook.late_compile_watch = True  # marks ours, so a second engine in the process does not install it again
     return hook
 
 
 def watch_late_compiles() -> bool:
-    """Install `late_compile_hook` as Triton's JIT cache hook (chaining any hook already set). False where the
-    installed Triton has no such knob."""
+    """Install `late_compile_hook` as Triton's JIT cache hook (chaining any hook already set; once per process,
+    however many engines start). False where the installed Triton has no such knob."""
     try:
         from triton import knobs
     except ImportError:
@@ -66,5 +67,6 @@ def watch_late_compiles() -> bool:
     runtime = getattr(knobs, "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_cache_hook"):
         return False
-    runtime.jit_cache_hook = late_compile_hook(runtime.jit_cache_hook)
+    if not getattr(runtime.jit_cache_hook, "late_compile_watch", False):
+        runtime.jit_cache_hook = late_compile_hook(runtime.jit_cache_hook)
     return True
