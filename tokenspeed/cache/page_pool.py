@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 class PagePool:
@@ -51,14 +51,11 @@ class PagePool:
 
     def ref(self, page: int) -> None:
         """Take a reference on a referenced or cached page (a prefix hit)."""
-        if self.refcount[page] == 0:
-            if page not in self.evictable:
-                raise AssertionError(f"page {page} is free; only cached pages can be shared")
-            del self.evictable[page]
-        self.refcount[page] += 1
+        self.ref_all((page,))
 
-    def ref_all(self, pages: list[int]) -> None:
-        """`ref` of each page in order (a prefix hit of many pages)."""
+    def ref_all(self, pages: Sequence[int]) -> None:
+        """Take a reference on each page in order (a prefix hit of many pages): each must be referenced or cached;
+        a cached page stops being evictable."""
         refcount, evictable = self.refcount, self.evictable
         for page in pages:
             if refcount[page] == 0:
