@@ -47,7 +47,8 @@
 #           a 1300-token tail alone (the swe-smith mixed step): kernel table, host syncs, cProfile
 #   mlaexp    mla_expanded_h200.py: expansion (cat vs head-major GEMM) and attention (masked SDPA vs split + LSE merge)
 #   sdpatest  tests/ops/test_cuda_sdpa.py and the MLA decode GPU tests
-#   sdpafirst sdpa_first_call_h200.py (cuDNN plan build per new shape)
+#   sdpafirst sdpa_first_call_h200.py (cuDNN plan build per new shape): bucketed plans (warmed and not) vs exact
+#   memcheck  sdpa_row_slack_check.py under compute-sanitizer: reads past the last row with and without ROW_SLACK
 #   alignab   moe_align_h200.py (torch sort vs multi-program alignment) and the MoE GPU tests
 #   next: "sdpafirst alignab mlaexp", then "nocompile tailprof" (each under 10 minutes)
 # Expects $OUT; at most 8 files come back from a device call.
@@ -154,12 +155,23 @@ if has sdpatest; then  # the split expanded attention and the per-head expansion
     tests/ops/test_triton_mla_decode.py tests/ops/test_triton_mla_gluon.py -k "gpu or cuda" -rfE --tb=short \
     2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
 fi
-if has sdpafirst; then  # cuDNN's first call at a new (query, key) shape against a repeat: masked vs split
-  for layout in bhsd bshd; do for avoid in 0 1; do
-    echo "== layout $layout TORCH_CUDNN_SDPA_AVOID_RECOMPILE=$avoid"
-    TORCH_CUDNN_SDPA_AVOID_RECOMPILE=$avoid timeout 100 python3 benchmarks/sdpa_first_call_h200.py --out "$OUT" \
-      --layout $layout 2>&1 | grep -E "^\{" | cut -c1-300
-  done; done
+if has sdpafirst; then  # cuDNN's first call at a new (query, key) shape against a repeat: bucketed vs exact plans
+  for cfg in "bshd:1:--warm" "bshd:1:" "bshd:0:" "bhsd:0:"; do
+    IFS=: read -r layout avoid warm <<< "$cfg"
+    echo "== layout $layout TORCH_CUDNN_SDPA_AVOID_RECOMPILE=$avoid $warm"
+    TORCH_CUDNN_SDPA_AVOID_RECOMPILE=$avoid timeout 150 python3 benchmarks/sdpa_first_call_h200.py --out "$OUT" \
+      --layout $layout $warm 2>&1 | grep -E "^\{|Error|error" | cut -c1-400
+  done
+fi
+if has memcheck; then  # do bucketed cuDNN calls read past a sequence's last row? (exact allocations vs ROW_SLACK)
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  if [ -z "$cs" ]; then cs=$(find / -name compute-sanitizer -type f 2>/dev/null | head -1); fi
+  if [ -z "$cs" ]; then echo "memcheck: no compute-sanitizer on this machine"; fi
+  for slack in 0 128; do
+    [ -n "$cs" ] && PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 "$cs" --tool memcheck python3 \
+      benchmarks/sdpa_row_slack_check.py --slack $slack 2>&1 | grep -E "^L |ERROR SUMMARY|Invalid|is out of bounds" \
+      | sort | uniq -c | head -12
+  done
 fi
 if has alignab; then  # the MoE alignment of prefill-sized calls: torch sort vs the multi-program kernels
   timeout 200 python3 benchmarks/moe_align_h200.py --out "$OUT" 2>&1 | grep -E "^\{" | cut -c1-400

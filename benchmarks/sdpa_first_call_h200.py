@@ -1,12 +1,15 @@
 """First-call cost of the expanded MLA attention at new shapes (what serving sees: every turn's tail and history
-length is new), on one H200: the masked SDPA call against the split cuDNN calls (`ops/cuda/sdpa.py`), wall time
-of the first call at a shape vs a repeat at the same shape.
+length is new), on one H200: the engine's path (`ops/cuda/sdpa.attention_expanded`, keys / values as the MLA layer
+builds them) and one masked SDPA call, wall time of the first call at a shape vs a repeat at the same shape, and
+the engine path's error against the masked call.
 
-    PYTHONPATH=. python benchmarks/sdpa_first_call_h200.py --out benchmarks/results [--layout bhsd|bshd]
-    TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 PYTHONPATH=. python benchmarks/sdpa_first_call_h200.py --layout bshd ...
+    PYTHONPATH=. python benchmarks/sdpa_first_call_h200.py --out benchmarks/results [--layout bshd|bhsd] [--warm]
+    TORCH_CUDNN_SDPA_AVOID_RECOMPILE=0 PYTHONPATH=. python benchmarks/sdpa_first_call_h200.py ...
 
---layout: keys / values as views of head-major [H, S, d] tensors (what the model builds by default) or of [S, H, d]
-ones (PyTorch's avoid-recompile path takes only that layout). The JSON is named by layout and that variable.
+--layout: keys / values [S, H, d] in memory (the MLA layer's default, in `sdpa.padded_rows`) or [S, H, d] views of
+head-major [H, S, d] tensors. --warm: `sdpa.warm_plans` first (chunks up to 8192 tokens, 72K keys), timed. The
+environment variable (read once per process by PyTorch; `ops/cuda/sdpa.py` sets it to 1 unless given) picks
+bucketed or exact-shape cuDNN plans; the JSON is named by layout, that variable and --warm.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from graph_timing import write_result
 from tokenspeed.ops.cuda import sdpa
 
 H, DQK, DV = 32, 192, 128
+ROWS = 75000
 
 
 def wall_ms(fn) -> float:
@@ -34,41 +38,67 @@ def wall_ms(fn) -> float:
 
 
 def masked(q, k, v, scale):
-    L, S = q.shape[2], k.shape[2]
+    """One SDPA call with the bottom-right causal mask: q [L, H, D], k / v [S, H, *] -> [L, H, Dv]."""
+    L, S = q.shape[0], k.shape[0]
     pos = torch.arange(L, device=q.device)[:, None] + (S - L)
     mask = torch.arange(S, device=q.device)[None, :] <= pos
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    qn, kn, vn = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return F.scaled_dot_product_attention(qn, kn, vn, attn_mask=mask, scale=scale).squeeze(0).transpose(0, 1)
+
+
+def time_shape(q, k, v, scale) -> dict:
+    """First and repeat wall ms of the engine path and the masked call on q [L, H, D] over k / v [S, H, *], and the
+    engine's error against the masked call."""
+    L, S = q.shape[0], k.shape[0]
+    calls = {"engine": lambda: sdpa.attention_expanded(q, k, v, [0, L], [0, S], scale),
+             "masked": lambda: masked(q, k, v, scale)}
+    row, out = {}, {}
+    for name, fn in calls.items():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out[name] = fn()
+        torch.cuda.synchronize()
+        row[f"{name}_first_ms"] = (time.perf_counter() - t0) * 1e3
+        row[f"{name}_repeat_ms"] = statistics.median(wall_ms(fn) for _ in range(3))
+    err = (out["engine"].float() - out["masked"].float()).abs().max() / out["masked"].float().abs().max()
+    row["engine_rel_err_vs_masked"] = err.item()
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--shapes", default="800:50000,813:50813,1300:52113,1311:53424,4:53428,8192:40960,7344:49152")
-    ap.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd")
+    ap.add_argument("--shapes", default="800:50000,813:50813,1300:52113,1311:53424,4:53428,8192:40960,7344:49152,"
+                                        "300:3796,2000:2000,2001:2001,517:517,640:70000")
+    ap.add_argument("--layout", choices=("bshd", "bhsd"), default="bshd")
+    ap.add_argument("--warm", action="store_true")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    if args.layout == "bhsd":
-        kbig = torch.randn(1, H, 70000, DQK, device="cuda", generator=g).bfloat16()
-        vbig = torch.randn(1, H, 70000, DV, device="cuda", generator=g).bfloat16()
-    else:  # [1, H, S, d] views of [1, S, H, d] storage
-        kbig = torch.randn(1, 70000, H, DQK, device="cuda", generator=g).bfloat16().transpose(1, 2)
-        vbig = torch.randn(1, 70000, H, DV, device="cuda", generator=g).bfloat16().transpose(1, 2)
+    if args.layout == "bshd":
+        k = sdpa.padded_rows(ROWS, H, DQK, dtype=torch.bfloat16, device="cuda").normal_(generator=g)
+        v = sdpa.padded_rows(ROWS, H, DV, dtype=torch.bfloat16, device="cuda").normal_(generator=g)
+    else:
+        k = torch.randn(H, ROWS, DQK, device="cuda", generator=g).bfloat16().transpose(0, 1)
+        v = torch.randn(H, ROWS, DV, device="cuda", generator=g).bfloat16().transpose(0, 1)
+    meta = {"bucketed": sdpa.bucketed_plans()}
+    if args.warm:
+        t0 = time.perf_counter()
+        meta["warm_calls"] = sdpa.warm_plans(H, DQK, DV, 8192, 72000, torch.bfloat16, "cuda")
+        torch.cuda.synchronize()
+        meta["warm_s"] = time.perf_counter() - t0
+        print(meta, flush=True)
     rows = []
+    scale = DQK ** -0.5
     with torch.no_grad():
         for spec in args.shapes.split(","):
             L, S = (int(x) for x in spec.split(":"))
-            q = torch.randn(1, H, L, DQK, device="cuda", generator=g).bfloat16()
-            k, v = kbig[:, :, :S], vbig[:, :, :S]
-            row = {"L": L, "S": S}
-            for name, fn in (("masked", lambda q=q, k=k, v=v: masked(q, k, v, DQK ** -0.5)),
-                             ("split", lambda q=q, k=k, v=v: sdpa.attend_split(q, k, v, DQK ** -0.5))):
-                row[f"{name}_first_ms"] = wall_ms(fn)
-                row[f"{name}_repeat_ms"] = statistics.median(wall_ms(fn) for _ in range(3))
+            q = torch.randn(L, H, DQK, device="cuda", generator=g).bfloat16()
+            row = {"L": L, "S": S, **time_shape(q, k[:S], v[:S], scale)}
             print(row, flush=True)
             rows.append(row)
-    avoid = os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "0")
-    write_result(os.path.join(args.out, f"sdpa_first_call_h200_{args.layout}_avoid{avoid}.json"), {"rows": rows},
-                 layout=args.layout, avoid_recompile=avoid)
+    avoid = os.environ.get(sdpa.BUCKETED_PLANS_ENV, "")
+    name = f"sdpa_first_call_h200_{args.layout}_avoid{avoid}{'_warm' if args.warm else ''}.json"
+    write_result(os.path.join(args.out, name), {"rows": rows, **meta}, layout=args.layout, avoid_recompile=avoid)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,18 @@ history part and its own causal square, merged by log-sum-exp.
 * GPU: `attention_expanded` with the split forced (SPLIT_MIN_WORK 0) and not, bf16, on a batch of a fresh
   prompt, a short tail on a short history and a long chunk on a long history, with keys / values head-major
   views (what the model passes) and plain [S, H, D]: within bf16 tolerance of the float32 reference.
+* CPU: with bucketed cuDNN plans every chunk with a history runs split; importing the module asks PyTorch for them
+  unless the variable is set; length buckets, the spare rows of `padded_rows` and when `_with_slack` copies.
+* GPU: after `warm_plans`, bucketed calls at odd lengths (squares, histories of 1 row and longer, keys with and
+  without spare rows) are within bf16 tolerance of the float32 reference.
 * CPU (fp32) and GPU (bf16): the MLA layer's per-head expansion (`_expand_per_head`, head-major and [S, H, d]
   layouts) gives the keys / values of the kv_b GEMM followed by the cat (the CPU path's construction), k_pe
   exactly, and is rebuilt after an in-place weight write.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -56,11 +62,45 @@ def test_merge_partials_weighs_by_softmax_mass() -> None:
 
 def test_split_worth(monkeypatch) -> None:
     monkeypatch.setattr(sdpa, "_split_ok", True)
+    monkeypatch.setenv(sdpa.BUCKETED_PLANS_ENV, "0")  # exact-shape plans: split only where the work pays for it
     assert not sdpa.split_worth(8192, 0)  # a fresh prompt: one causal call already
     assert not sdpa.split_worth(300, 3796)
     assert sdpa.split_worth(256, 65536) and sdpa.split_worth(8192, 8192)
+    monkeypatch.setenv(sdpa.BUCKETED_PLANS_ENV, "1")  # bucketed plans: every chunk with a history (no mask tensor)
+    assert sdpa.split_worth(300, 3796) and sdpa.split_worth(1, 1) and not sdpa.split_worth(8192, 0)
     monkeypatch.setattr(sdpa, "_split_ok", False)
     assert not sdpa.split_worth(8192, 65536)
+
+
+def test_importing_asks_for_bucketed_plans_unless_told_otherwise() -> None:
+    """The module sets TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 at import unless the variable is already set (checked in
+    a fresh interpreter: PyTorch reads it once, so a test process cannot toggle it)."""
+    import subprocess
+    import sys
+
+    code = "import os, tokenspeed.ops.cuda.sdpa as s; print(os.environ[s.BUCKETED_PLANS_ENV], s.bucketed_plans())"
+    for given, want in ((None, "1 True"), ("0", "0 False")):
+        env = {k: v for k, v in os.environ.items() if k != sdpa.BUCKETED_PLANS_ENV}
+        if given is not None:
+            env[sdpa.BUCKETED_PLANS_ENV] = given
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == want.split()
+
+
+def test_length_buckets_and_row_slack() -> None:
+    assert sdpa.length_buckets(1) == [1] and sdpa.length_buckets(5) == [1, 2, 4, 8]
+    assert sdpa.length_buckets(8192) == [1 << b for b in range(14)]
+    t = sdpa.padded_rows(7, 3, 2, dtype=torch.float32, device="cpu")
+    assert t.shape == (7, 3, 2) and t.is_contiguous()
+    assert t.untyped_storage().nbytes() == (7 + sdpa.ROW_SLACK) * 6 * 4
+    assert sdpa._with_slack(t, 7) is t  # the slack is there: no copy
+    bare = torch.randn(7, 3, 2)
+    got = sdpa._with_slack(bare, 7)
+    assert got is not bare and torch.equal(got, bare) and got.untyped_storage().nbytes() >= (7 + sdpa.ROW_SLACK) * 24
+    head_major = torch.randn(3, 7 + sdpa.ROW_SLACK, 2).transpose(0, 1)[:7]  # slack, but not [S, H, D]-major
+    got = sdpa._with_slack(head_major, 7)
+    assert got.is_contiguous() and torch.equal(got, head_major)
+    assert sdpa.warm_plans(2, 8, 8, 16, 64, torch.float32, "cpu") == 0  # plans are a CUDA matter
 
 
 def test_refused_split_falls_back_to_the_masked_call_once(monkeypatch, caplog) -> None:
@@ -121,6 +161,34 @@ def test_attention_expanded_gpu(monkeypatch, force: bool, head_major: bool) -> N
     for n in range(len(batch)):
         rows = slice(cu_q[n], cu_q[n + 1])
         assert rel_err(got[rows].float(), want[rows]) < 1e-2, batch[n]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bucketed_attention_after_warm_plans_gpu() -> None:
+    """warm_plans builds the bucketed plans (up to 300 new tokens on 2,000 keys); chunks at lengths inside those
+    buckets, odd and not, square and with histories of 1 row and longer, from [S, H, D] keys with and without
+    slack, are within bf16 tolerance of the float32 reference."""
+    H, D, DV = 8, 192, 128
+    assert sdpa.bucketed_plans()
+    assert sdpa.warm_plans(H, D, DV, 300, 2000, torch.bfloat16, "cuda") == 10 * (1 + 12)  # query buckets 1..512, key buckets 1..2048
+    batch = [(1, 1), (1, 2), (3, 3), (17, 1999), (300, 301), (129, 129 + 1000), (64, 64 + 1871)]
+    cu_q, cu_k = [0], [0]
+    for ql, kl in batch:
+        cu_q.append(cu_q[-1] + ql)
+        cu_k.append(cu_k[-1] + kl)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(cu_q[-1], H, D, device="cuda", generator=g).bfloat16()
+    for slack in (True, False):
+        k = sdpa.padded_rows(cu_k[-1], H, D, dtype=torch.bfloat16, device="cuda") if slack else \
+            torch.empty(cu_k[-1], H, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.empty(k.shape[0], H, DV, device="cuda", dtype=torch.bfloat16)
+        k.normal_(generator=g), v.normal_(generator=g)
+        got = sdpa.attention_expanded(q, k, v, cu_q, cu_k, D ** -0.5)
+        want = reference(q.float(), k.float(), v.float(), cu_q, cu_k, D ** -0.5)
+        for n in range(len(batch)):
+            rows = slice(cu_q[n], cu_q[n + 1])
+            assert rel_err(got[rows].float(), want[rows]) < 1e-2, (batch[n], slack)
 
 
 def _mla_layer(dtype: torch.dtype, device: str, preset: str = "tiny-kimi-linear"):

@@ -112,8 +112,10 @@ class EngineCore:
                     "2-3 minutes on an H200; later starts reuse the on-disk cache)")
         self.runner.warm_up([n for n in lengths if n <= self.max_model_len], mixed,
                             num_drafts=self.config.spec.num_draft_tokens, long_tails=long)
-        logger.info("warmed up prefill kernels for %s-token prompts, mixed steps %s and (tail, history) %s in %.1f s",
-                    lengths, mixed, long, time.perf_counter() - start)
+        plans = getattr(self.model, "warm_attention_plans", None)
+        plan_calls = plans(chunk, self.max_model_len) if plans is not None else 0
+        logger.info("warmed up prefill kernels for %s-token prompts, mixed steps %s, (tail, history) %s and %d "
+                    "attention plan buckets in %.1f s", lengths, mixed, long, plan_calls, time.perf_counter() - start)
 
     def _use_cuda_graphs(self) -> bool:
         """Graphs need a CUDA device and the Triton ops (the references synchronise). With EAGLE3 the target's

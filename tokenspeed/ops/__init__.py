@@ -229,6 +229,17 @@ def mla_attention_expanded(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: list[i
     return _ref_mla.mla_attention_expanded(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
 
 
+def mla_expanded_warm_plans(heads: int, d_qk: int, d_v: int, max_q: int, max_kv: int, dtype: torch.dtype,
+                            device: torch.device) -> int:
+    """Build, where `mla_attention_expanded` runs on cuDNN with plans per length bucket, the plans of every chunk of
+    up to max_q new tokens on up to max_kv keys (`tokenspeed.ops.cuda.sdpa.warm_plans`); returns the calls made
+    (0 elsewhere: the reference and the CPU have no plans)."""
+    probe = torch.empty(0, dtype=dtype, device=device)
+    if device.type != "cuda" or not _dispatch.use_triton(probe):
+        return 0
+    return _dispatch.cuda_module("sdpa").warm_plans(heads, d_qk, d_v, max_q, max_kv, dtype, device)
+
+
 def mla_decode(q: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Tensor, scale: float, v_dim: int,
                kv_scale: float = 1.0, *, q_rope: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
                max_q: int | None = None, w_uv: Tensor | None = None) -> Tensor:
@@ -552,6 +563,7 @@ __all__ = [
     "mla_attention_paged",
     "mla_decode",
     "mla_decode_kernel_usable",
+    "mla_expanded_warm_plans",
     "mla_gather_latent",
     "mla_norm_store_absorb",
     "mla_norm_store_latent",

@@ -25,6 +25,7 @@ from tokenspeed.distributed import ParallelContext
 from tokenspeed.models.batch import CacheBuffers, ForwardBatch
 from tokenspeed.models.config import KimiConfig
 from tokenspeed.models.layers import Linear, MergedLinear, Part, RMSNorm
+from tokenspeed.ops.cuda.sdpa import padded_rows
 from tokenspeed.ops.h2d import to_device
 
 # A sequence with at most this many new tokens attends in the absorbed (latent) form through the torch reference
@@ -62,9 +63,10 @@ FUSED_MIN_SEQS = 4
 # time to first token of 1.6-2.1 s against 0.7 s before this fusion; its combine + W_UV re-reads every split's
 # partials for each 16-token tile, which grows with the history. Not proven the cause; kept off until timed.
 FUSED_RAGGED = False
-# Memory layout of the per-head keys / values the expanded form builds on CUDA (`_expand_per_head`): "bhsd" (timed on
-# the H200: 1.53 vs 2.30 ms for the kv_b GEMM + cat at 64K rows) or "bshd"; the variable overrides it per call.
-EXPAND_LAYOUT = "bhsd"
+# Memory layout of the per-head keys / values the expanded form builds on CUDA (`_expand_per_head`): "bshd" (on the
+# H200 at 64K rows, 1.12 ms for both GEMMs against 1.49 head-major and 2.33 for the kv_b GEMM + cat, and the layout
+# whose cuDNN plans are kept per length bucket: `ops/cuda/sdpa.py`) or "bhsd"; the variable overrides it per call.
+EXPAND_LAYOUT = "bshd"
 EXPAND_LAYOUT_ENV = "TOKENSPEED_MLA_EXPAND_LAYOUT"
 
 
@@ -321,17 +323,18 @@ class MLAAttention(nn.Module):
         keys come from the whole 576-wide row times [W_UK[h] 0 ; 0 I] per head, so k_pe is copied exactly (the
         same bf16 bits as the kv_b GEMM followed by the cat on an H200, `benchmarks/mla_expanded_h200.py`).
 
-        layout (default EXPAND_LAYOUT, or the TOKENSPEED_MLA_EXPAND_LAYOUT variable): "bhsd", views of contiguous
-        head-major [H, S, d] tensors from one batched GEMM each (SDPA's [1, H, S, d] view of them is contiguous;
-        the layout timed on the H200); "bshd", contiguous [S, H, d] from one plain GEMM each (the layout PyTorch's
-        TORCH_CUDNN_SDPA_AVOID_RECOMPILE path serves without a cuDNN plan per sequence length; not yet timed)."""
+        layout (default EXPAND_LAYOUT, or the TOKENSPEED_MLA_EXPAND_LAYOUT variable): "bshd", contiguous [S, H, d]
+        from one plain GEMM each, in storage with `sdpa.ROW_SLACK` spare rows (what the bucketed cuDNN plans take,
+        `ops/cuda/sdpa.py`); "bhsd", views of contiguous head-major [H, S, d] tensors from one batched GEMM each."""
         layout = layout or os.environ.get(EXPAND_LAYOUT_ENV, "").strip() or EXPAND_LAYOUT
         w_k, w_v = self._head_major_weights(latent.dtype)
-        h = self.num_heads
+        h, rows = self.num_heads, latent.shape[0]
         if layout == "bshd":
-            k = nn.functional.linear(latent, w_k.reshape(-1, w_k.shape[-1])).view(-1, h, w_k.shape[1])
-            v = nn.functional.linear(latent[:, : self.kv_lora_rank], w_v.reshape(-1, w_v.shape[-1]))
-            return k, v.view(-1, h, w_v.shape[1])
+            k = padded_rows(rows, h * w_k.shape[1], dtype=latent.dtype, device=latent.device)
+            v = padded_rows(rows, h * w_v.shape[1], dtype=latent.dtype, device=latent.device)
+            torch.mm(latent, w_k.reshape(-1, w_k.shape[-1]).t(), out=k)
+            torch.mm(latent[:, : self.kv_lora_rank], w_v.reshape(-1, w_v.shape[-1]).t(), out=v)
+            return k.view(rows, h, -1), v.view(rows, h, -1)
         if layout != "bhsd":
             raise ValueError(f"{EXPAND_LAYOUT_ENV} must be bhsd or bshd; got {layout!r}")
         k = torch.matmul(latent.unsqueeze(0), w_k.transpose(1, 2))

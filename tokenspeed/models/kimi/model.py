@@ -125,6 +125,12 @@ class KimiForCausalLM(nn.Module):
             counts.update(ops.moe_variant_token_counts(k, E, D, DI, max_tokens, dtype))
         return sorted(counts)
 
+    def warm_attention_plans(self, max_q: int, max_kv: int) -> int:
+        """Build the attention plans the expanded MLA form can meet for chunks of up to max_q new tokens on up to
+        max_kv keys (`ops.mla_expanded_warm_plans`: cuDNN's, per length bucket); returns the calls made."""
+        shapes = {(m.num_heads, m.nope + m.rope, m.v_dim) for m in self.modules() if hasattr(m, "_expand_per_head")}
+        return sum(ops.mla_expanded_warm_plans(*s, max_q, max_kv, self.dtype, self.device) for s in sorted(shapes))
+
     def _kda_replay_layers(self, cache: CacheBuffers) -> list[ops.KdaLayerTensors]:
         """Every KDA layer's replay tensors (`KDAAttention.replay_tensors`), in layer order (host only)."""
         return [layer.self_attn.replay_tensors(cache) for layer in self.model.layers

@@ -11,11 +11,21 @@ square (is_causal), each returning its log-sum-exp, merged in fp32 (`merge_parti
 shape, 583 for an 8K chunk on a 40K history (`benchmarks/results/mla_expanded_h200_*.json`). Keys and values are
 best passed head-major (a [S, H, D] view of a contiguous [H, S, D] tensor): SDPA's [1, H, S, D] view of them is
 then contiguous and nothing is copied.
+
+cuDNN plans. PyTorch's cuDNN attention builds a plan for each exact (query length, key length) pair it meets: 45 ms
+(masked) to 90 ms (split) of host time on an H200 at every new pair (`benchmarks/results/sdpa_first_call_h200_*`),
+and every turn of a multi-turn session brings new pairs. With TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 in the environment
+before the process's first cuDNN attention call, PyTorch keys the calls whose q, k, v and output are [B, S, H, D] in
+memory by lengths rounded up to powers of two (cuDNN's padding mask and ragged offsets carry the true lengths): one
+plan per length bucket, which `warm_plans` can build at start-up. Importing this module sets that variable unless it
+is already set (0 keeps one plan per exact shape); with it on, every chunk with a history runs split (the masked form
+has a mask tensor, which keeps exact-shape plans), and queries, keys and values are passed [S, H, D]-major.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -31,14 +41,33 @@ SPLIT_MIN_WORK = 1 << 22
 Attend = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
 
 
+# The PyTorch variable that keys cuDNN attention plans by power-of-two length buckets (module docstring). Read by
+# PyTorch once, at the process's first cuDNN attention call: set here, at import, before any call of ours.
+BUCKETED_PLANS_ENV = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
+os.environ.setdefault(BUCKETED_PLANS_ENV, "1")
+# Rows past a sequence's last query / key that a bucketed cuDNN call may touch (its tiles span at most 128 rows):
+# callers allocate them (`padded_rows`) so that no read leaves the allocation.
+ROW_SLACK = 128
+
 _log = logging.getLogger(__name__)
 # Set False (with a warning) the first time cuDNN refuses a split call: every later chunk takes the masked form.
 _split_ok = hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and torch.backends.cudnn.is_available()
 
 
+def bucketed_plans() -> bool:
+    """Whether cuDNN attention plans are keyed by power-of-two length buckets (BUCKETED_PLANS_ENV on)."""
+    return os.environ.get(BUCKETED_PLANS_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+
+
 def split_worth(q_len: int, history: int) -> bool:
-    """Whether a chunk of q_len new tokens on `history` cached rows runs split (`SPLIT_MIN_WORK`)."""
-    return _split_ok and history > 0 and q_len * history >= SPLIT_MIN_WORK
+    """Whether a chunk of q_len new tokens on `history` cached rows runs split: always with bucketed plans (the
+    masked call would build a plan per shape), else where the work reaches `SPLIT_MIN_WORK`."""
+    return _split_ok and history > 0 and (bucketed_plans() or q_len * history >= SPLIT_MIN_WORK)
+
+
+def padded_rows(rows: int, *shape: int, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """An uninitialised [rows, *shape] tensor whose storage has ROW_SLACK more rows (the bucketed cuDNN calls')."""
+    return torch.empty(rows + ROW_SLACK, *shape, dtype=dtype, device=device)[:rows]
 
 
 def cudnn_attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
@@ -70,7 +99,14 @@ def attend_split(qn: Tensor, kn: Tensor, vn: Tensor, scale: float, attend: Atten
 
 def attention_expanded(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: list[int], cu_seqlens_k: list[int],
                        scale: float) -> Tensor:
+    """Causal attention of q [T, H, D] over k [S, H, D] / v [S, H, Dv] per sequence (bottom-right aligned), one
+    call per sequence (two where it runs split). Returns [T, H, Dv] in q.dtype. With bucketed plans, q is copied
+    into rows with ROW_SLACK spare (T rows are few), and k / v are too unless their storage already has the slack
+    (the MLA layer's expansion allocates it: `padded_rows`)."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    if bucketed_plans() and q.is_cuda:
+        q = _with_slack(q, q.shape[0])
+        k, v = _with_slack(k, cu_seqlens_k[-1]), _with_slack(v, cu_seqlens_k[-1])
     for n in range(len(cu_seqlens_q) - 1):
         qs, qe, ks, ke = cu_seqlens_q[n], cu_seqlens_q[n + 1], cu_seqlens_k[n], cu_seqlens_k[n + 1]
         if qe == qs:
@@ -79,27 +115,90 @@ def attention_expanded(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: list[int],
         qn, kn, vn = (t.transpose(0, 1).unsqueeze(0).to(q.dtype) for t in (q[qs:qe], k[ks:ke], v[ks:ke]))
         ql, kl = qe - qs, ke - ks
         if ql == kl:
-            o = F.scaled_dot_product_attention(qn, kn, vn, is_causal=True, scale=scale)
+            o = _attend_square(qn, kn, vn, scale)
         else:
             o = _attend_with_history(qn, kn, vn, scale)
         out[qs:qe] = o.squeeze(0).transpose(0, 1)
     return out
 
 
+def _with_slack(t: Tensor, rows: int) -> Tensor:
+    """t [N, ...] itself when it is contiguous and its storage holds ROW_SLACK rows past row `rows`; else a copy of
+    it in `padded_rows` (contiguous)."""
+    row_bytes = t.stride(0) * t.element_size()
+    end = t.storage_offset() * t.element_size() + (rows + ROW_SLACK) * row_bytes
+    if t.is_contiguous() and t.untyped_storage().nbytes() >= end:
+        return t
+    padded = padded_rows(t.shape[0], *t.shape[1:], dtype=t.dtype, device=t.device)
+    return padded.copy_(t)
+
+
+def _attend_square(qn: Tensor, kn: Tensor, vn: Tensor, scale: float) -> Tensor:
+    """Causal attention of a chunk with no history: with bucketed plans the cuDNN call `warm_plans` builds a plan
+    for, else SDPA's choice of fused kernel."""
+    if bucketed_plans() and _split_ok:
+        try:
+            return cudnn_attend(qn, kn, vn, True, scale)[0]
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            _refused(e)
+    return F.scaled_dot_product_attention(qn, kn, vn, is_causal=True, scale=scale)
+
+
+def _refused(e: RuntimeError) -> None:
+    """cuDNN refused a call with log-sum-exp: every later call takes SDPA's own choice (logged once)."""
+    global _split_ok
+    _split_ok = False
+    _log.warning("cuDNN attention with log-sum-exp refused (%s); chunks now use one SDPA call each (a masked one "
+                 "where they have a history)", e)
+
+
 def _attend_with_history(qn: Tensor, kn: Tensor, vn: Tensor, scale: float) -> Tensor:
     """Bottom-right causal attention of qn [1, H, L, D] over kn / vn [1, H, S, D], S > L: split where it pays,
     else one SDPA call with an explicit mask."""
-    global _split_ok
     ql, kl = qn.shape[2], kn.shape[2]
     if split_worth(ql, kl - ql):
         try:
-            return attend_split(qn.contiguous(), kn, vn, scale)
+            return attend_split(qn if bucketed_plans() else qn.contiguous(), kn, vn, scale)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as e:  # a cuDNN build or GPU without this fused attention: fall back, once, loudly
-            _split_ok = False
-            _log.warning("cuDNN attention with log-sum-exp refused (%s); chunks with a history now use one masked "
-                         "SDPA call", e)
+            _refused(e)
     pos = torch.arange(ql, device=qn.device)[:, None] + (kl - ql)
     mask = torch.arange(kl, device=qn.device)[None, :] <= pos
     return F.scaled_dot_product_attention(qn, kn, vn, attn_mask=mask, scale=scale)
+
+
+def length_buckets(limit: int) -> list[int]:
+    """The power-of-two length buckets 1, 2, 4, ... up to the one holding `limit`."""
+    return [1 << b for b in range(max(limit - 1, 0).bit_length() + 1)]
+
+
+def warm_plans(heads: int, d_qk: int, d_v: int, max_q: int, max_kv: int, dtype: torch.dtype,
+               device: torch.device | str) -> int:
+    """Build the bucketed cuDNN plans a chunk of up to max_q new tokens on up to max_kv keys can meet: for each
+    query bucket its causal square and its history part at each key bucket, each run once on the smallest lengths
+    of its buckets. Returns the number of calls (0 without bucketed plans or cuDNN). Allocates at most
+    [max_kv, heads, d_qk + d_v] of scratch; changes nothing else."""
+    if not (bucketed_plans() and _split_ok and torch.device(device).type == "cuda"):
+        return 0
+    lowest = {b: b // 2 + 1 for b in length_buckets(max(max_q, max_kv))}  # the smallest length in each bucket
+    q_rows = [lowest[b] for b in length_buckets(max_q)]
+    kv_rows = [min(lowest[b], max_kv) for b in length_buckets(max_kv)]
+    q = padded_rows(max(q_rows), heads, d_qk, dtype=dtype, device=device).normal_()
+    k = padded_rows(max(kv_rows), heads, d_qk, dtype=dtype, device=device).normal_()
+    v = padded_rows(max(kv_rows), heads, d_v, dtype=dtype, device=device).normal_()
+    calls = 0
+    with torch.no_grad():
+        for ql in q_rows:
+            cudnn_attend(_heads(q, ql), _heads(k, ql), _heads(v, ql), True, 1.0)
+            for kl in kv_rows:
+                cudnn_attend(_heads(q, ql), _heads(k, kl), _heads(v, kl), False, 1.0)
+            calls += 1 + len(kv_rows)
+    return calls
+
+
+def _heads(t: Tensor, n: int) -> Tensor:
+    """[1, H, n, d] view of the first n rows of t [S, H, d] (memory stays [S, H, d]-major)."""
+    return t[:n].transpose(0, 1).unsqueeze(0)
