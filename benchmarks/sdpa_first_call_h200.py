@@ -4,6 +4,7 @@ builds them) and one masked SDPA call, wall time of the first call at a shape vs
 the engine path's error against the masked call.
 
     PYTHONPATH=. python benchmarks/sdpa_first_call_h200.py --out benchmarks/results [--layout bshd|bhsd] [--warm]
+    python benchmarks/sdpa_first_call_h200.py --plot results/sdpa_first_call_h200_*_<commit>.json  # PNG beside them
     TORCH_CUDNN_SDPA_AVOID_RECOMPILE=0 PYTHONPATH=. python benchmarks/sdpa_first_call_h200.py ...
 
 --layout: keys / values [S, H, d] in memory (the MLA layer's default, in `sdpa.padded_rows`) or [S, H, d] views of
@@ -65,14 +66,47 @@ def time_shape(q, k, v, scale) -> dict:
     return row
 
 
+def plot(paths: list[str]) -> None:
+    """First-call and repeat wall ms of the engine path per shape, one bar group per result file (log scale)."""
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for p in paths:
+        with open(p) as f:
+            runs.append((os.path.basename(p).removeprefix("sdpa_first_call_h200_").removesuffix(".json"), json.load(f)))
+    shapes = [f"{r['L']}@{r['S']}" for r in runs[0][1]["rows"]]
+    fig, ax = plt.subplots(figsize=(13, 4.5))
+    width = 0.8 / len(runs)
+    for i, (label, run) in enumerate(runs):
+        xs = [j + i * width for j in range(len(shapes))]
+        ax.bar(xs, [r["engine_first_ms"] for r in run["rows"]], width, label=f"{label}: first call")
+        ax.scatter(xs, [r["engine_repeat_ms"] for r in run["rows"]], color="k", s=8, zorder=3)
+    ax.set_yscale("log")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, rotation=30, fontsize=8)
+    ax.set_ylabel("wall ms (dots: repeat at the same shape)")
+    ax.set_title("MLA expanded attention, first call at a new (new tokens @ keys) shape, H200, 32 heads 192/128")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = os.path.join(os.path.dirname(paths[0]), "sdpa_first_call_h200.png")
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--plot", nargs="+", help="result JSONs to plot instead of measuring")
     ap.add_argument("--shapes", default="800:50000,813:50813,1300:52113,1311:53424,4:53428,8192:40960,7344:49152,"
                                         "300:3796,2000:2000,2001:2001,517:517,640:70000")
     ap.add_argument("--layout", choices=("bshd", "bhsd"), default="bshd")
     ap.add_argument("--warm", action="store_true")
     args = ap.parse_args()
+    if args.plot:
+        return plot(args.plot)
     g = torch.Generator(device="cuda").manual_seed(0)
     if args.layout == "bshd":
         k = sdpa.padded_rows(ROWS, H, DQK, dtype=torch.bfloat16, device="cuda").normal_(generator=g)

@@ -1,5 +1,5 @@
 """`tokenspeed.executor.compile_watch`: a Triton compile after start-up is logged with the kernel's specialised
-signature, its constexprs by argument name and the tokenspeed call site; the hook lets the compile go ahead
+signature, its constexprs and 16-divisible arguments by name and the tokenspeed call site; the hook lets the compile go ahead
 (returns None) and defers to a hook installed before it; installing it through Triton's knob chains that hook,
 once however many times it is asked."""
 
@@ -16,7 +16,8 @@ from tokenspeed.executor import compile_watch
 def _fire(hook):
     fn = SimpleNamespace(jit_function=SimpleNamespace(arg_names=["X", "n", "BLOCK", "PDL"]))
     return hook(key="k", repr="_demo_kernel[num_warps=4](X: *bf16, n: i32)", fn=fn,
-                compile={"constants": {(2,): 128, (3,): True}}, is_manual_warmup=False, already_compiled=False)
+                compile={"constants": {(2,): 128, (3,): True}, "configs": [{(0,): [["tt.divisibility", 16]]}]},
+                is_manual_warmup=False, already_compiled=False)
 
 
 def test_hook_logs_signature_constexprs_and_call_site(caplog) -> None:
@@ -25,6 +26,7 @@ def test_hook_logs_signature_constexprs_and_call_site(caplog) -> None:
     msg = caplog.records[-1].getMessage()
     assert "_demo_kernel[num_warps=4](X: *bf16, n: i32)" in msg
     assert "{'BLOCK': 128, 'PDL': True}" in msg
+    assert "divisible by 16: ['X']" in msg  # X's pointer aligned, n not
     assert "tests/executor/test_compile_watch.py" not in msg  # only tokenspeed frames are named as the site
 
 

@@ -4,8 +4,9 @@ The engine compiles every kernel variant it expects during the warm-up and the g
 first needed while serving compiles inside that step: about a second during which every stream stalls. Once
 `watch_late_compiles()` has run, each new variant a process compiles (a miss of Triton's in-memory kernel cache,
 whether or not the on-disk cache then has it) is logged as a warning, with:
-- its specialised signature: argument types, 16-byte alignment and constant 1s;
-- its constexprs and launch options;
+- its launch options and constexprs (integer arguments equal to 1 are among them);
+- the arguments Triton specialised as divisible by 16 (pointers 16-byte aligned, integers multiples of 16): a
+  variant that differs from the warm-up's only there comes from an argument's alignment;
 - the tokenspeed call site that launched it.
 
 Those are what tell a new variant from the one the warm-up compiled (the serving scripts also list the kernels that
@@ -38,6 +39,13 @@ def _named(constants: dict, arg_names: list[str]) -> dict[str, object]:
     return out
 
 
+def _divisible(configs: list | None, arg_names: list[str]) -> list[str]:
+    """The argument names whose Triton attributes (configs[0]: path -> [[attribute, value], ...]) mark them
+    divisible by 16."""
+    attrs = configs[0] if configs else {}
+    return sorted(name for name, a in _named(attrs, arg_names).items() if "divisibility" in str(a))
+
+
 def late_compile_hook(previous: Callable[..., object] | None = None) -> Callable[..., object]:
     """A `triton.knobs.runtime.jit_cache_hook` that logs the compile (see the module docstring) and defers to
     `previous` (a hook set before; its answer decides whether Triton skips the compile). Returns None itself, so
@@ -47,7 +55,8 @@ def late_compile_hook(previous: Callable[..., object] | None = None) -> Callable
         names = getattr(getattr(fn, "jit_function", None), "arg_names", [])
         constants = _named(compile.get("constants") or {}, names)
         logger.warning("Triton kernel variant compiled after start-up (its step stalls while it compiles): %s; "
-                       "constexprs %s; launched from %s", repr, constants, _call_site())
+                       "constexprs %s; divisible by 16: %s; launched from %s", repr, constants,
+                       _divisible(compile.get("configs"), names), _call_site())
         if previous is not None:
             return previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                             already_compiled=already_compiled)
