@@ -25,7 +25,7 @@ from tokenspeed.core.tokens import ExtendedTokens
 from tokenspeed.engine.memory import kv_cache_torch_dtype, plan_cache, resolve_dtype
 from tokenspeed.engine.outputs import EngineOutput, StepStats
 from tokenspeed.engine.tokenizer import Tokenizer, load_tokenizer
-from tokenspeed.executor.compile_watch import watch_late_compiles
+from tokenspeed.executor.compile_watch import serving_started, watch_compiles
 from tokenspeed.executor.launched import LaunchedStep
 from tokenspeed.executor.runner import ModelRunner, StepOutput
 from tokenspeed.executor.sampler import samples_on_device
@@ -76,13 +76,14 @@ class EngineCore:
         self.runner = ModelRunner(self.model, plan, kv_dtype, make_proposer(config.spec),
                                   config.spec.speculative_force_accept_length, self._drafter(plan, dtype))
         if mc.device.startswith("cuda"):
+            watch_compiles()  # records the variants the warm-up and the capture compile
             self._warm_up(config.scheduler.chunked_prefill_size)
         if self._use_cuda_graphs():
             k = config.spec.num_draft_tokens
             self.runner.capture_graphs(mc.cuda_graph_max_bs or config.scheduler.max_num_seqs, self.max_model_len,
                                        (1, k + 1) if k else (1,))
         if mc.device.startswith("cuda"):  # from here on a Triton compile stalls a serving step: log each one
-            watch_late_compiles()
+            serving_started()
         if config.spec.speculative_force_accept_length is not None:
             logger.warning("FORCED ACCEPTANCE: %d draft tokens are accepted per step whatever the target says; "
                            "outputs are not the model's (benchmarking only)", config.spec.speculative_force_accept_length)
