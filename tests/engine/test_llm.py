@@ -55,11 +55,25 @@ def test_chunk_sizes(solo, chunk: int) -> None:
     assert _tokens(llm, prompts, params) == expected
 
 
+class _Recording:
+    """The model, recording (new tokens per sequence, verify) of each forward it runs."""
+
+    def __init__(self, model, steps: list) -> None:
+        self._model, self._steps = model, steps
+
+    def __call__(self, batch, *args):
+        self._steps.append((list(batch.query_lens_host), batch.verify))
+        return self._model(batch, *args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
 @pytest.mark.parametrize("num_drafts", [0, 3])
 def test_start_up_warm_up_touches_no_request_state(solo, num_drafts: int) -> None:
     """The GPU start-up warm-up (prefill forwards, then mixed decode + tail steps on a cached history, and a tail on
-    a long history, all on the scratch page and slot 0, run here on the CPU; with speculation the same steps again as verifications with their
-    replay) writes only the scratch page (the one past the pool) and KDA slot 0, leaves no recorded verification
+    a long history, all on the scratch page and slot 0, run here on the CPU; the mixed steps commit as serving's
+    do; with speculation the same steps again as verifications with their replay) writes only the scratch page (the one past the pool) and KDA slot 0, leaves no recorded verification
     behind, and changes no request's tokens."""
     model, prompts, params, expected = solo
     llm = _llm(model)
@@ -69,7 +83,18 @@ def test_start_up_warm_up_touches_no_request_state(solo, num_drafts: int) -> Non
     for pool in buffers.kda_conv + buffers.kda_recurrent:
         pool[1:].normal_()
     before = [t.clone() for t in buffers.mla_latent + buffers.kda_conv + buffers.kda_recurrent]
-    llm.engine.runner.warm_up([70, 9, 1], [(1, 5), (1, 1, 1, 12)], num_drafts=num_drafts, long_tails=[(20, 91)])
+    runner, steps = llm.engine.runner, []
+    model = runner.model
+    runner.model = _Recording(model, steps)
+    try:
+        runner.warm_up([70, 9, 1], [(1, 5), (1, 1, 1, 12)], num_drafts=num_drafts, long_tails=[(20, 91)])
+    finally:
+        runner.model = model
+    # the mixed steps and the long tail commit (the kernel variants of serving's steps); with drafts each mixed step
+    # also runs as a verification, its one-token rows as windows
+    windows = [([1 + num_drafts, 5], True), ([1 + num_drafts] * 3 + [12], True)] if num_drafts else []
+    assert steps == [([70], False), ([9], False), ([1], False), ([1, 5], False), *windows[:1],
+                     ([1, 1, 1, 12], False), *windows[1:], ([20], False)]
     assert not buffers.replay
     for old, new in zip(before[: len(buffers.mla_latent)], buffers.mla_latent, strict=True):
         assert torch.equal(old[:scratch], new[:scratch]) and not torch.equal(old[scratch], new[scratch])

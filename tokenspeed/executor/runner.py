@@ -116,22 +116,23 @@ class ModelRunner:
             forward = ForwardBatch.build([[0] * n], [0], [pages], [0], page_size, self.device)
             self.model(forward, self.buffers, device_longs([n - 1], self.device))
         for qlens in mixed:
-            self._warm_up_mixed(list(qlens), [])
+            self._warm_up_mixed(list(qlens))
             if num_drafts:
                 self._warm_up_mixed([1 + num_drafts if q == 1 else q for q in qlens],
                                     [i for i, q in enumerate(qlens) if q != 1])
         for tail, history in long_tails:
-            self._warm_up_mixed([tail], [], history)
+            self._warm_up_mixed([tail], history=history)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _warm_up_mixed(self, qlens: list[int], prompt_rows: list[int], history: int | None = None) -> None:
+    def _warm_up_mixed(self, qlens: list[int], prompt_rows: list[int] | None = None,
+                       history: int | None = None) -> None:
         """One eager forward of sequences with a cached history (default 4 pages) taking qlens[n] new tokens each
-        (scratch page, KDA slot 0); a verification with its replay when `prompt_rows` (the rows without drafts) is
-        not every row."""
+        (scratch page, KDA slot 0): a plain (committing) step when `prompt_rows` is None or every row, else a
+        verification with its replay, `prompt_rows` being the rows without drafts."""
         page_size = self.buffers.page_size
         history = 4 * page_size if history is None else history
-        verify = len(prompt_rows) < len(qlens)
+        verify = prompt_rows is not None and len(prompt_rows) < len(qlens)
         pages = [[self.num_pages] * (-(-(history + q) // page_size)) for q in qlens]
         forward = ForwardBatch.build([[0] * q for q in qlens], [history] * len(qlens), pages, [0] * len(qlens),
                                      page_size, self.device, verify=verify, prompt_rows=prompt_rows if verify else ())
