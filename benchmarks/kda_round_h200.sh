@@ -50,7 +50,9 @@
 #   sdpafirst sdpa_first_call_h200.py (cuDNN plan build per new shape): bucketed plans (warmed and not) vs exact
 #   memcheck  sdpa_row_slack_check.py under compute-sanitizer: reads past the last row with and without ROW_SLACK
 #   alignab   moe_align_h200.py (torch sort vs multi-program alignment) and the MoE GPU tests
-#   next: "sdpafirst alignab mlaexp", then "nocompile tailprof" (each under 10 minutes)
+#   next: "nocompile tailprof" (each under 10 minutes), then the full-scale swe-smith (no mid-serve compile expected
+#   since the warm-up's mixed steps commit). Run from the repository root with carry [".whl"] (the working tree
+#   plus a copy under .gpu/ passed the device's 64 MiB carry limit)
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "

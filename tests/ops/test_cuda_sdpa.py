@@ -144,10 +144,7 @@ def test_attention_expanded_gpu(monkeypatch, force: bool, head_major: bool) -> N
         monkeypatch.setattr(sdpa, "SPLIT_MIN_WORK", 0)
     H, D, DV = 32, 192, 128
     batch = [(300, 300), (20, 900), (1300, 1300 + 20000), (4, 70)]  # (q_len, k_len)
-    cu_q, cu_k = [0], [0]
-    for ql, kl in batch:
-        cu_q.append(cu_q[-1] + ql)
-        cu_k.append(cu_k[-1] + kl)
+    cu_q, cu_k = _offsets(batch)
     g = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(cu_q[-1], H, D, device="cuda", generator=g).bfloat16()
     if head_major:  # [S, H, d] views of contiguous [H, S, d], as the MLA layer passes them
@@ -156,11 +153,25 @@ def test_attention_expanded_gpu(monkeypatch, force: bool, head_major: bool) -> N
     else:
         k = torch.randn(cu_k[-1], H, D, device="cuda", generator=g).bfloat16()
         v = torch.randn(cu_k[-1], H, DV, device="cuda", generator=g).bfloat16()
-    got = sdpa.attention_expanded(q, k, v, cu_q, cu_k, D ** -0.5)
-    want = reference(q.float(), k.float(), v.float(), cu_q, cu_k, D ** -0.5)
+    _check_each_sequence(q, k, v, cu_q, cu_k, batch)
+
+
+def _offsets(batch: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Cumulative query / key offsets of a batch of (q_len, k_len)."""
+    cu_q, cu_k = [0], [0]
+    for ql, kl in batch:
+        cu_q.append(cu_q[-1] + ql)
+        cu_k.append(cu_k[-1] + kl)
+    return cu_q, cu_k
+
+
+def _check_each_sequence(q, k, v, cu_q, cu_k, batch, tag: object = None) -> None:
+    """attention_expanded within bf16 tolerance (1e-2) of the float32 reference, sequence by sequence."""
+    got = sdpa.attention_expanded(q, k, v, cu_q, cu_k, q.shape[-1] ** -0.5)
+    want = reference(q.float(), k.float(), v.float(), cu_q, cu_k, q.shape[-1] ** -0.5)
     for n in range(len(batch)):
         rows = slice(cu_q[n], cu_q[n + 1])
-        assert rel_err(got[rows].float(), want[rows]) < 1e-2, batch[n]
+        assert rel_err(got[rows].float(), want[rows]) < 1e-2, (batch[n], tag)
 
 
 @pytest.mark.gpu
@@ -171,12 +182,10 @@ def test_bucketed_attention_after_warm_plans_gpu() -> None:
     slack, are within bf16 tolerance of the float32 reference."""
     H, D, DV = 8, 192, 128
     assert sdpa.bucketed_plans()
-    assert sdpa.warm_plans(H, D, DV, 300, 2000, torch.bfloat16, "cuda") == 10 * (1 + 12)  # query buckets 1..512, key buckets 1..2048
+    # query buckets 1..512 (10), key buckets 1..2048 (12): a square and a history call each
+    assert sdpa.warm_plans(H, D, DV, 300, 2000, torch.bfloat16, "cuda") == 10 * (1 + 12)
     batch = [(1, 1), (1, 2), (3, 3), (17, 1999), (300, 301), (129, 129 + 1000), (64, 64 + 1871)]
-    cu_q, cu_k = [0], [0]
-    for ql, kl in batch:
-        cu_q.append(cu_q[-1] + ql)
-        cu_k.append(cu_k[-1] + kl)
+    cu_q, cu_k = _offsets(batch)
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(cu_q[-1], H, D, device="cuda", generator=g).bfloat16()
     for slack in (True, False):
@@ -184,11 +193,7 @@ def test_bucketed_attention_after_warm_plans_gpu() -> None:
             torch.empty(cu_k[-1], H, D, device="cuda", dtype=torch.bfloat16)
         v = torch.empty(k.shape[0], H, DV, device="cuda", dtype=torch.bfloat16)
         k.normal_(generator=g), v.normal_(generator=g)
-        got = sdpa.attention_expanded(q, k, v, cu_q, cu_k, D ** -0.5)
-        want = reference(q.float(), k.float(), v.float(), cu_q, cu_k, D ** -0.5)
-        for n in range(len(batch)):
-            rows = slice(cu_q[n], cu_q[n + 1])
-            assert rel_err(got[rows].float(), want[rows]) < 1e-2, (batch[n], slack)
+        _check_each_sequence(q, k, v, cu_q, cu_k, batch, "slack" if slack else "exact")
 
 
 def _mla_layer(dtype: torch.dtype, device: str, preset: str = "tiny-kimi-linear"):

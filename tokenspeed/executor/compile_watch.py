@@ -45,7 +45,7 @@ class Variant:
         if self.options != other.options:
             out.append(f"options: {other.options} -> {self.options}")
         if not out and self.key != other.key:
-            at = next((i for i, (a, b) in enumerate(zip(self.key, other.key)) if a != b),
+            at = next((i for i, (a, b) in enumerate(zip(self.key, other.key, strict=False)) if a != b),
                       min(len(self.key), len(other.key)))
             out.append(f"cache key at {at}: {other.key[max(at - 40, 0):at + 40]!r} -> "
                        f"{self.key[max(at - 40, 0):at + 40]!r}")
