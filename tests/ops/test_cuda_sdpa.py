@@ -103,6 +103,36 @@ def test_length_buckets_and_row_slack() -> None:
     assert sdpa.warm_plans(2, 8, 8, 16, 64, torch.float32, "cpu") == 0  # plans are a CUDA matter
 
 
+def test_warm_plans_calls_each_bucket_once_and_stops_at_out_of_memory(monkeypatch, caplog) -> None:
+    """Each query bucket's square, then its history part at each key bucket, on the smallest lengths of the
+    buckets (queries never past the keys' limit); out of memory ends the warm-up with a warning, not an error."""
+    calls = []
+
+    def attend(q, k, v, causal, scale):
+        calls.append((q.shape[2], k.shape[2], causal))
+        return q, q[..., 0]
+
+    monkeypatch.setattr(sdpa, "_split_ok", True)
+    monkeypatch.setenv(sdpa.BUCKETED_PLANS_ENV, "1")
+    monkeypatch.setattr(sdpa, "cudnn_attend", attend)
+    assert sdpa.warm_plans(2, 8, 4, 16, 40, torch.float32, "cpu") == 5 * (1 + 7)
+    squares = [(ql, ql, True) for ql in (1, 2, 3, 5, 9)]  # buckets 1, 2, 4, 8, 16
+    history = [(ql, kl, False) for kl in (1, 2, 3, 5, 9, 17, 33) for ql in (1, 2, 3, 5, 9)]  # ... 64: 33 <= 40
+    assert calls == squares + history
+    calls.clear()
+    assert sdpa.warm_plans(2, 8, 4, 100, 6, torch.float32, "cpu") == 4 * (1 + 4)  # queries cut at 6 keys
+    assert max(c[0] for c in calls) == 5 and max(c[1] for c in calls) == 5
+
+    def short_of_memory(q, k, v, causal, scale):
+        if k.shape[2] > 9:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return attend(q, k, v, causal, scale)
+
+    monkeypatch.setattr(sdpa, "cudnn_attend", short_of_memory)
+    assert sdpa.warm_plans(2, 8, 4, 16, 40, torch.float32, "cpu") == 5 + 5 * 5  # squares, key buckets 1..16
+    assert any("out of memory building cuDNN attention plans" in r.getMessage() for r in caplog.records)
+
+
 def test_refused_split_falls_back_to_the_masked_call_once(monkeypatch, caplog) -> None:
     """A cuDNN that refuses the split call (a RuntimeError) switches the process to the masked call, with one
     warning, and the chunk's result is still right; out-of-memory is not taken for a refusal."""

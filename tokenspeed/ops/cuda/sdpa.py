@@ -177,25 +177,34 @@ def length_buckets(limit: int) -> list[int]:
 
 def warm_plans(heads: int, d_qk: int, d_v: int, max_q: int, max_kv: int, dtype: torch.dtype,
                device: torch.device | str) -> int:
-    """Build the bucketed cuDNN plans a chunk of up to max_q new tokens on up to max_kv keys can meet: for each
-    query bucket its causal square and its history part at each key bucket, each run once on the smallest lengths
-    of its buckets. Returns the number of calls (0 without bucketed plans or cuDNN). Allocates at most
-    [max_kv, heads, d_qk + d_v] of scratch; changes nothing else."""
-    if not (bucketed_plans() and _split_ok and torch.device(device).type == "cuda"):
+    """Build the bucketed cuDNN plans a chunk of up to max_q new tokens on up to max_kv keys can meet: each query
+    bucket's causal square, then its history part at each key bucket (key buckets ascending), each run once on the
+    smallest lengths of its buckets. Returns the number of calls made (0 without bucketed plans or cuDNN). Scratch:
+    random [rows, heads, d] tensors, up to max_kv rows; out of memory stops the warm-up with a warning (the larger
+    buckets then build their plans at first use) and frees the scratch. Changes nothing else."""
+    if not (bucketed_plans() and _split_ok):
         return 0
-    lowest = {b: b // 2 + 1 for b in length_buckets(max(max_q, max_kv))}  # the smallest length in each bucket
-    q_rows = [lowest[b] for b in length_buckets(max_q)]
-    kv_rows = [min(lowest[b], max_kv) for b in length_buckets(max_kv)]
-    q = padded_rows(max(q_rows), heads, d_qk, dtype=dtype, device=device).normal_()
-    k = padded_rows(max(kv_rows), heads, d_qk, dtype=dtype, device=device).normal_()
-    v = padded_rows(max(kv_rows), heads, d_v, dtype=dtype, device=device).normal_()
+    max_q = min(max_q, max_kv)
+    q_rows = [b // 2 + 1 for b in length_buckets(max_q)]  # the smallest length in each bucket
+    kv_rows = [min(b // 2 + 1, max_kv) for b in length_buckets(max_kv)]
     calls = 0
-    with torch.no_grad():
-        for ql in q_rows:
-            cudnn_attend(_heads(q, ql), _heads(k, ql), _heads(v, ql), True, 1.0)
-            for kl in kv_rows:
-                cudnn_attend(_heads(q, ql), _heads(k, kl), _heads(v, kl), False, 1.0)
-            calls += 1 + len(kv_rows)
+    try:
+        with torch.no_grad():
+            q = padded_rows(max(q_rows), heads, d_qk, dtype=dtype, device=device).normal_()
+            for i, kl in enumerate([max(q_rows), *kv_rows]):  # the squares' keys, then one per key bucket
+                k = padded_rows(kl, heads, d_qk, dtype=dtype, device=device).normal_()
+                v = padded_rows(kl, heads, d_v, dtype=dtype, device=device).normal_()
+                for ql in q_rows:
+                    square = i == 0
+                    cudnn_attend(_heads(q, ql), _heads(k, ql if square else kl), _heads(v, ql if square else kl),
+                                 square, 1.0)
+                    calls += 1
+                del k, v
+    except torch.OutOfMemoryError:
+        _log.warning("out of memory building cuDNN attention plans after %d calls (keys up to %d rows asked); the "
+                     "larger length buckets build theirs at first use", calls, max_kv)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return calls
 
 
