@@ -82,3 +82,16 @@ def test_watch_installs_through_tritons_knob(monkeypatch, caplog) -> None:
         _fire(knobs.runtime.jit_cache_hook)
     assert seen == [1]
     assert len(_warnings(caplog)) == 1
+
+
+def test_snapshot_and_new_variants() -> None:
+    """What a test (or a profiler) compares across a step: the variants compiled since a snapshot, each with its
+    difference from the closest one in the snapshot."""
+    hook = compile_watch.late_compile_hook()
+    _fire(hook)
+    before = compile_watch.compiled_variants()
+    assert compile_watch.new_variants(before) == []
+    _fire(hook, warps=8)
+    ((name, variant, diff),) = compile_watch.new_variants(before)
+    assert name == "_demo_kernel" and variant.options.startswith("num_warps=8")
+    assert diff == ["options: num_warps=4, num_ctas=1 -> num_warps=8, num_ctas=1"]

@@ -261,58 +261,25 @@ def test_no_triton_kernel_compiles_after_start_up_gpu(tmp_path, spec: dict) -> N
     Triton kernel, so no request stalls on a compile mid-serve; with n-gram speculation the decodes are verify
     windows (written after the last device run: not yet run on a GPU). A failure names each late variant, the
     step that asked for it and how its specialisation differs from the start-up variants of the same kernel."""
-    import triton
+    from tokenspeed.executor import compile_watch
 
     path = str(write_tiny_checkpoint(tmp_path / "tiny-kimi-linear", "tiny-kimi-linear", dtype=torch.bfloat16,
                                      seed=3))
     torch.cuda.empty_cache()
-    seen: list[tuple[str, str, dict]] = []  # (phase, kernel, its specialisation)
-    phase = ["start-up"]
-    knobs = triton.knobs.runtime
-    knobs.jit_post_compile_hook = lambda **kw: seen.append((phase[0], kw["fn"].name, _spec(kw["compile"])))
+    late: list[str] = []  # "step: kernel differences from the closest variant compiled before"
     llm = None
     try:
         llm = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=8, num_pages=GPU_PAGES, **spec)
+        assert compile_watch.watch_compiles()  # the engine installed it before its warm-up
         for decoding, new, history in MIXED_AFTER_START:
-            phase[0] = f"{decoding} decoding + {new} new tokens (history {history})"
+            before = compile_watch.compiled_variants()
             _mixed_step(llm, decoding, new, history)
+            late += [f"{decoding} decoding + {new} new tokens (history {history}): {name} {diff or variant}"
+                     for name, variant, diff in compile_watch.new_variants(before)]
     finally:
-        knobs.jit_post_compile_hook = None
         if llm is not None:
             _release(llm)
-    late = [(p, name, r) for p, name, r in seen if p != "start-up"]
-    early = {}
-    for p, name, r in seen:
-        if p == "start-up":
-            early.setdefault(name, []).append(r)
-    assert not late, "Triton kernels compiled after start-up:\n" + "\n".join(
-        f"{p}: {name} {_closest_diff(r, early.get(name, []))}" for p, name, r in late)
-
-
-def _spec(c: dict) -> dict[str, str]:
-    """{param: type, constant value and divisibility hints, "options": warps / stages} of a jit hook's compile
-    record (signature, constants, attrs keyed by argument paths)."""
-    try:
-        names = list(c["signature"])
-        out = {n: str(t) for n, t in c["signature"].items()}
-        for path, val in c["constants"].items():
-            name = names[path[0]] if isinstance(path, tuple) else path
-            out[name] = f"={val}"
-        for path, attrs in (c["configs"][0] or {}).items():
-            name = names[path[0]] if isinstance(path, tuple) else path
-            out[name] = out.get(name, "") + "".join(f"[{a}={v}]" for a, v in attrs)
-        out["options"] = f"warps {c['num_warps']} stages {c['num_stages']}"
-        return out
-    except (KeyError, IndexError, TypeError, ValueError) as e:
-        return {"unparsed": f"{type(e).__name__}: {e}"}
-
-
-def _closest_diff(mine: dict, others: list[dict]) -> str:
-    """How `mine` differs from the most similar of `others` (the params whose specialisation differs)."""
-    if not others:
-        return f"(no start-up variant) {mine.get('options')}"
-    best = min(others, key=lambda o: sum(mine.get(k) != v for k, v in o.items()))
-    return str({k: f"{best.get(k)} -> {v}" for k, v in mine.items() if best.get(k) != v})
+    assert not late, "Triton kernels compiled after start-up:\n" + "\n".join(late)
 
 
 def _mixed_step(llm: LLM, decoding: int, new: int, history: int) -> None:

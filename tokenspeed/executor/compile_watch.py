@@ -135,6 +135,22 @@ def watch_compiles() -> bool:
     return True
 
 
+def compiled_variants() -> dict[str, list[Variant]]:
+    """A snapshot of the variants this process compiled while watched: kernel name -> variants, in order."""
+    return {name: list(variants) for name, variants in _compiled.items()}
+
+
+def new_variants(since: dict[str, list[Variant]]) -> list[tuple[str, Variant, list[str]]]:
+    """The variants compiled after the snapshot `since` (`compiled_variants`), each as (kernel name, variant, its
+    differences from the closest variant of that kernel in the snapshot; [] when the snapshot has none)."""
+    out = []
+    for name, variants in _compiled.items():
+        earlier = since.get(name, [])
+        for variant in variants[len(earlier):]:
+            out.append((name, variant, _closest(variant, earlier)[1]))
+    return out
+
+
 def serving_started() -> None:
     """From now on each new variant is logged as a warning (the warm-up and the graph capture are over)."""
     global _serving
