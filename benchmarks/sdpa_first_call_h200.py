@@ -8,7 +8,9 @@ the engine path's error against the masked call.
     TORCH_CUDNN_SDPA_AVOID_RECOMPILE=0 PYTHONPATH=. python benchmarks/sdpa_first_call_h200.py ...
 
 --layout: keys / values [S, H, d] in memory (the MLA layer's default, in `sdpa.padded_rows`) or [S, H, d] views of
-head-major [H, S, d] tensors. --warm: `sdpa.warm_plans` first (chunks up to 8192 tokens, 72K keys), timed. The
+head-major [H, S, d] tensors. --warm: `sdpa.warm_plans` first (chunks up to 8192 tokens, 72K keys), timed. For
+shapes with a history, each part of the split (history call, square call, merge) is also timed alone on device
+events (`hist_ms`, `square_ms`, `merge_ms`: where bucketed plans cost more at repeat). The
 environment variable (read once per process by PyTorch; `ops/cuda/sdpa.py` sets it to 1 unless given) picks
 bucketed or exact-shape cuDNN plans; the JSON is named by layout, that variable and --warm.
 """
@@ -63,7 +65,37 @@ def time_shape(q, k, v, scale) -> dict:
         row[f"{name}_repeat_ms"] = statistics.median(wall_ms(fn) for _ in range(3))
     err = (out["engine"].float() - out["masked"].float()).abs().max() / out["masked"].float().abs().max()
     row["engine_rel_err_vs_masked"] = err.item()
+    if L < S:  # where the split's time goes: each call alone, after its first call, on device events
+        row.update(split_parts_ms(q, k, v, scale))
     return row
+
+
+def event_ms(fn, reps: int = 10) -> float:
+    """Median device time of fn over `reps` calls (CUDA events), after one call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def split_parts_ms(q, k, v, scale) -> dict:
+    """Device ms of the split's history call, square call and merge on q [L, H, D] over k / v [S, H, *], in the
+    layouts the engine passes (this process's plan mode)."""
+    L, S = q.shape[0], k.shape[0]
+    qs = sdpa.padded_rows(L, *q.shape[1:], dtype=q.dtype, device=q.device).copy_(q)
+    qn, kn, vn = (t.transpose(0, 1).unsqueeze(0) for t in (qs, k, v))
+    qn = qn if sdpa.bucketed_plans() else qn.contiguous()  # as `attention_expanded` passes it
+    hist = lambda: sdpa.cudnn_attend(qn, kn[:, :, : S - L], vn[:, :, : S - L], False, scale)
+    square = lambda: sdpa.cudnn_attend(qn, kn[:, :, S - L:], vn[:, :, S - L:], True, scale)
+    (o1, l1), (o2, l2) = hist(), square()
+    return {"hist_ms": event_ms(hist), "square_ms": event_ms(square),
+            "merge_ms": event_ms(lambda: sdpa.merge_partials(o1, l1, o2, l2))}
 
 
 def plot(paths: list[str]) -> None:
