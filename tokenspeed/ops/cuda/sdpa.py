@@ -5,12 +5,10 @@ runs in q.dtype with the fused kernels' fp32 softmax. One SDPA call per sequence
 
 A chunk of L new tokens behind a cached history of P = k_len - L rows needs a bottom-right causal mask. Built as an
 explicit [L, k_len] boolean mask it takes SDPA off its fast path: one layer of Kimi-Linear's MLA (32 heads,
-192 / 128) for 1300 new tokens on a 64K history ran at 308 TFLOP/s. Where the work is large
-(`split_worth`), the chunk runs as two unmasked calls through cuDNN, the history (no mask) and the chunk's own
-square (is_causal), each returning its log-sum-exp, merged in fp32 (`merge_partials`): 513 TFLOP/s on the same
-shape, 583 for an 8K chunk on a 40K history (`benchmarks/results/mla_expanded_h200_*.json`). Keys and values are
-best passed head-major (a [S, H, D] view of a contiguous [H, S, D] tensor): SDPA's [1, H, S, D] view of them is
-then contiguous and nothing is copied.
+192 / 128) for 1300 new tokens on a 64K history ran at 308 TFLOP/s. So the chunk runs as two unmasked calls
+through cuDNN (`split_worth`), the history (no mask) and the chunk's own square (is_causal), each returning its
+log-sum-exp, merged in fp32 (`merge_partials`): 513 TFLOP/s on the same shape, 583 for an 8K chunk on a 40K
+history (`benchmarks/results/mla_expanded_h200_*.json`).
 
 cuDNN plans. PyTorch's cuDNN attention builds a plan for each exact (query length, key length) pair it meets: 45 ms
 (masked) to 90 ms (split) of host time on an H200 at every new pair (`benchmarks/results/sdpa_first_call_h200_*`),
@@ -32,9 +30,10 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-# Split a chunk with a history when L * P is at least this (query rows x history rows): below it the extra launch
-# and the merge cost more than the mask (H200: 300 new tokens on 3.8K rows 0.64 ms split vs 0.43 ms masked;
-# 256 on 64K 2.58 vs 4.12 ms; 1300 on 16K 1.30 vs 2.05 ms, each with its expansion).
+# With exact-shape plans (bucketed plans off), split a chunk with a history when L * P is at least this (query rows x
+# history rows): below it the extra launch and the merge cost more than the mask (H200: 300 new tokens on 3.8K rows
+# 0.64 ms split vs 0.43 ms masked; 256 on 64K 2.58 vs 4.12 ms; 1300 on 16K 1.30 vs 2.05 ms, each with its
+# expansion). With bucketed plans every chunk with a history splits.
 SPLIT_MIN_WORK = 1 << 22
 
 # (q, k, v [1, H, *, D]; causal) -> (o [1, H, L, Dv] in q.dtype, lse [1, H, L] fp32, natural log)
@@ -50,7 +49,8 @@ os.environ.setdefault(BUCKETED_PLANS_ENV, "1")
 ROW_SLACK = 128
 
 _log = logging.getLogger(__name__)
-# Set False (with a warning) the first time cuDNN refuses a split call: every later chunk takes the masked form.
+# Set False (with a warning) the first time cuDNN refuses a call with log-sum-exp: every later chunk then takes one
+# SDPA call (masked where it has a history).
 _split_ok = hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention") and torch.backends.cudnn.is_available()
 
 
