@@ -1,7 +1,7 @@
 """First-call cost of the expanded MLA attention at new shapes (what serving sees: every turn's tail and history
 length is new), on one H200: the engine's path (`ops/cuda/sdpa.attention_expanded`, keys / values as the MLA layer
-builds them) and one masked SDPA call, wall time of the first call at a shape vs a repeat at the same shape, and
-the engine path's error against the masked call.
+builds them), one masked SDPA call (cuDNN) and the same on the memory-efficient kernel (no plan per shape), wall time
+of the first call at a shape vs a repeat at the same shape, and the engine path's error against the masked call.
 
     PYTHONPATH=. python benchmarks/sdpa_first_call_h200.py --out benchmarks/results [--layout bshd|bhsd] [--warm]
     python benchmarks/sdpa_first_call_h200.py --plot results/sdpa_first_call_h200_*_<commit>.json  # PNG beside them
@@ -49,12 +49,21 @@ def masked(q, k, v, scale):
     return F.scaled_dot_product_attention(qn, kn, vn, attn_mask=mask, scale=scale).squeeze(0).transpose(0, 1)
 
 
+def masked_efficient(q, k, v, scale):
+    """`masked` on SDPA's memory-efficient kernel (CUTLASS: no cuDNN plan to build at a new shape)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        return masked(q, k, v, scale)
+
+
 def time_shape(q, k, v, scale) -> dict:
     """First and repeat wall ms of the engine path and the masked call on q [L, H, D] over k / v [S, H, *], and the
     engine's error against the masked call."""
     L, S = q.shape[0], k.shape[0]
     calls = {"engine": lambda: sdpa.attention_expanded(q, k, v, [0, L], [0, S], scale),
-             "masked": lambda: masked(q, k, v, scale)}
+             "masked": lambda: masked(q, k, v, scale),
+             "efficient": lambda: masked_efficient(q, k, v, scale)}
     row, out = {}, {}
     for name, fn in calls.items():
         torch.cuda.synchronize()
