@@ -45,12 +45,15 @@
 #           spec_h200.py at that concurrency (its TPS/user window now ends when the first request finishes)
 #   tailprof  step_profile_h200.py prefill part: 256- and 1300-token tails on a 64K history beside 15 decodes, and
 #           a 1300-token tail alone (the swe-smith mixed step): kernel table, host syncs, cProfile
+#   tailpolicy  step_profile_h200.py tail_policy at swe-smith tails (256-2048 new tokens on a 64K history, alone and
+#           beside 15 decodes): the fused KDA kernel's window loop vs fla's chunked scan, to set FUSED_MAX_TAIL_CUDA
+#           (256; last timed with the plain split loop)
 #   mlaexp    mla_expanded_h200.py: expansion (cat vs head-major GEMM) and attention (masked SDPA vs split + LSE merge)
 #   sdpatest  tests/ops/test_cuda_sdpa.py and the MLA decode GPU tests
 #   sdpafirst sdpa_first_call_h200.py (cuDNN plan build per new shape): bucketed plans (warmed and not) vs exact
 #   memcheck  sdpa_row_slack_check.py under compute-sanitizer: reads past the last row with and without ROW_SLACK
 #   alignab   moe_align_h200.py (torch sort vs multi-program alignment) and the MoE GPU tests
-#   next: "nocompile tailprof" (each under 10 minutes), then the full-scale swe-smith (no mid-serve compile expected
+#   next: "nocompile tailprof", "tailpolicy sdpafirst" (each under 10 minutes), then the full-scale swe-smith (no mid-serve compile expected
 #   since the warm-up's mixed steps commit). Run from the repository root with carry [".whl"] (the working tree
 #   plus a copy under .gpu/ passed the device's 64 MiB carry limit)
 # Expects $OUT; at most 8 files come back from a device call.
@@ -148,6 +151,11 @@ if has tailprof; then  # a swe-smith turn's tail on a 64K history, beside 15 dec
     --beside 15 --out "$OUT/tail15" 2>&1 | grep -vE "^\s*$" | cut -c1-220 | head -150
   timeout 200 python3 benchmarks/step_profile_h200.py --skip decode,policy --history 65536 --tails 1300 \
     --out "$OUT/tail0" 2>&1 | grep -E "^prefill" | cut -c1-300
+fi
+if has tailpolicy; then  # swe-smith-sized tails: fused KDA kernel (window loop) vs fla's chunked scan, each eager
+  mkdir -p "$OUT/policy"
+  timeout 400 python3 benchmarks/step_profile_h200.py --skip decode,prefill --history 65536 \
+    --policy-tails "${POLICY_TAILS:-256,512,800,1300,2048}" --out "$OUT/policy" 2>&1 | grep -E "^\{" | cut -c1-400
 fi
 if has mlaexp; then  # MLA expanded prefill over a long history: expansion and attention variants
   timeout 300 python3 benchmarks/mla_expanded_h200.py --out "$OUT" 2>&1 | grep -vE "^\s*$" | cut -c1-1500 | tail -12
