@@ -20,6 +20,7 @@ history part and its own causal square, merged by log-sum-exp.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -105,7 +106,9 @@ def test_length_buckets_and_row_slack() -> None:
 
 def test_warm_plans_calls_each_bucket_once_and_stops_at_out_of_memory(monkeypatch, caplog) -> None:
     """Each query bucket's square, then its history part at each key bucket, on the smallest lengths of the
-    buckets (queries never past the keys' limit); out of memory ends the warm-up with a warning, not an error."""
+    buckets (queries never past the keys' limit); a call at new lengths inside built buckets that is as slow as a
+    plan build (plans not shared: PyTorch read the variable too early) is reported with the fix; out of memory
+    ends the warm-up with a warning, not an error."""
     calls = []
 
     def attend(q, k, v, causal, scale):
@@ -118,16 +121,26 @@ def test_warm_plans_calls_each_bucket_once_and_stops_at_out_of_memory(monkeypatc
     assert sdpa.warm_plans(2, 8, 4, 16, 40, torch.float32, "cpu") == 5 * (1 + 7)
     squares = [(ql, ql, True) for ql in (1, 2, 3, 5, 9)]  # buckets 1, 2, 4, 8, 16
     history = [(ql, kl, False) for kl in (1, 2, 3, 5, 9, 17, 33) for ql in (1, 2, 3, 5, 9)]  # ... 64: 33 <= 40
-    assert calls == squares + history
+    assert calls == squares + history + [(4, 6, False)]  # the last: whether plans are shared within a bucket
     calls.clear()
     assert sdpa.warm_plans(2, 8, 4, 100, 6, torch.float32, "cpu") == 4 * (1 + 4)  # queries cut at 6 keys
-    assert max(c[0] for c in calls) == 5 and max(c[1] for c in calls) == 5
+    assert max(c[0] for c in calls[:-1]) == 5 and max(c[1] for c in calls[:-1]) == 5
 
     def short_of_memory(q, k, v, causal, scale):
         if k.shape[2] > 9:
             raise torch.OutOfMemoryError("CUDA out of memory")
         return attend(q, k, v, causal, scale)
 
+    # lengths inside built buckets that still take a plan's time: told how to fix it
+    def slow(q, k, v, causal, scale):
+        if (q.shape[2], k.shape[2]) == (4, 6):
+            time.sleep(2 * sdpa.PLAN_BUILT_S)
+        return attend(q, k, v, causal, scale)
+
+    monkeypatch.setattr(sdpa, "cudnn_attend", slow)
+    assert sdpa.warm_plans(2, 8, 4, 16, 40, torch.float32, "cpu") == 40
+    assert any("set TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 in the environment" in r.getMessage() for r in caplog.records)
+    caplog.clear()
     monkeypatch.setattr(sdpa, "cudnn_attend", short_of_memory)
     assert sdpa.warm_plans(2, 8, 4, 16, 40, torch.float32, "cpu") == 5 + 5 * 5  # squares, key buckets 1..16
     assert any("out of memory building cuDNN attention plans" in r.getMessage() for r in caplog.records)

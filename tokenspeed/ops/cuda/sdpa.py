@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -205,7 +206,35 @@ def warm_plans(heads: int, d_qk: int, d_v: int, max_q: int, max_kv: int, dtype: 
                      "larger length buckets build theirs at first use", calls, max_kv)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        return calls
+    if max_q >= 4 and max_kv >= 6 and not plans_reused(heads, d_qk, d_v, dtype, device):
+        _log.warning("cuDNN attention plans are not reused across lengths in one bucket: PyTorch read %s before "
+                     "tokenspeed set it (a cuDNN attention call ran earlier in this process), so every new "
+                     "(new tokens, keys) length pair builds a plan, tens of ms each; set %s=1 in the environment "
+                     "before starting Python", BUCKETED_PLANS_ENV, BUCKETED_PLANS_ENV)
     return calls
+
+
+# A call at new lengths inside a built bucket that takes longer than this built a plan of its own (an H200 builds one
+# in 37-90 ms and runs such a small call in about 0.1 ms).
+PLAN_BUILT_S = 0.01
+
+
+def plans_reused(heads: int, d_qk: int, d_v: int, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a history call at lengths new to this process but inside buckets `warm_plans` built (4 new tokens on
+    6 keys: buckets 4 and 8) runs without building a plan: PyTorch keys plans by bucket only when it read
+    BUCKETED_PLANS_ENV as on at its first cuDNN attention call. Wall time of one small call; changes nothing."""
+    q = padded_rows(4, heads, d_qk, dtype=dtype, device=device).normal_()
+    k = padded_rows(6, heads, d_qk, dtype=dtype, device=device).normal_()
+    v = padded_rows(6, heads, d_v, dtype=dtype, device=device).normal_()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        cudnn_attend(_heads(q, 4), _heads(k, 6), _heads(v, 6), False, 1.0)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start < PLAN_BUILT_S
 
 
 def _heads(t: Tensor, n: int) -> Tensor:
