@@ -68,6 +68,9 @@ class SchedulerConfig:
                                                    "8192 on a GPU, 2048 on the CPU")
     chunked_prefill_size: int | None = opt(None, "most prompt tokens of one request in one step; default 8192 on "
                                                  "a GPU, 512 on the CPU")
+    prefill_chunk_beside_decodes: int | None = opt(
+        None, "most prompt tokens of one request in a step where other requests decode (a shorter step bounds "
+              "their inter-token latency; the prompt then takes more steps); default: chunked_prefill_size")
     async_scheduling: str = opt("auto", "launch step N+1 before reading step N's tokens, so the host work "
                                         "overlaps the GPU's: auto (on with CUDA graphs and no speculation), on, off")
 

@@ -1,6 +1,7 @@
 """The engine end to end on the CPU (tiny presets, fp32): greedy tokens do not depend on how a request is run.
 
-Scenarios: the same greedy tokens alone, in a batch of 16 mixed lengths, with chunk sizes 7, 16 and 64, after
+Scenarios: the same greedy tokens alone, in a batch of 16 mixed lengths, with chunk sizes 7, 16 and 64 (and 8 beside
+decodes), after
 forced preemption, with a prefix-cache hit from an earlier turn, and with the cache disabled; multi-turn reuse
 reports cached tokens; a scaled swe-smith-like run reaches a cache hit >= 0.85; 200 random requests through a
 small cache all finish correctly with integrity after every step and every page free at the end; fp8 cache.
@@ -53,6 +54,28 @@ def test_chunk_sizes(solo, chunk: int) -> None:
     model, prompts, params, expected = solo
     llm = _llm(model, chunked_prefill_size=chunk, max_num_batched_tokens=max(chunk, 32))
     assert _tokens(llm, prompts, params) == expected
+
+
+def test_prefill_chunk_beside_decodes(solo) -> None:
+    """With prefill_chunk_beside_decodes, a prompt takes at most that many tokens in a step where another request
+    decodes (the decoders' steps stay short) and up to the full chunk otherwise; the greedy tokens are unchanged."""
+    model, prompts, params, expected = solo
+    llm = _llm(model, chunked_prefill_size=64, max_num_batched_tokens=128, prefill_chunk_beside_decodes=8)
+    steps: list[list[tuple[bool, int]]] = []  # per step: (decoding, new tokens) of each scheduled request
+    schedule = llm.engine.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        steps.append([(r.num_computed_tokens >= r.request.num_prompt_tokens, r.num_new_tokens)
+                      for r in batch.requests])
+        return batch
+
+    llm.engine.scheduler.schedule = recording
+    assert _tokens(llm, prompts, params) == expected
+    beside = [n for step in steps if any(d for d, _ in step) for d, n in step if not d]
+    alone = [n for step in steps if not any(d for d, _ in step) for _, n in step]
+    assert beside and max(beside) <= 8  # prompts did run beside decodes, in short chunks
+    assert max(alone) > 8  # and in longer ones when nothing decoded
 
 
 class _Recording:

@@ -1,8 +1,10 @@
 """The scheduler: no prefill/decode phases, only a token budget per step.
 
 NOTE (design): every running request has `num_computed_tokens` chasing `num_tokens` (prompt + output). A step
-gives each running request, in order, min(uncomputed, chunked_prefill_size, remaining budget) tokens, then admits
-waiting requests FCFS while the budget, `max_num_seqs` and the cache allow. A chunk is shortened to end exactly
+gives each running request, in order, min(uncomputed, chunk limit, remaining budget) tokens, then admits
+waiting requests FCFS while the budget, `max_num_seqs` and the cache allow. The chunk limit is
+chunked_prefill_size, or prefill_chunk_beside_decodes when a running request is decoding (a shorter step bounds
+the decoders' inter-token latency). A chunk is shortened to end exactly
 at the last page boundary of the known tokens, where a KDA checkpoint is taken, so a later turn (or a resume
 after preemption) can start there. When pages run out, the most recently admitted running request is preempted
 (its pages released, its tokens kept) and goes back to the front of the queue; no admission happens in a step
@@ -30,6 +32,7 @@ class Scheduler:
         max_model_len: int | None = None,
     ) -> None:
         self.config = config
+        self._chunk_limit = config.chunked_prefill_size  # this step's (`schedule`)
         self.num_spec_tokens = num_spec_tokens  # draft tokens per decode step (0: no speculation)
         self.max_model_len = max_model_len
         self.cache = cache
@@ -70,15 +73,20 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        self._chunk_limit = self.config.chunked_prefill_size
+        beside = self.config.prefill_chunk_beside_decodes
+        if beside is not None and any(_decoding(r) for r in self.running):
+            self._chunk_limit = min(beside, self._chunk_limit)
         budget = self._schedule_running(batch, budget)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
         return batch
 
     def _chunk(self, req: Request, budget: int) -> int:
-        """Tokens to feed `req` this step, ending at the last page boundary of its known tokens if it passes it."""
+        """Tokens to feed `req` this step (at most this step's chunk limit), ending at the last page boundary of its
+        known tokens if it passes it."""
         start = req.num_computed_tokens
-        n = min(req.num_uncomputed_tokens, self.config.chunked_prefill_size, budget)
+        n = min(req.num_uncomputed_tokens, self._chunk_limit, budget)
         boundary = req.num_tokens // self.page_size * self.page_size
         if start < boundary < start + n:
             n = boundary - start
@@ -134,7 +142,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if len(req.all_token_ids) - req.num_computed_tokens == 1:  # decode: one new token (no chunk cut)
+            if _decoding(req):  # one new token (no chunk cut)
                 n = 1
             else:
                 n = self._chunk(req, budget)
@@ -185,3 +193,8 @@ class Scheduler:
             self.running.append(req)
             self._add(batch, req, n)
             budget -= n
+
+
+def _decoding(req: Request) -> bool:
+    """Whether `req` takes one new token this step (it has sampled every token it knows but the last)."""
+    return len(req.all_token_ids) - req.num_computed_tokens == 1
