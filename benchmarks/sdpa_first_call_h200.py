@@ -24,7 +24,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from graph_timing import write_result
+from graph_timing import events_ms, write_result
 
 from tokenspeed.ops.cuda import sdpa
 
@@ -79,20 +79,6 @@ def time_shape(q, k, v, scale) -> dict:
     return row
 
 
-def event_ms(fn, reps: int = 10) -> float:
-    """Median device time of fn over `reps` calls (CUDA events), after one call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def split_parts_ms(q, k, v, scale) -> dict:
     """Device ms of the split's history call, square call and merge on q [L, H, D] over k / v [S, H, *], in the
     layouts the engine passes (this process's plan mode)."""
@@ -103,8 +89,8 @@ def split_parts_ms(q, k, v, scale) -> dict:
     hist = lambda: sdpa.cudnn_attend(qn, kn[:, :, : S - L], vn[:, :, : S - L], False, scale)
     square = lambda: sdpa.cudnn_attend(qn, kn[:, :, S - L:], vn[:, :, S - L:], True, scale)
     (o1, l1), (o2, l2) = hist(), square()
-    return {"hist_ms": event_ms(hist), "square_ms": event_ms(square),
-            "merge_ms": event_ms(lambda: sdpa.merge_partials(o1, l1, o2, l2))}
+    return {"hist_ms": events_ms(hist, reps=10, warmup=1), "square_ms": events_ms(square, reps=10, warmup=1),
+            "merge_ms": events_ms(lambda: sdpa.merge_partials(o1, l1, o2, l2), reps=10, warmup=1)}
 
 
 def plot(paths: list[str]) -> None:
