@@ -2,9 +2,9 @@
 
 Scenarios: a step gives running requests their tokens in order (a decode one, a prompt min(uncomputed, chunk,
 budget)) and then admits waiting requests FCFS; a chunk that passes the last page boundary of the known tokens
-ends on it; `max_num_seqs` bounds the running set; with `prefill_chunk_beside_decodes` a prompt's chunk is capped in a step
-where another request decodes and not otherwise; when pages run out the most recently admitted request is
-preempted and goes back to the front of the queue, keeping its tokens.
+ends on it; `max_num_seqs` bounds the running set; with `prefill_chunk_beside_decodes` a prompt's chunk is capped
+in a step where another request decodes and not otherwise; when pages run out the most recently admitted request
+is preempted and goes back to the front of the queue, keeping its tokens.
 """
 
 from __future__ import annotations
