@@ -4,7 +4,7 @@
 Host-side only: the variant of a committing `kda_decode` launch is fixed by its launch constants (`_split`: the
 config row for N * H (sequence, head) pairs, tiles, stages, the window flag) and the fused norm's rows per step;
 this computes them for kimi-linear-48b-a3b's 32 KDA heads of dim 128 the way the launch does. The full-scale
-swe-smith runs compiled one such variant mid-serve (BV 16 at 4+ sequences) while the warm-up ran its mixed steps
+swe-smith runs compiled one such variant mid-serve (BV 16 at 3+ sequences) while the warm-up ran its mixed steps
 as verifications; a new `MULTI_TABLE` row would need a warm-up step that reaches it.
 """
 

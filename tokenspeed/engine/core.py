@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 # MLA beside the ragged kernel), beside one that puts 16-32 rows on each expert (the MoE tiles of that bucket), and
 # two expanded-MLA tails whose key lengths are odd and 2 mod 4 (the first such torch SDPA call of a process took
 # over a second on an H200: benchmarks/results/compile_stalls_h200_5450477_profiled.json). They commit, as serving's
-# steps do (they used to run as verifications, so the committing fused-KDA variant at 4+ sequences compiled
+# steps do (they used to run as verifications, so the committing fused-KDA variant at 3+ sequences compiled
 # mid-serve in every full-scale swe-smith run: results/swe_smith_cuda_48b_server_scale1_413ec63_diagnosis.log).
 WARM_UP_MIXED = ((1, 40), (1, 1, 1, 40), (1, 1, 300), (1, 1, 1, 600), (1, 301, 302))
 # Tails the warm-up also runs on a long history, each on the shortest (odd) history that takes MLA's split attention
