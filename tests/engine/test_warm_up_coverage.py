@@ -10,13 +10,10 @@ as verifications; a new `MULTI_TABLE` row would need a warm-up step that reaches
 
 from __future__ import annotations
 
-import pytest
-
+import tests.ops.triton_env  # noqa: F401 - first: the Triton interpreter on a machine without CUDA
 from tokenspeed.engine.core import WARM_UP_MIXED
 from tokenspeed.models.kimi.kda import FUSED_MAX_TAIL_CUDA
-
-pytest.importorskip("triton")
-from tokenspeed.ops.triton.kda_decode import _split, norm_rows  # after the Triton check
+from tokenspeed.ops.triton.kda_decode import _split, norm_rows
 
 H, D = 32, 128  # kimi-linear-48b-a3b's KDA heads, one GPU
 MAX_NUM_SEQS = 32  # the swe-smith server's
