@@ -120,7 +120,7 @@ class EngineCore:
         plans = getattr(self.model, "warm_attention_plans", None)
         plan_calls = plans(chunk, self.max_model_len) if plans is not None else 0
         logger.info("warmed up prefill kernels for %s-token prompts, mixed steps %s, (tail, history) %s and %d "
-                    "attention plan buckets in %.1f s", lengths, mixed, long, plan_calls, time.perf_counter() - start)
+                    "attention plans in %.1f s", lengths, mixed, long, plan_calls, time.perf_counter() - start)
 
     def _use_cuda_graphs(self) -> bool:
         """Graphs need a CUDA device and the Triton ops (the references synchronise). With EAGLE3 the target's

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenspeed.ops.triton import pdl
+from tokenspeed.ops.triton.moe_pdl import _pdl_sync
 
 
 def align_pairs(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
@@ -115,9 +115,7 @@ def _align_kernel(
     """`align_pairs` in one program: stable in-bucket ranks chunk by chunk (a [CHUNK, CHUNK] comparison plus the
     running per-bucket counts), then each pair's destination. Work [EB] and Rank [P] int32 are scratch; bin EB - 1
     (> E) collects the masked lanes and is ignored. PDL: wait for the ids' producer before anything."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    _pdl_sync(PDL)
     for start in range(0, n_rows, CHUNK):
         o = start + tl.arange(0, CHUNK)
         tl.store(SortedPair + o, tl.zeros([CHUNK], dtype=tl.int32) + P, mask=o < n_rows)
@@ -183,9 +181,7 @@ def _align_count_kernel(
     among the program's pairs of the same bucket (Rank), the program's bucket counts go to Counts[g, :EB] (first
     used as the scratch the ranks gather from), and SortedPair rows [g * rows_per_prog, ...) are set to P (the
     padding value; the scatter launch overwrites the real rows). Bin EB - 1 (> E) collects the masked lanes."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    _pdl_sync(PDL)
     g = tl.program_id(0)
     ci = tl.arange(0, CHUNK)
     for start in range(0, rows_per_prog, CHUNK):
@@ -210,9 +206,7 @@ def _align_scan_kernel(
     """`align_pairs_multi`'s second launch, one program: Counts [num_progs, EB] becomes, in place, each counting
     program's exclusive prefix per bucket (its pairs' offset within the bucket); BlkStart [EB] the first block of
     each bucket; BlockExpert [max_blocks] the bucket of every block (-1 past the last)."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    _pdl_sync(PDL)
     bins = tl.arange(0, EB)
     total = tl.zeros([EB], dtype=tl.int32)
     for g in range(num_progs):
@@ -237,9 +231,7 @@ def _align_scatter_kernel(
 ):
     """`align_pairs_multi`'s third launch: pair p of program g goes to row BlkStart[b] * BLOCK_M + Counts[g, b] +
     Rank[p] of SortedPair (b its bucket). Reads what the two launches before it wrote, after its PDL wait."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    _pdl_sync(PDL)
     g = tl.program_id(0)
     ci = tl.arange(0, CHUNK)
     for start in range(0, SPAN, CHUNK):
