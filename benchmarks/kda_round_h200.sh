@@ -166,7 +166,7 @@ if has sdpatest; then  # the split expanded attention and the per-head expansion
     2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
 fi
 if has sdpafirst; then  # cuDNN's first call at a new (query, key) shape against a repeat: bucketed vs exact plans
-  for cfg in "bshd:1:--warm" "bshd:1:" "bshd:0:" "bhsd:0:"; do
+  for cfg in ${SDPA_CFGS:-"bshd:1:--warm" "bshd:1:" "bshd:0:" "bhsd:0:"}; do
     IFS=: read -r layout avoid warm <<< "$cfg"
     echo "== layout $layout TORCH_CUDNN_SDPA_AVOID_RECOMPILE=$avoid $warm"
     TORCH_CUDNN_SDPA_AVOID_RECOMPILE=$avoid timeout 150 python3 benchmarks/sdpa_first_call_h200.py --out "$OUT" \

@@ -11,7 +11,7 @@ as verifications; a new `MULTI_TABLE` row would need a warm-up step that reaches
 from __future__ import annotations
 
 import tests.ops.triton_env  # noqa: F401 - first: the Triton interpreter on a machine without CUDA
-from tokenspeed.engine.core import WARM_UP_MIXED
+from tokenspeed.engine.core import WARM_UP_LONG_TAILS, WARM_UP_MIXED
 from tokenspeed.models.kimi.kda import FUSED_MAX_TAIL_CUDA
 from tokenspeed.ops.triton.kda_decode import _split, norm_rows
 
@@ -35,3 +35,10 @@ def test_warm_up_reaches_every_committing_fused_kda_variant_of_mixed_serving() -
     missing = serving - warmed
     assert not missing, f"fused-KDA variants no warm-up mixed step compiles: {sorted(missing)}"
     assert len(serving) >= 2  # the table's two rows (split window loop at BV 32 and at BV 16) are both met
+
+
+def test_warm_up_also_runs_the_chunked_kda_scan_beside_decodes_and_on_a_history() -> None:
+    """Tails longer than the fused limit take the chunked scan from cached states: a mixed step and the long-history
+    tails must reach it, whatever FUSED_MAX_TAIL_CUDA is set to."""
+    assert any(len(q) > 1 and max(q) > FUSED_MAX_TAIL_CUDA for q in WARM_UP_MIXED)
+    assert all(t > FUSED_MAX_TAIL_CUDA for t in WARM_UP_LONG_TAILS)

@@ -26,7 +26,9 @@ def _batch(qlens: list[int], verify: bool = False) -> ForwardBatch:
     ([kda.FUSED_MAX_TAIL_CUDA + 1, 1], False, True, False),            # CUDA long chunk
     ([3, 1], False, False, False),                                     # CPU mixed step
     ([3, 1], True, True, True),                                        # CUDA verify window beside a short tail
-    ([kda.FUSED_MAX_TAIL_CUDA + 1, 4], True, True, False),             # long chunk beside a window: scratch states
+    ([kda.FUSED_MAX_VERIFY_TAIL_CUDA, 4], True, True, True),           # tail beside a window: replayed with it
+    ([kda.FUSED_MAX_VERIFY_TAIL_CUDA + 1, 4], True, True, False),      # longer chunk beside a window: scratch states
+    ([kda.FUSED_MAX_VERIFY_TAIL_CUDA + 1, 1], False, True, True),      # the same tail beside decodes: fused
     ([3, 1], True, False, False),                                      # CPU non-uniform verify: scratch states
 ])
 def test_kda_path_choice(qlens: list[int], verify: bool, on_cuda: bool, fused: bool) -> None:

@@ -54,19 +54,25 @@ FUSED_MAX_QUERY_LEN = 16
 # On CUDA, other batches (prefill chunks, steps mixing decodes or verify windows with a prompt's tail) take it too
 # when no sequence has more than this many new tokens: the fused kernel walks each sequence's tokens in one launch,
 # while the chunked scan's dozen launches per layer (fla's Python included) make an eager step of a short agentic
-# tail host-bound. Chosen from `benchmarks/step_profile_h200.py` (tail_policy section).
-FUSED_MAX_TAIL_CUDA = 256
+# tail host-bound. Chosen from `benchmarks/step_profile_h200.py` (tail_policy section): on a 64K history the fused
+# window loop wins up to 512 new tokens (56 vs 76 ms alone, 59 vs 79 ms beside 15 decodes), ties at 800 and loses
+# from 1300 (93 vs 83 ms).
+FUSED_MAX_TAIL_CUDA = 768
+# The same bound for verifications, lower: their prompt tails are not committed by the forward but replayed token
+# by token with the accepted windows (`replay_kda`), which a longer tail would make the step's long pole.
+FUSED_MAX_VERIFY_TAIL_CUDA = 256
 
 
 def takes_fused_path(batch: ForwardBatch, on_cuda: bool) -> bool:
     """Whether a KDA layer runs `batch` through the fused `ops.kda_decode` rather than conv + `ops.kda_prefill`:
     every sequence has the same 1..FUSED_MAX_QUERY_LEN new tokens (decode, verify; any device), or, on CUDA, no
-    sequence has more than FUSED_MAX_TAIL_CUDA new tokens (verifications included: their short prompt tails are
-    then replayed with the windows). A host decision from the batch's host lengths only."""
+    sequence has more than FUSED_MAX_TAIL_CUDA new tokens (FUSED_MAX_VERIFY_TAIL_CUDA in a verification, whose
+    short prompt tails are then replayed with the windows). A host decision from the batch's host lengths only."""
     ql = batch.uniform_query_len
     if ql is not None and 1 <= ql <= FUSED_MAX_QUERY_LEN:
         return True
-    return on_cuda and batch.num_tokens > 0 and max(batch.query_lens_host) <= FUSED_MAX_TAIL_CUDA
+    limit = FUSED_MAX_VERIFY_TAIL_CUDA if batch.verify else FUSED_MAX_TAIL_CUDA
+    return on_cuda and batch.num_tokens > 0 and max(batch.query_lens_host) <= limit
 
 
 class KDAAttention(nn.Module):
