@@ -265,3 +265,25 @@ def test_uniform_form_on_cuda_only_for_decode_and_verify() -> None:
     assert not _uniform_form(batch(4), cuda) and not _uniform_form(batch(8), cuda)
     assert _uniform_form(batch(4), cpu) and _uniform_form(batch(ABSORBED_MAX_QUERY_LEN), cpu)
     assert not _uniform_form(batch(None), cuda) and not _uniform_form(batch(ABSORBED_MAX_QUERY_LEN + 1, True), cuda)
+
+
+def test_expanded_form_takes_sequences_in_bounded_key_row_groups(monkeypatch) -> None:
+    """The expanded form splits its sequences into groups of at most EXPANDED_MAX_ROWS cached key rows (one
+    sequence past it alone), so a step of many chunks on long histories does not build all their keys at once; the
+    outputs are those of one call."""
+    from tokenspeed.models.kimi import mla
+
+    assert mla._key_row_groups([5, 5, 5], 10) == [(0, 2), (2, 3)]
+    assert mla._key_row_groups([3, 20, 3, 3, 3], 10) == [(0, 1), (1, 2), (2, 5)]
+    assert mla._key_row_groups([20], 10) == [(0, 1)]
+    model, attn = _layer(False)
+    ref = _mixed_steps(model, attn)  # the prefill expands histories of 50 and 40 keys in one call
+    monkeypatch.setattr(mla, "EXPANDED_MAX_ROWS", 45)
+    groups = []
+    real = attn._attend_expanded_group
+    monkeypatch.setattr(attn, "_attend_expanded_group", lambda q, subset, *a: groups.append(list(subset)) or real(
+        q, subset, *a))
+    got = _mixed_steps(model, attn)
+    assert groups == [[0], [2], [2]]  # the prefill's two long sequences apart, then the mixed step's tail
+    for g, r in zip(got, ref, strict=True):
+        assert rel_err(g, r) < 1e-6

@@ -68,6 +68,12 @@ FUSED_RAGGED = False
 # whose cuDNN plans are kept per length bucket: `ops/cuda/sdpa.py`) or "bhsd"; the variable overrides it per call.
 EXPAND_LAYOUT = "bshd"
 EXPAND_LAYOUT_ENV = "TOKENSPEED_MLA_EXPAND_LAYOUT"
+# The expanded form builds per-head keys and values for every cached row of the sequences it takes, about 20 KB a
+# row on kimi-linear-48b-a3b (32 heads x (192 + 128) bf16): it takes its sequences in groups of at most this many
+# key rows (2.6 GB there; a longer sequence alone). Without the bound, a step of many short chunks on long histories
+# (sixteen 512-token chunks on 34K histories in the full-scale swe-smith run with --prefill-chunk-beside-decodes
+# 512) asked for 11 GB at once and ran out of memory.
+EXPANDED_MAX_ROWS = 1 << 17
 
 
 def fused_decode_enabled(num_seqs: int | None = None) -> bool:
@@ -302,6 +308,17 @@ class MLAAttention(nn.Module):
         return torch.einsum("thr,hvr->thv", o_latent, w_uv).to(self.kv_b_proj.weight.dtype)
 
     def _attend_expanded(self, q, subset, batch, latent_cache, kv_scale, page_table) -> Tensor:
+        """`subset`'s sequences (host indices into the batch; their query rows `q`, page-table rows `page_table`)
+        in the expanded form, in groups of at most EXPANDED_MAX_ROWS key rows (`_key_row_groups`)."""
+        kv_lens = [batch.kv_lens_host[n] for n in subset]
+        groups = _key_row_groups(kv_lens, EXPANDED_MAX_ROWS)
+        if len(groups) == 1:
+            return self._attend_expanded_group(q, subset, batch, latent_cache, kv_scale, page_table)
+        cu = _cumsum([batch.query_lens_host[n] for n in subset])
+        return torch.cat([self._attend_expanded_group(q[cu[lo] : cu[hi]], subset[lo:hi], batch, latent_cache,
+                                                      kv_scale, page_table[lo:hi]) for lo, hi in groups])
+
+    def _attend_expanded_group(self, q, subset, batch, latent_cache, kv_scale, page_table) -> Tensor:
         """Keys/values expanded per head from the cached latent rows; fp32 on the CPU (the reference numerics),
         the model dtype on CUDA (tensor cores, fused SDPA with an fp32 softmax)."""
         cdt = q.dtype if q.is_cuda else torch.float32
@@ -373,3 +390,16 @@ def _cumsum(lengths: list[int]) -> list[int]:
     for n in lengths:
         out.append(out[-1] + n)
     return out
+
+
+def _key_row_groups(kv_lens: list[int], max_rows: int) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) ranges of `kv_lens` whose sums stay within max_rows (a longer entry alone), in order,
+    covering every index once."""
+    groups, lo, rows = [], 0, 0
+    for n, kv in enumerate(kv_lens):
+        if n > lo and rows + kv > max_rows:
+            groups.append((lo, n))
+            lo, rows = n, 0
+        rows += kv
+    groups.append((lo, len(kv_lens)))
+    return groups
