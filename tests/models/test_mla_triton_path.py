@@ -268,7 +268,7 @@ def test_uniform_form_on_cuda_only_for_decode_and_verify() -> None:
 
 
 def test_expanded_form_takes_sequences_in_bounded_key_row_groups(monkeypatch) -> None:
-    """The expanded form splits its sequences into groups of at most EXPANDED_MAX_ROWS cached key rows (one
+    """The expanded form splits its sequences into groups whose keys and values fit in EXPANDED_MAX_BYTES (one
     sequence past it alone), so a step of many chunks on long histories does not build all their keys at once; the
     outputs are those of one call."""
     from tokenspeed.models.kimi import mla
@@ -278,7 +278,8 @@ def test_expanded_form_takes_sequences_in_bounded_key_row_groups(monkeypatch) ->
     assert mla._key_row_groups([20], 10) == [(0, 1)]
     model, attn = _layer(False)
     ref = _mixed_steps(model, attn)  # the prefill expands histories of 50 and 40 keys in one call
-    monkeypatch.setattr(mla, "EXPANDED_MAX_ROWS", 45)
+    row_bytes = attn.num_heads * (attn.nope + attn.rope + attn.v_dim) * 4  # fp32 keys and values on the CPU
+    monkeypatch.setattr(mla, "EXPANDED_MAX_BYTES", 45 * row_bytes)  # 45 key rows
     groups = []
     real = attn._attend_expanded_group
     monkeypatch.setattr(attn, "_attend_expanded_group", lambda q, subset, *a: groups.append(list(subset)) or real(

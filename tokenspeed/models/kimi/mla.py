@@ -68,12 +68,12 @@ FUSED_RAGGED = False
 # whose cuDNN plans are kept per length bucket: `ops/cuda/sdpa.py`) or "bhsd"; the variable overrides it per call.
 EXPAND_LAYOUT = "bshd"
 EXPAND_LAYOUT_ENV = "TOKENSPEED_MLA_EXPAND_LAYOUT"
-# The expanded form builds per-head keys and values for every cached row of the sequences it takes, about 20 KB a
-# row on kimi-linear-48b-a3b (32 heads x (192 + 128) bf16): it takes its sequences in groups of at most this many
-# key rows (2.6 GB there; a longer sequence alone). Without the bound, a step of many short chunks on long histories
-# (sixteen 512-token chunks on 34K histories in the full-scale swe-smith run with --prefill-chunk-beside-decodes
-# 512) asked for 11 GB at once and ran out of memory.
-EXPANDED_MAX_ROWS = 1 << 17
+# The expanded form builds per-head keys and values for every cached row of the sequences it takes (20 KB a row on
+# kimi-linear-48b-a3b: 32 heads x (192 + 128) bf16): it takes them in groups whose keys and values fit in this many
+# bytes (131,072 rows there; a longer sequence alone). Without the bound, a step of many chunks on long histories
+# (sixteen 512-token chunks on 34K histories in the full-scale swe-smith run with --prefill-chunk-beside-decodes 512)
+# asked for 11 GB at once and ran out of memory.
+EXPANDED_MAX_BYTES = 5 << 29
 
 
 def fused_decode_enabled(num_seqs: int | None = None) -> bool:
@@ -309,9 +309,11 @@ class MLAAttention(nn.Module):
 
     def _attend_expanded(self, q, subset, batch, latent_cache, kv_scale, page_table) -> Tensor:
         """`subset`'s sequences (host indices into the batch; their query rows `q`, page-table rows `page_table`)
-        in the expanded form, in groups of at most EXPANDED_MAX_ROWS key rows (`_key_row_groups`)."""
+        in the expanded form, in groups whose per-head keys and values fit in EXPANDED_MAX_BYTES."""
         kv_lens = [batch.kv_lens_host[n] for n in subset]
-        groups = _key_row_groups(kv_lens, EXPANDED_MAX_ROWS)
+        cdt = q.dtype if q.is_cuda else torch.float32
+        row_bytes = self.num_heads * (self.nope + self.rope + self.v_dim) * cdt.itemsize
+        groups = _key_row_groups(kv_lens, max(1, EXPANDED_MAX_BYTES // row_bytes))
         if len(groups) == 1:
             return self._attend_expanded_group(q, subset, batch, latent_cache, kv_scale, page_table)
         cu = _cumsum([batch.query_lens_host[n] for n in subset])
