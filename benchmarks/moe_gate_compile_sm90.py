@@ -11,7 +11,8 @@ few other `GateConfig`s) with `pdl.enabled` forced to the chosen value; its laun
 handed to `triton.compile` for GPUTarget("cuda", 90, 32) with the signature and specialisations the JIT derives
 (benchmarks/sm90_compile.py, and `moe_compile_sm90.compile_sm90`). With PDL the PTX must show
 `griddepcontrol.wait` before `griddepcontrol.launch_dependents`, the router-weight loads before the wait and the
-counter's atomic after it. Use the Triton the GPU runs (e.g. `pip install --target DIR triton==3.6.0`). Exit
+counter's atomic after it. Then the benchmark routing kernel (`moe_route.simulate_uniform_routing`, no PDL: no
+griddepcontrol) at 1 and 64 rows. Use the Triton the GPU runs (e.g. `pip install --target DIR triton==3.6.0`). Exit
 status 1 if anything fails (a spill counts as a failure).
 """
 
@@ -27,7 +28,7 @@ import torch
 import triton
 from moe_compile_sm90 import compile_sm90
 
-from tokenspeed.ops.triton import moe_gate
+from tokenspeed.ops.triton import moe_gate, moe_route
 
 KIMI = {"k": 8, "E": 256, "K": 2304}
 TOKENS = (1, 2, 3, 4, 8, 16)
@@ -73,6 +74,19 @@ def variants() -> list[tuple[str, Callable[[], object]]]:
     return out
 
 
+def simulate_launches() -> list[tuple[str, sc.Launch]]:
+    """The benchmark routing kernel (`moe_route.simulate_uniform_routing`, launched without PDL) at Kimi-Linear's
+    routing (k 8 of 256 plus the shared column) for 1 and 64 rows."""
+    out = []
+    for T in (1, 64):
+        def call(T=T):
+            moe_route.simulate_uniform_routing(torch.zeros(T, KIMI["k"] + 1), torch.zeros(T, KIMI["k"] + 1,
+                                               dtype=torch.int64), KIMI["k"], KIMI["E"], salt=7)
+        out += [(f"simulate_T{T}", launch) for launch in sc.catch_launches(
+            {moe_route: ("_simulate_routing_kernel",)}, call)]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="regex of variant names")
@@ -98,6 +112,20 @@ def main() -> None:
             print(f"{tag:20s} {cfg}  smem {r['shared']:6d} B  regs {r['regs']}  stack {r['stack']}"
                   + (f"  sass {r['sass']}" if args.sass else "")
                   + ("  ok" if not bad else "  CHECK FAILED: " + "; ".join(bad)), flush=True)
+    for tag, (fn, grid, a, kw) in simulate_launches():
+        if args.only and not re.search(args.only, tag):
+            continue
+        try:
+            r = compile_sm90(fn, sc.pack_launch(fn, a, kw), args.sass)
+        except Exception as e:  # noqa: BLE001 - report it, then go on
+            failed += 1
+            print(sc.failure_line(f"{tag:20s} ", e, 300), flush=True)
+            continue
+        bad = (["no griddepcontrol (launched without PDL)"] if sc.has_griddepcontrol(r["ptx"]) else []) \
+            + (["no spills"] if r["stack"] else [])
+        failed += bool(bad)
+        print(f"{tag:20s} grid {grid[0]}  regs {r['regs']}  stack {r['stack']}"
+              + ("  ok" if not bad else "  CHECK FAILED: " + "; ".join(bad)), flush=True)
     print(f"{failed} failed", flush=True)
     sys.exit(1 if failed else 0)
 

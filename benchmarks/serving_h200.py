@@ -36,6 +36,7 @@ from graph_timing import events_ms  # benchmarks/graph_timing.py (the script's o
 
 from tokenspeed.executor.cuda_graphs import DecodeGraphs
 from tokenspeed.models import CacheBuffers, ForwardBatch
+from tokenspeed.models.kimi.moe import ROUTING_SIMULATIONS, set_routing_simulation
 from tokenspeed.models.loader import load_model, resolve_config
 
 HBM = 4.27e12
@@ -577,6 +578,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--prefill-tokens", type=int, default=8192)
     ap.add_argument("--skip", default="", help="comma list of sections to skip")
+    ap.add_argument("--routing-simulation", default="off", choices=ROUTING_SIMULATIONS,
+                    help="uniform: MoE layers route as a balanced router would (`set_routing_simulation`; random "
+                         "weights concentrate tokens on few experts); the decode sweep and the prefill only")
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     batches = [int(x) for x in args.batches.split(",")]
@@ -599,6 +603,8 @@ def main() -> None:
                 parity(model, name)
             if "profile" not in skip:
                 profile(model, name, [1, 64], 4096, args.prefill_tokens)
+            if args.routing_simulation != "off":  # after the parity check, which compares the model's own outputs
+                set_routing_simulation(model, args.routing_simulation)
             if "decode" not in skip:
                 decode_sweep(model, name, batches, contexts)
             if "prefill" not in skip:

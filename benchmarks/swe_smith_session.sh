@@ -6,6 +6,8 @@
 #   server's default; 64 lets MLA decode take the Gluon split kernel on an H200); SESSIONS unset: the
 #   spec's sessions per concurrency (4 at 1, 8 at 4, 32 at 16; estimated at ~2 minutes on the H200, not yet run), else that many each;
 #   BESIDE (unset: off) caps a prompt's chunk in steps where others decode (--prefill-chunk-beside-decodes)
+#   ROUTING=uniform: MoE layers route as a balanced router would (--moe-routing-simulation; random weights send
+#   similar tokens to the same few experts, which understates the experts' cost)
 #   e.g. CPU check: MODEL=tiny-k3 DEVICE=cpu SCALE=0.005 CONC=1,2 SESSIONS=2 OUT=/tmp/swe bash benchmarks/swe_smith_session.sh
 # `--history live`: each turn appends the server's own output (swe-smith semantics), and every stream chunk carries
 # its token ids, so per-token timing holds even when a random model's tokens decode to no text.
@@ -32,6 +34,7 @@ else
 fi
 [[ -n ${PAGE_SIZE:-} ]] && extra+=(--page-size "$PAGE_SIZE")
 [[ -n ${BESIDE:-} ]] && extra+=(--prefill-chunk-beside-decodes "$BESIDE")
+[[ -n ${ROUTING:-} ]] && extra+=(--moe-routing-simulation "$ROUTING")
 python3 -m tokenspeed.cli serve "$MODEL" --device "$DEVICE" --port "$PORT" --max-num-seqs "${MAX_NUM_SEQS:-32}" \
   --max-model-len "${MAX_LEN:-16384}" "${extra[@]}" > "$OUT/swe_server.log" 2>&1 &
 server=$!

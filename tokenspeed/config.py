@@ -27,6 +27,10 @@ class ModelConfig:
     enforce_eager: bool = opt(False, "GPU: run decode steps eagerly instead of replaying captured CUDA graphs")
     cuda_graph_max_bs: int | None = opt(None, "GPU: largest decode batch captured as a CUDA graph "
                                               "(default: max_num_seqs)")
+    moe_routing_simulation: str = opt(
+        "off", "benchmarks with dummy weights: 'uniform' replaces each token's routed experts by k drawn as a "
+               "balanced router spreads them (random weights send similar tokens to the same few experts, which "
+               "understates MoE cost); changes the outputs")
 
     def __post_init__(self) -> None:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
@@ -37,6 +41,8 @@ class ModelConfig:
             raise ConfigError(f"load_format {self.load_format!r}: choose auto, safetensors or dummy")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be at least 2")
+        if self.moe_routing_simulation not in ("off", "uniform"):
+            raise ConfigError(f"moe_routing_simulation {self.moe_routing_simulation!r}: choose off or uniform")
 
 
 @dataclass(frozen=True)

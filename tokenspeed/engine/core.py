@@ -30,6 +30,7 @@ from tokenspeed.executor.launched import LaunchedStep
 from tokenspeed.executor.runner import ModelRunner, StepOutput
 from tokenspeed.executor.sampler import samples_on_device
 from tokenspeed.models import load_model, resolve_config
+from tokenspeed.models.kimi.moe import set_routing_simulation
 from tokenspeed.scheduler import ScheduledBatch, Scheduler
 from tokenspeed.spec.proposer import make_proposer
 
@@ -66,6 +67,10 @@ class EngineCore:
         model_config, self.model_dir = resolve_config(mc.model)
         dtype = resolve_dtype(mc.dtype, mc.device)
         self.model = load_model(mc.model, dtype, mc.device, load_format=mc.load_format, seed=mc.seed)
+        if mc.moe_routing_simulation != "off":
+            layers = set_routing_simulation(self.model, mc.moe_routing_simulation)
+            logger.warning("MoE routing simulation %r in %d layers: outputs are not the model's (benchmarks only)",
+                           mc.moe_routing_simulation, layers)
         self.tokenizer: Tokenizer = load_tokenizer(self.model_dir, model_config.vocab_size,
                                                    model_config.eos_token_ids)
         self.vocab_size = model_config.vocab_size

@@ -158,6 +158,17 @@ def moe_route(
                               routed_scaling_factor=routed_scaling_factor, shared_expert_id=shared_expert_id)
 
 
+def moe_simulate_routing(weights: Tensor, ids: Tensor, num_routed: int, num_experts: int, salt: int) -> Tensor:
+    """Benchmark routing with random weights (`ModelConfig.moe_routing_simulation`): ids[:, :num_routed] of a
+    routing (weights [T, >= 1] fp32, ids [T, >= num_routed] int64, as `moe_route` returns them) overwritten in
+    place by num_routed consecutive experts (mod num_experts) from a hash of (weights[t, 0], t, salt), so each
+    expert is picked by a row with probability num_routed / num_experts independently across rows (uniform
+    routing's expert counts). Returns ids. Graph-safe (no host sync)."""
+    if _dispatch.use_triton(weights, ids) and ids.stride(1) == 1 and num_routed <= 64:
+        return _dispatch.kernels("moe_route").simulate_uniform_routing(weights, ids, num_routed, num_experts, salt)
+    return _ref_moe.simulate_uniform_routing(weights, ids, num_routed, num_experts, salt)
+
+
 def moe_variant_token_counts(k: int, num_experts: int, dim: int, inter: int, max_tokens: int,
                              dtype: torch.dtype) -> list[int]:
     """Token counts, up to max_tokens, at which the Triton routed-experts kernels (`moe_experts` with k routing
@@ -570,6 +581,7 @@ __all__ = [
     "mla_store_latent",
     "moe_experts",
     "moe_route",
+    "moe_simulate_routing",
     "rms_norm",
     "rope_cos_sin",
     "yarn_mscale",

@@ -106,6 +106,8 @@ class SparseMoE(nn.Module):
         if config.num_shared_experts > 0 and not self.fold_shared:
             self.shared_experts = GatedMLP(config, config.num_shared_experts * config.moe_intermediate_size,
                                            parallel, dtype, device, reduce_output=False)
+        # `set_routing_simulation`: None (the router's choice) or the salt of this layer's simulated routing
+        self.routing_salt: int | None = None
 
     def experts_launch_shape(self) -> tuple[int, int, int, int]:
         """(k, E, D, DI) of this layer's `ops.moe_experts` calls: routing columns (a folded shared expert's
@@ -116,12 +118,19 @@ class SparseMoE(nn.Module):
     def _route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(weights fp32, ids int64) [T, k] (k + 1 with the folded shared expert's column)."""
         c = self.config
-        return ops.moe_route(
+        return self._simulated(*ops.moe_route(
             self.gate(x), self._bias(), c.num_experts_per_token,
             scoring=c.moe_router_activation_func, renormalize=c.moe_renormalize,
             routed_scaling_factor=c.routed_scaling_factor,
             shared_expert_id=c.num_experts if self.fold_shared else None,
-        )
+        ))
+
+    def _simulated(self, weights: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The routing as given, or with its routed ids replaced in place (`set_routing_simulation`)."""
+        if self.routing_salt is not None:
+            c = self.config
+            ops.moe_simulate_routing(weights, ids, c.num_experts_per_token, c.num_experts, self.routing_salt)
+        return weights, ids
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [T, hidden] (post-attention normed) -> [T, hidden]."""
@@ -171,7 +180,7 @@ class SparseMoE(nn.Module):
             attn_out, residual, post_norm.weight, post_norm.eps, self.gate.weight, self._bias(),
             c.num_experts_per_token, scoring=c.moe_router_activation_func, renormalize=c.moe_renormalize,
             routed_scaling_factor=c.routed_scaling_factor, shared_expert_id=self._shared_id())
-        return self._experts_add_norm(x, h, weights, ids, norm)
+        return self._experts_add_norm(x, h, *self._simulated(weights, ids), norm)
 
     def forward_add_norm(self, x: Tensor, residual: Tensor, norm: RMSNorm) -> tuple[Tensor, Tensor]:
         """The FFN and the pre-norm junction after it: (norm(residual + y), residual + y), y = forward(x) (new
@@ -200,3 +209,21 @@ class SparseMoE(nn.Module):
         """The folded shared expert's id (in every row of the routing), or None: a prefetch hint for the experts'
         gate/up launch (its weights are fetched while the router still runs)."""
         return self.config.num_experts if self.fold_shared else None
+
+
+ROUTING_SIMULATIONS = ("off", "uniform")
+
+
+def set_routing_simulation(model: nn.Module, mode: str) -> int:
+    """Benchmarks with random weights: "uniform" makes every MoE layer of `model` replace its routed experts by
+    `ops.moe_simulate_routing`'s (each expert picked by a token with probability k / E, independently; layer i
+    salted with i), "off" restores the router's choice. Random weights route correlated tokens to the same few
+    experts (kimi-linear-48b-a3b decode at batch 64 touched 126 experts a layer against 222 under uniform
+    routing), which understates the experts' cost against a trained, load-balanced router. Changes the outputs.
+    Returns the number of MoE layers set; ValueError for another mode."""
+    if mode not in ROUTING_SIMULATIONS:
+        raise ValueError(f"routing simulation {mode!r}: choose one of {', '.join(ROUTING_SIMULATIONS)}")
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    for i, layer in enumerate(layers):
+        layer.routing_salt = i if mode == "uniform" else None
+    return len(layers)

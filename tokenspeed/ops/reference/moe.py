@@ -59,6 +59,33 @@ def with_shared_expert(weights: Tensor, ids: Tensor, shared_expert_id: int) -> t
             torch.cat([ids, ids.new_full((T, 1), shared_expert_id)], 1))
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding uint32 values (products wrapped to 32 bits)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def simulate_uniform_routing(weights: Tensor, ids: Tensor, num_routed: int, num_experts: int, salt: int) -> Tensor:
+    """Benchmark routing (`ModelConfig.moe_routing_simulation`): overwrites ids[:, :num_routed] in place with
+    num_routed consecutive experts (mod num_experts) starting at a 32-bit hash of (the bits of weights[t, 0], the
+    row t, `salt`), and returns ids. Each expert is then chosen by a row with probability num_routed / E,
+    independently across rows, as under uniform routing; the k ids of a row are distinct; columns past num_routed
+    (a folded shared expert) and the weights are kept. weights: [T, >= 1] fp32; ids: [T, >= num_routed] int64."""
+    T = ids.shape[0]
+    bits = weights[:, 0].contiguous().view(torch.int32).long() & _MASK32
+    rows = (torch.arange(T, device=ids.device) * 0x9E3779B9) & _MASK32
+    h = _fmix32(bits ^ rows ^ ((salt * 0x27D4EB2F) & _MASK32))
+    start = h % num_experts
+    ids[:, :num_routed] = (start[:, None] + torch.arange(num_routed, device=ids.device)) % num_experts
+    return ids
+
+
 def check_shared_expert_id(shared_expert_id: int | None, num_experts: int) -> None:
     """A shared expert's id (`with_shared_expert`, the Triton `moe_route`) must be None or an int >= E, the routed
     experts' count (not a routed expert's id); ValueError otherwise."""

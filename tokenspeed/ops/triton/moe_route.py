@@ -135,3 +135,37 @@ def moe_route(
         num_warps=1 if block_e <= 1024 else (2 if block_e <= 4096 else 4), **pdl.kernel_kwargs(logits.device, "moe"),
     )
     return weights, ids
+
+
+@triton.jit
+def _fmix32(h):
+    """MurmurHash3's 32-bit finaliser (uint32 arithmetic wraps)."""
+    h = h ^ (h >> 16)
+    h = h * tl.full([], 0x85EBCA6B, tl.uint32)
+    h = h ^ (h >> 13)
+    h = h * tl.full([], 0xC2B2AE35, tl.uint32)
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _simulate_routing_kernel(W, Iout, stride_w, stride_i, salt, E, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row t: ids[t, :K] = (hash(bits of W[t, 0], t, salt) + j) mod E (`simulate_uniform_routing`)."""
+    t = tl.program_id(0)
+    bits = tl.load(W + t.to(tl.int64) * stride_w).to(tl.uint32, bitcast=True)
+    row = t.to(tl.uint32) * tl.full([], 0x9E3779B9, tl.uint32)
+    h = _fmix32(bits ^ row ^ salt.to(tl.uint32))
+    start = (h % E.to(tl.uint32)).to(tl.int64)
+    j = tl.arange(0, BLOCK_K)
+    tl.store(Iout + t.to(tl.int64) * stride_i + j, (start + j) % E, mask=j < K)
+
+
+def simulate_uniform_routing(weights: Tensor, ids: Tensor, num_routed: int, num_experts: int, salt: int) -> Tensor:
+    """Triton `ops.moe_simulate_routing` (the reference's contract): ids[:, :num_routed] overwritten in place, in
+    one launch (no PDL: the launches around it wait for its completion)."""
+    T = ids.shape[0]
+    if T:
+        _simulate_routing_kernel[(T,)](
+            weights, ids, weights.stride(0), ids.stride(0), (salt * 0x27D4EB2F) & 0xFFFFFFFF, num_experts,
+            K=num_routed, BLOCK_K=next_pow2(num_routed), num_warps=1,
+        )
+    return ids
