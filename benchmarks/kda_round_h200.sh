@@ -53,9 +53,11 @@
 #   sdpafirst sdpa_first_call_h200.py (cuDNN plan build per new shape): bucketed plans (warmed and not) vs exact
 #   memcheck  sdpa_row_slack_check.py under compute-sanitizer: reads past the last row with and without ROW_SLACK
 #   alignab   moe_align_h200.py (torch sort vs multi-program alignment) and the MoE GPU tests
-#   next: "nocompile tailprof", "tailpolicy sdpafirst" (each under 10 minutes), then the full-scale swe-smith (no mid-serve compile expected
-#   since the warm-up's mixed steps commit). Run from the repository root with carry [".whl"] (the working tree
-#   plus a copy under .gpu/ passed the device's 64 MiB carry limit)
+#   routing  the decode sweep of kimi-linear-48b-a3b with uniform routing simulated (serving_h200.py
+#           --routing-simulation uniform: dummy weights touch ~126 experts a layer at batch 64, a balanced router
+#           ~223), then the simulation's GPU test (a CUDA graph)
+#   next: "routing", then the full-scale swe-smith with ROUTING=uniform. Run from the repository root with carry
+#   [".whl"] (the working tree plus a copy under .gpu/ passed the device's 64 MiB carry limit)
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
 parts=" ${1:-tests sweep margin} "
@@ -151,6 +153,13 @@ if has tailprof; then  # a swe-smith turn's tail on a 64K history, beside 15 dec
     --beside 15 --out "$OUT/tail15" 2>&1 | grep -vE "^\s*$" | cut -c1-220 | head -150
   timeout 200 python3 benchmarks/step_profile_h200.py --skip decode,policy --history 65536 --tails 1300 \
     --out "$OUT/tail0" 2>&1 | grep -E "^prefill" | cut -c1-300
+fi
+if has routing; then  # decode with the experts a balanced router would touch, against the dummy weights' own routing
+  mkdir -p "$OUT/routing"
+  timeout 420 python3 benchmarks/serving_h200.py --geometries kimi-linear-48b-a3b --routing-simulation uniform \
+    --skip tiny,transformers,engine,prefill,profile,parity --out "$OUT/routing" 2>&1 | tail -14
+  timeout 120 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py -rfE --tb=short 2>&1 \
+    | grep -E "^E  |passed|failed" | cut -c1-400
 fi
 if has tailpolicy; then  # swe-smith-sized tails: fused KDA kernel (window loop) vs fla's chunked scan, each eager
   mkdir -p "$OUT/policy"
