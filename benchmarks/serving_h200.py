@@ -86,20 +86,21 @@ def ceilings() -> dict:
 # ----------------------------------------------------------------------------------------------------------- bytes
 def distinct_experts(model, fb: ForwardBatch, buf: CacheBuffers) -> list[int]:
     """Distinct experts per MoE layer in one eager forward of `fb` (advances its states once): the routed ones,
-    plus the shared expert where it is folded in as an always-selected expert (Kimi Linear: id E)."""
+    plus the shared expert where it is folded in as an always-selected expert (Kimi Linear: id E). Counted after
+    the forward, so a simulated routing (`set_routing_simulation`, which rewrites the ids in place) is what counts."""
     from tokenspeed import ops
 
-    seen: list[int] = []
+    seen: list[torch.Tensor] = []
     route, gate = ops.moe_route, ops.moe_gate  # the routing runs in one or the other (ops.moe_gate at decode sizes)
 
     def spy_route(*a, **kw):
         w, ids = route(*a, **kw)
-        seen.append(int(ids.unique().numel()))
+        seen.append(ids)
         return w, ids
 
     def spy_gate(*a, **kw):
         out = gate(*a, **kw)
-        seen.append(int(out[3].unique().numel()))
+        seen.append(out[3])
         return out
 
     ops.moe_route, ops.moe_gate = spy_route, spy_gate
@@ -109,7 +110,7 @@ def distinct_experts(model, fb: ForwardBatch, buf: CacheBuffers) -> list[int]:
         ops.moe_route, ops.moe_gate = route, gate
     if not seen:
         raise RuntimeError("no routing seen in a forward: distinct_experts spies on ops.moe_route / ops.moe_gate")
-    return seen
+    return [int(ids.unique().numel()) for ids in seen]
 
 
 def byte_model(model, batch: int, ctx: int, experts: list[int] | None = None) -> dict:
