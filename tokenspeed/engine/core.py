@@ -50,9 +50,10 @@ WARM_UP_MIXED = ((1, 40), (1, 1, 1, 40), (1, 1, 1000), (1, 1, 1, 600), (1, 301, 
 # Tails the warm-up also runs on a long history, each on the shortest (odd) history that takes MLA's split attention
 # with exact-shape cuDNN plans too (`ops/cuda/sdpa.py`, SPLIT_MIN_WORK): new-token counts that are and are not
 # multiples of 128, for the kernels around the split (the merge, the expansion), both longer than the fused KDA
-# limit (FUSED_MAX_TAIL_CUDA) for the chunked KDA scan from a cached state. The cuDNN plans themselves are built per length bucket after the warm-up (`warm_attention_plans`): the
-# first full-scale swe-smith run, without them, had steps of 1.8 and 1.0 s at its first chunks on a history; with
-# them none (benchmarks/results/swe_smith_cuda_48b_server_scale1_{049266f,dc09fa4}.log).
+# limit (FUSED_MAX_TAIL_CUDA) for the chunked KDA scan from a cached state. The cuDNN plans themselves are built per
+# length bucket after the warm-up (`warm_attention_plans`): the first full-scale swe-smith run, without them, had
+# steps of 1.8 and 1.0 s at its first chunks on a history; with them none
+# (benchmarks/results/swe_smith_cuda_48b_server_scale1_{049266f,dc09fa4}.log).
 WARM_UP_LONG_TAILS = (1024, 900)
 # A step taking longer than this many seconds is logged at WARNING with its shape (new tokens per sequence), so a
 # stall in serving (a kernel compiled mid-request, an allocator retry) can be traced to the batch that caused it.

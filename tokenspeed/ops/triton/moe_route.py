@@ -147,7 +147,7 @@ def _fmix32(h):
     return h ^ (h >> 16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["salt"])  # one compiled variant for every layer's salt
 def _simulate_routing_kernel(W, Iout, stride_w, stride_i, salt, E, K: tl.constexpr, BLOCK_K: tl.constexpr):
     """Row t: ids[t, :K] = (hash(bits of W[t, 0], t, salt) + j) mod E (`simulate_uniform_routing`)."""
     t = tl.program_id(0)
