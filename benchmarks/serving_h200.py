@@ -588,7 +588,7 @@ def main() -> None:
     contexts = [int(x) for x in args.contexts.split(",")]
     RESULT["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                      "python": platform.python_version(), "commit": os.environ.get("BENCH_COMMIT", "unknown"),
-                     "argv": sys.argv,
+                     "argv": sys.argv, "routing_simulation": args.routing_simulation,
                      "date": time.strftime("%Y-%m-%d")}
     ceil = ceilings() or {}
     if "tiny" not in skip:
