@@ -238,7 +238,12 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except torch.OutOfMemoryError as e:
+            outputs = self._fail(batch, e)
+            self.last_step = self.stats()
+            return outputs
         outputs = self._update(batch, result)
         self.last_step = self.stats(result.num_tokens, len(batch.requests), time.monotonic() - start,
                                     len(batch.preempted))
@@ -329,7 +334,13 @@ class EngineCore:
         prev = self._take_in_flight()
         outputs: list[EngineOutput] = []
         if not batch.is_empty:
-            launched = self.runner.launch(batch, prev.launched if prev is not None else None)
+            try:
+                launched = self.runner.launch(batch, prev.launched if prev is not None else None)
+            except torch.OutOfMemoryError as e:  # the launched step's tokens are still good: read them first
+                outputs = self._read_back(prev) if prev is not None else []
+                outputs += self._fail(batch, e)
+                self.last_step = self.stats()
+                return outputs
             computed = []
             for sr in batch.requests:
                 sr.request.num_computed_tokens += sr.num_new_tokens
@@ -387,6 +398,25 @@ class EngineCore:
         if num_out >= (p.max_tokens or 0) or req.num_tokens - req.num_placeholders >= self.max_model_len:
             return "length"
         return None
+
+    def _fail(self, batch: ScheduledBatch, error: BaseException) -> list[EngineOutput]:
+        """A step whose forward ran out of device memory: its requests end with finish_reason "error" (the forward
+        may have advanced their KDA states part of the way, so nothing of them can be resumed) and release their
+        cache; every other request goes on. Returns the failed requests' final outputs."""
+        logger.error("a step of %s ran out of device memory; its %d requests end with an error, the others go on: %s",
+                     _shape(batch), len(batch.requests), error)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        message = ("the engine ran out of device memory in a step with this request (lower --chunked-prefill-size "
+                   "or --gpu-memory-utilization); the other requests go on")
+        outputs = []
+        for sr in batch.requests:
+            req = sr.request
+            if self.abort(req.request_id):
+                req.finish_reason = "error"
+                req.stats.finished_time = time.monotonic()
+                outputs.append(EngineOutput.of(req, [], error=message))
+        return outputs
 
     def _finish(self, req: Request, reason: str) -> None:
         req.drop_placeholders()

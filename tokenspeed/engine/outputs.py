@@ -18,7 +18,7 @@ class EngineOutput:
     request_id: str
     new_token_ids: list[int]  # tokens sampled this step (0 or 1 today)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (its step failed: `error` says why) once finished
     stop_reason: int | str | None  # the stop token id that ended it, if any
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
@@ -33,10 +33,11 @@ class EngineOutput:
     num_draft_tokens: int = 0  # speculation: draft tokens verified so far
     num_accepted_tokens: int = 0  # speculation: draft tokens accepted so far
     num_spec_steps: int = 0  # speculation: verify steps so far
+    error: str | None = None  # with finish_reason "error": what failed (for the client's error message)
 
     @classmethod
-    def of(cls, req: Request, new_ids: list[int], logprobs=None, top_logprobs=None, prompt_logprobs=None
-           ) -> "EngineOutput":
+    def of(cls, req: Request, new_ids: list[int], logprobs=None, top_logprobs=None, prompt_logprobs=None,
+           error: str | None = None) -> "EngineOutput":
         s = req.stats
         return cls(
             request_id=req.request_id, new_token_ids=new_ids, finished=req.state.is_done,
@@ -47,7 +48,7 @@ class EngineOutput:
             ttft=None if s.first_token_time is None else s.first_token_time - s.arrival_time,
             e2e=None if s.finished_time is None else s.finished_time - s.arrival_time,
             num_preemptions=s.num_preemptions, num_draft_tokens=s.num_draft_tokens,
-            num_accepted_tokens=s.num_accepted_tokens, num_spec_steps=s.num_spec_steps,
+            num_accepted_tokens=s.num_accepted_tokens, num_spec_steps=s.num_spec_steps, error=error,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokenspeed.config import ServerConfig
 from tokenspeed.core.sampling_params import RequestError
 from tokenspeed.server import handlers
-from tokenspeed.server.engine_client import EngineClient, EngineDead
+from tokenspeed.server.engine_client import EngineClient, EngineDead, StepFailed
 from tokenspeed.server.metrics import Metrics
 from tokenspeed.server.protocol import (
     ChatCompletionRequest,
@@ -58,6 +58,10 @@ def build_app(client: EngineClient, config: ServerConfig, model_name: str, lifes
     @app.exception_handler(EngineDead)
     async def _engine_dead(_: Request, e: EngineDead) -> JSONResponse:
         return JSONResponse(error_json(503, f"the engine is not running: {e}"), status_code=503)
+
+    @app.exception_handler(StepFailed)
+    async def _step_failed(_: Request, e: StepFailed) -> JSONResponse:
+        return JSONResponse(error_json(503, str(e)), status_code=503)
 
     def guard(request: Request, model: str | None = None) -> None:
         if config.api_key is not None:

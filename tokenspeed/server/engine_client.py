@@ -30,6 +30,11 @@ class EngineDead(RuntimeError):
     """The engine process failed; the server answers 500/503 and should be restarted."""
 
 
+class StepFailed(RuntimeError):
+    """The engine could not run a step with this request (out of device memory); the request ended, the engine
+    serves the others. The server answers 503."""
+
+
 @dataclass
 class EngineInfo:
     max_model_len: int
@@ -106,7 +111,8 @@ class EngineClient:
                 await self.push.send(pack({"type": "abort", "id": request_id}))
 
     async def outputs(self, request_id: str):
-        """Yield the request's RequestOutputs until it finishes. Raises EngineDead or ValueError (refused)."""
+        """Yield the request's RequestOutputs until it finishes. Raises EngineDead, StepFailed or ValueError
+        (refused)."""
         queue = self.queues[request_id]
         while True:
             item = await queue.get()
@@ -139,6 +145,9 @@ class EngineClient:
                 return
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
+        failed = [o for o in outputs if o.finish_reason == "error"]  # their step failed (out of device memory)
+        if failed:
+            outputs = [o for o in outputs if o.finish_reason != "error"]
         results, to_abort = self.processor.process(outputs)
         for out in results:
             queue = self.queues.get(out.request_id)
@@ -146,6 +155,11 @@ class EngineClient:
                 queue.put_nowait(out)
         for rid in to_abort:
             self.push.send(pack({"type": "abort", "id": rid}))  # a stop string ended it: free the engine side
+        for o in failed:  # after the tokens they had in this delivery
+            self.processor.abort(o.request_id)
+            queue = self.queues.get(o.request_id)
+            if queue is not None:
+                queue.put_nowait(StepFailed(o.error or "the engine could not run this request's step"))
         self.on_outputs(results)
 
     def on_outputs(self, results: list[RequestOutput]) -> None:

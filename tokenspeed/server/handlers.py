@@ -17,9 +17,9 @@ from tokenspeed.core.sampling_params import RequestError, SamplingParams
 from tokenspeed.engine.outputs import RequestOutput
 from tokenspeed.server.chat.output import ChatOutputParser, detect_syntax
 from tokenspeed.server.chat.template import render_chat_segments
-from tokenspeed.server.engine_client import EngineClient
+from tokenspeed.server.engine_client import EngineClient, EngineDead, StepFailed
 from tokenspeed.server.metrics import Metrics
-from tokenspeed.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from tokenspeed.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, error_json
 
 
 @dataclass
@@ -224,7 +224,11 @@ async def stream(state: ServerState, request: Request, prep: Prepared) -> AsyncI
             if out.finished:
                 finals.append(out)
     except RequestError as e:
-        yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error', 'code': 400}})}\n\n"
+        yield f"data: {json.dumps(error_json(400, str(e)))}\n\n"
+        return
+    except (StepFailed, EngineDead) as e:  # mid-stream: the status line is sent, so the error is an event
+        message = str(e) if isinstance(e, StepFailed) else f"the engine is not running: {e}"
+        yield f"data: {json.dumps(error_json(503, message))}\n\n"
         return
     if prep.include_usage:
         finals.sort(key=lambda o: o.outputs[0].index)
