@@ -79,3 +79,5 @@ def test_failed_step_is_a_503_and_the_server_goes_on() -> None:
         r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2})
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
         assert app.state.server.client.num_unfinished == 0
+        assert 'tokenspeed:request_success_total{finished_reason="error",model_name="m"} 2.0' in http.get(
+            "/metrics").text

@@ -154,6 +154,8 @@ async def _events(state: ServerState, prep: Prepared) -> AsyncIterator[tuple[_Ch
             item = await merged.get()
             if isinstance(item, ValueError):
                 raise RequestError(str(item))
+            if isinstance(item, StepFailed):
+                state.metrics.failed()
             if isinstance(item, Exception):
                 raise item
             choice = choices[item.request_id]

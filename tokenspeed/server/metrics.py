@@ -70,6 +70,10 @@ class Metrics:
         if ttft is not None and output_tokens > 1:
             self.tpot.labels(m).observe((e2e - ttft) / (output_tokens - 1))
 
+    def failed(self) -> None:
+        """A request whose engine step failed (out of device memory): counted under finished_reason "error"."""
+        self.requests.labels(self.model_name, "error").inc()
+
     def phases(self, m: RequestMetrics) -> None:
         """A finished request's engine-side phases (each observed only when both of its ends happened: an aborted
         request may never have been scheduled or produced a token)."""
