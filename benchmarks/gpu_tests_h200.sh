@@ -17,6 +17,7 @@ run() { timeout -s INT "$1" python3 -m pytest "${@:2}" -rfEp --tb=short -p no:ca
 : > "$log"
 run "${TIMEOUT:-420}" -n "${PYTEST_N:-12}" --durations=15 -m gpu tests "$@"
 run 240 -n "${PYTEST_N:-12}" -m "not gpu" "${UNMARKED[@]}" "$@"
-run 120 tests/executor/test_cuda_graphs.py -k second_engine
+run 120 tests/executor/test_cuda_graphs.py -k second_engine  # these two read or fill the whole device: alone
+run 120 tests/engine/test_step_failure.py -k real_out_of_memory
 grep -E "^(FAILED|ERROR)" "$log" | head -20
 grep -E "[0-9]+ (passed|failed|skipped|deselected)|no tests ran" "$log"
