@@ -55,7 +55,7 @@
 #   alignab   moe_align_h200.py (torch sort vs multi-program alignment) and the MoE GPU tests
 #   routing  the decode sweep of kimi-linear-48b-a3b with uniform routing simulated (serving_h200.py
 #           --routing-simulation uniform: dummy weights touch ~126 experts a layer at batch 64, a balanced router
-#           ~223), then the simulation's GPU test (a CUDA graph)
+#           ~223), then the simulation's GPU test (a CUDA graph) and the real out-of-memory step on a filled device
 #   next: "routing", then the full-scale swe-smith with ROUTING=uniform. Run from the repository root with carry
 #   [".whl"] (the working tree plus a copy under .gpu/ passed the device's 64 MiB carry limit)
 # Expects $OUT; at most 8 files come back from a device call.
@@ -158,8 +158,8 @@ if has routing; then  # decode with the experts a balanced router would touch, a
   mkdir -p "$OUT/routing"
   timeout 420 python3 benchmarks/serving_h200.py --geometries kimi-linear-48b-a3b --routing-simulation uniform \
     --skip tiny,transformers,engine,prefill,profile,parity --out "$OUT/routing" 2>&1 | tail -14
-  timeout 120 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py -rfE --tb=short 2>&1 \
-    | grep -E "^E  |passed|failed" | cut -c1-400
+  timeout 180 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py \
+    tests/engine/test_step_failure.py -rfE --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
 fi
 if has tailpolicy; then  # swe-smith-sized tails: fused KDA kernel (window loop) vs fla's chunked scan, each eager
   mkdir -p "$OUT/policy"
