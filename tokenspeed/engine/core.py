@@ -121,12 +121,18 @@ class EngineCore:
                 if t <= chunk and t + h <= self.max_model_len]
         logger.info("warming up kernels (on a machine without a Triton cache this compiles every kernel: about "
                     "2-3 minutes on an H200; later starts reuse the on-disk cache)")
+        device = torch.device(self.config.model.device)
+        torch.cuda.reset_peak_memory_stats(device)
         self.runner.warm_up([n for n in lengths if n <= self.max_model_len], mixed,
                             num_drafts=self.config.spec.num_draft_tokens, long_tails=long)
         plans = getattr(self.model, "warm_attention_plans", None)
         plan_calls = plans(chunk, self.max_model_len) if plans is not None else 0
         logger.info("warmed up prefill kernels for %s-token prompts, mixed steps %s, (tail, history) %s and %d "
                     "attention plans in %.1f s", lengths, mixed, long, plan_calls, time.perf_counter() - start)
+        free, total = torch.cuda.mem_get_info(device)
+        logger.info("device memory: %.1f GiB allocated at the warm-up's peak (weights, cache pools, its largest step), "
+                    "%.1f GiB of %.1f GiB free now; a step that runs out ends its own requests (`docs/gpu.md`)",
+                    torch.cuda.max_memory_allocated(device) / 2**30, free / 2**30, total / 2**30)
 
     def _use_cuda_graphs(self) -> bool:
         """Graphs need a CUDA device and the Triton ops (the references synchronise). With EAGLE3 the target's
