@@ -53,6 +53,9 @@
 #   sdpafirst sdpa_first_call_h200.py (cuDNN plan build per new shape): bucketed plans (warmed and not) vs exact
 #   memcheck  sdpa_row_slack_check.py under compute-sanitizer: reads past the last row with and without ROW_SLACK
 #   alignab   moe_align_h200.py (torch sort vs multi-program alignment) and the MoE GPU tests
+#   tailbv  tail_policy's fused window loop forced to other V tiles (TOKENSPEED_KDA_VERIFY=TAIL_LABELS; the default
+#           MULTI_TABLE row below 96 pairs is bv32-split-w4-win): smaller tiles put more programs on the SMs and less
+#           work on each token's critical path, which could keep tails past 768 tokens on the fused kernel
 #   routing  the decode sweep of kimi-linear-48b-a3b with uniform routing simulated (serving_h200.py
 #           --routing-simulation uniform: dummy weights touch ~126 experts a layer at batch 64, a balanced router
 #           ~223), then the simulation's GPU test (a CUDA graph) and the real out-of-memory step on a filled device
@@ -160,6 +163,15 @@ if has routing; then  # decode with the experts a balanced router would touch, a
     --skip tiny,transformers,engine,prefill,profile,parity --out "$OUT/routing" 2>&1 | tail -14
   timeout 180 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py \
     tests/engine/test_step_failure.py -rfE --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
+fi
+if has tailbv; then  # the fused kernel's window loop on long tails at other V tiles (more programs, less per token)
+  for label in ${TAIL_LABELS:-bv32-split-w4-win bv16-split-w4-win bv8-split-w4-win bv16-split-w2-win}; do
+    mkdir -p "$OUT/tailbv_$label"
+    echo "== TOKENSPEED_KDA_VERIFY=$label"
+    TOKENSPEED_KDA_VERIFY=$label timeout 200 python3 benchmarks/step_profile_h200.py --skip decode,prefill \
+      --history 65536 --policy-tails "${POLICY_TAILS:-512,1300,2048}" --out "$OUT/tailbv_$label" 2>&1 \
+      | grep -E "^\{" | cut -c1-300
+  done
 fi
 if has tailpolicy; then  # swe-smith-sized tails: fused KDA kernel (window loop) vs fla's chunked scan, each eager
   mkdir -p "$OUT/policy"
