@@ -56,6 +56,8 @@
 #   tailbv  tail_policy's fused window loop forced to other V tiles (TOKENSPEED_KDA_VERIFY=TAIL_LABELS; the default
 #           MULTI_TABLE row below 96 pairs is bv32-split-w4-win): smaller tiles put more programs on the SMs and less
 #           work on each token's critical path, which could keep tails past 768 tokens on the fused kernel
+#   b1kda   the batch-1 decode step of kimi-linear-48b-a3b with each KDA decode config forced (B1_LABELS), against
+#           the table's, interleaved (KDA decode is ~11 us a layer inside the step for ~1 us of state)
 #   routing  the decode sweep of kimi-linear-48b-a3b with uniform routing simulated (serving_h200.py
 #           --routing-simulation uniform: dummy weights touch ~126 experts a layer at batch 64, a balanced router
 #           ~223), then the simulation's GPU test (a CUDA graph) and the real out-of-memory step on a filled device
@@ -104,6 +106,14 @@ fi
 if has stepab; then
   timeout 200 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab 2 \
     --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_KDA_DECODE=bv32-split-w4" --out "$OUT" 2>&1 | grep "PDL A/B"
+fi
+if has b1kda; then  # the batch-1 step (32 (sequence, head) pairs) with each KDA decode launch config, interleaved
+  cfgs="1:regs:0"
+  for label in ${B1_LABELS:-bv16-split-w4 bv32-split-w4 bv64-split-w4 bv32-chunked-w4-s3 bv16-chunked-w4-s3}; do
+    cfgs="$cfgs;1:regs:0:table:TOKENSPEED_KDA_DECODE=$label"
+  done
+  timeout 300 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab 1 \
+    --pdl-configs "$cfgs" --out "$OUT" 2>&1 | grep "PDL A/B"
 fi
 if has verify; then
   timeout 240 python3 benchmarks/kda_decode_sweep_h200.py --verify 4 --norm --v-first \
