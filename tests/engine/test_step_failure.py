@@ -27,7 +27,7 @@ def _run(engine, events: dict[int, str]) -> dict[str, tuple[list[int], str | Non
     error message)."""
     out: dict[str, tuple[list[int], str | None, str | None]] = {}
     step = 0
-    while step in events or engine.has_work or step <= max(events):
+    while engine.has_work or step <= max(events):
         if step in events:
             engine.add_request(events[step], PROMPTS[events[step]], GREEDY)
         for o in engine.step():

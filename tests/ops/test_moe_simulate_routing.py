@@ -68,6 +68,7 @@ def test_triton_matches_reference(T: int, k: int, e: int, shared: bool) -> None:
     assert got is ids and torch.equal(got, ref)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_triton_in_a_cuda_graph_gpu() -> None:
     w, ids = _routing(64, "cuda")
