@@ -2,8 +2,7 @@
 GEMV (every prefetch mode, both kinds, split-K fused and two-launch, a whole weight slice per program at 1 and 3
 stages), RMSNorm (plain, gated, residual), gated
 activation, causal conv1d (conv + state kernels), AttnRes mix (split, tile and online schedules), and the
-spinning producer of benchmarks/gemv_pdl_chain_h200.py; and the side-stream L2 prefetch kernel
-(`ops/triton/l2_prefetch.py`, launched without PDL: its check is only that the bulk prefetch is in the PTX).
+spinning producer of benchmarks/gemv_pdl_chain_h200.py.
 
     PYTHONPATH=/path/to/triton-3.6:. python benchmarks/pdl_compile_sm90.py [--only REGEX] [--ptx DIR]
 
@@ -31,7 +30,7 @@ import torch
 import triton
 
 from tokenspeed.ops.reference.activation import Activation
-from tokenspeed.ops.triton import activation, attn_res, conv, gemv, l2_prefetch, norm
+from tokenspeed.ops.triton import activation, attn_res, conv, gemv, norm
 
 
 def caught(module, names: tuple[str, ...], call: Callable[[], object]) -> list[sc.Launch]:
@@ -49,8 +48,6 @@ def compile_sm90(launch: sc.Launch) -> dict:
 
 def ptx_checks(ptx: str, prefetch: str | None, pipelined: bool) -> list[str]:
     """The PTX facts a PDL variant must show; returns the failed ones."""
-    if prefetch == "side":  # the side-stream prefetch kernel: no PDL, only the bulk prefetch
-        return [] if sc.L2_BULK_PREFETCH in ptx else ["cp.async.bulk.prefetch.L2.global"]
     bad = [] if sc.wait_then_trigger(ptx) else ["griddepcontrol.wait, then launch_dependents"]
     wait, pf = ptx.find(sc.WAIT), ptx.find(sc.L2_BULK_PREFETCH)
     if prefetch == "l2" and not 0 <= pf < wait:
@@ -127,10 +124,6 @@ def main() -> None:
             for tag, call, mode, piped in gemv_variants() if re.search(args.only, tag)]
     jobs += [(tag, caught(mod, tuple(n for n in dir(mod) if n.endswith("_kernel")), call), None, False)
              for tag, mod, call in other_variants() if re.search(args.only, tag)]
-    side = torch.zeros(3 << 20, dtype=torch.uint8)  # 3 MiB + a ragged tail: the last piece rounds down
-    jobs += [("l2_prefetch side", caught(l2_prefetch, ("_l2_prefetch_kernel",), lambda: l2_prefetch._l2_prefetch_kernel[(13,)](
-        side, side.numel() - 5, PIECE=l2_prefetch.PIECE, PIECES=l2_prefetch.PIECES, num_warps=1)), "side", False)
-             ] if re.search(args.only, "l2_prefetch side") else []
     failed = 0
     for tag, launches, mode, piped in jobs:
         for launch in launches:
@@ -142,7 +135,7 @@ def main() -> None:
                 print(sc.failure_line(f"{tag:28s} {name:24s} ", e, 400), flush=True)
                 continue
             gemv_main = name.startswith("_gemv_")
-            bad = ptx_checks(r["ptx"], mode if gemv_main or mode == "side" else None, piped and gemv_main)
+            bad = ptx_checks(r["ptx"], mode if gemv_main else None, piped and gemv_main)
             bad += ["no spills"] if r["spill_bytes"] else []
             failed += bool(bad)
             if args.ptx:

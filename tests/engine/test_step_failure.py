@@ -95,7 +95,7 @@ def test_real_out_of_memory_on_the_gpu() -> None:
     before. Not under pytest-xdist: it fills the whole device (benchmarks/gpu_tests_h200.sh runs it alone)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         pytest.skip("fills the whole device: run without xdist workers")
-    engine = LLM("tiny-k3", device="cuda", dtype="float32", max_num_seqs=4, num_pages=256, enforce_eager=True,
+    engine = LLM("tiny-k3", device="cuda", dtype="float32", max_num_seqs=4, num_pages=1024, enforce_eager=True,
                  enable_prefix_caching=False).engine
     prompt = list(range(3, 300))
     before = _run_one(engine, "warm", prompt)  # compiles this shape's kernels while there is memory

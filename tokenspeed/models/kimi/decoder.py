@@ -26,7 +26,6 @@ from tokenspeed.models.kimi.mla import MLAAttention
 from tokenspeed.models.kimi.mlp import GatedMLP
 from tokenspeed.models.kimi.moe import SparseMoE
 from tokenspeed.models.layers import Linear, RMSNorm
-from tokenspeed.models.weight_prefetch import PREFETCH
 
 
 class DecoderLayer(nn.Module):
@@ -60,19 +59,6 @@ class DecoderLayer(nn.Module):
             self.mlp_res_norm = RMSNorm(d, eps, dtype, device)
             self.mlp_res_proj = Linear(d, 1, dtype, device)
 
-    def prefetch_targets(self) -> list[Tensor]:
-        """Weights read right after this layer's attention kernels, known before the layer runs: the attention's
-        output projection(s), then the MoE's router and folded shared expert (`models.weight_prefetch`)."""
-        targets = [m.weight for m in (getattr(self.self_attn, "g_proj", None), self.self_attn.o_proj) if m is not None]
-        if hasattr(self, "block_sparse_moe"):
-            targets += self.block_sparse_moe.prefetch_targets()
-        return targets
-
-    def attend(self, x: Tensor, batch: ForwardBatch, cache: CacheBuffers) -> Tensor:
-        """self_attn(x), with `prefetch_targets()` forked to L2 after the attention's input projection."""
-        return self.self_attn(x, batch, cache, after_projection=lambda: PREFETCH.fork(self.prefetch_targets(),
-                                                                                       x.shape[0]))
-
     def ffn(self, x: Tensor) -> Tensor:
         return self.mlp(x) if hasattr(self, "mlp") else self.block_sparse_moe(x)
 
@@ -86,7 +72,7 @@ class DecoderLayer(nn.Module):
             x = mix_and_norm(stream, query, self.eps, self.input_layernorm)
         if self.layer_id % self.block_size == 0:
             stream.snapshot()
-        stream.add(self.attend(x, batch, cache))
+        stream.add(self.self_attn(x, batch, cache))
         query = depth_query(self.mlp_res_norm, self.mlp_res_proj)
         stream.add(self.ffn(mix_and_norm(stream, query, self.eps, self.post_attention_layernorm)))
 
@@ -100,7 +86,7 @@ class DecoderLayer(nn.Module):
         one inside the experts' combine; the first one with the router in `ops.moe_gate` where
         `SparseMoE.gate_fusable`). Nothing is mutated but the cache."""
         post = self.post_attention_layernorm
-        attn_out = self.attend(normed, batch, cache)
+        attn_out = self.self_attn(normed, batch, cache)
         if hasattr(self, "block_sparse_moe"):  # both junctions (and, when fusable, the routing) in the MoE block
             x, hidden = self.block_sparse_moe.forward_junctions(attn_out, hidden, post, next_norm)
         else:

@@ -18,7 +18,6 @@ fused kda_decode (the gated output norm is its epilogue) and o_proj (+ the all-r
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -124,10 +123,8 @@ class KDAAttention(nn.Module):
         f, gate = self.fg_b_proj(self.in_proj.part(y, "f_a_proj", "g_a_proj")).unbind(0)
         return qkv, f, b, gate
 
-    def forward(self, x: Tensor, batch: ForwardBatch, cache: CacheBuffers,
-                after_projection: Callable[[], object] | None = None) -> Tensor:
-        """x: [T, hidden] normed input -> [T, hidden]. after_projection: called once the input projections are
-        issued (the decoder layer's weight prefetch).
+    def forward(self, x: Tensor, batch: ForwardBatch, cache: CacheBuffers) -> Tensor:
+        """x: [T, hidden] normed input -> [T, hidden].
 
         Commit mode (default): advances the KDA state of batch.kda_slots in place. Verify mode
         (`batch.verify`): reads the states but leaves them untouched, and records in `cache.replay[cache_index]`
@@ -140,8 +137,6 @@ class KDAAttention(nn.Module):
         """
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
         projected, f, b, gate = self.projections(x)
-        if after_projection is not None:
-            after_projection()
         fused = takes_fused_path(batch, x.is_cuda)
         if batch.verify:
             cache.replay[self.cache_index] = ReplayInputs(projected, f, b,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -152,13 +151,9 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.float().view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope :]
 
-    def forward(self, x: Tensor, batch: ForwardBatch, cache: CacheBuffers,
-                after_projection: Callable[[], object] | None = None) -> Tensor:
-        """x: [T, hidden] normed input -> [T, hidden]. Writes the new tokens' latent rows into the cache.
-        after_projection: called once the input projection is issued (the decoder layer's weight prefetch)."""
+    def forward(self, x: Tensor, batch: ForwardBatch, cache: CacheBuffers) -> Tensor:
+        """x: [T, hidden] normed input -> [T, hidden]. Writes the new tokens' latent rows into the cache."""
         q, kv_a = self._project(x)
-        if after_projection is not None:
-            after_projection()
         k_pe = kv_a[:, self.kv_lora_rank :]
         if self.use_rope:
             cos, sin = ops.rope_cos_sin(batch.positions, self.rope, self.rope_theta, self.rope_scaling)

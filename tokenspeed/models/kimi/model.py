@@ -19,7 +19,6 @@ from tokenspeed.models.config import KimiConfig
 from tokenspeed.models.kimi.attn_res import ResidualStream, depth_query, mix_and_norm
 from tokenspeed.models.kimi.decoder import DecoderLayer
 from tokenspeed.models.layers import Linear, RMSNorm, weight
-from tokenspeed.models.weight_prefetch import PREFETCH
 
 
 class Embedding(nn.Module):
@@ -80,7 +79,6 @@ class KimiModel(nn.Module):
                     captured[slot] = stream.partial
             query = depth_query(self.output_attn_res_norm, self.output_attn_res_proj)
             out = mix_and_norm(stream, query, c.rms_norm_eps, self.norm)
-        PREFETCH.join()  # the layers' side-stream weight prefetches (a graph capture must end on one stream)
         return (out, tuple(captured)) if capture_layers else out
 
 

@@ -205,15 +205,6 @@ class SparseMoE(nn.Module):
         """The router's fp32 selection bias (noaux_tc), or None."""
         return getattr(self.gate, "e_score_correction_bias", None)
 
-    def prefetch_targets(self) -> list[Tensor]:
-        """The weights this block reads first whatever the routing (`models.weight_prefetch`): the router's, then
-        the folded shared expert's gate, up and down rows (contiguous views of the stacked weights)."""
-        targets = [self.gate.weight]
-        if self.fold_shared:
-            e = self.config.num_experts
-            targets += [self.w1[e], self.w3[e], self.w2[e]]
-        return targets
-
     def _shared_id(self) -> int | None:
         """The folded shared expert's id (in every row of the routing), or None: a prefetch hint for the experts'
         gate/up launch (its weights are fetched while the router still runs)."""
