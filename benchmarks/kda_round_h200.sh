@@ -184,8 +184,9 @@ if has routing; then  # decode with the experts a balanced router would touch, a
   mkdir -p "$OUT/routing"
   timeout 420 python3 benchmarks/serving_h200.py --geometries kimi-linear-48b-a3b --routing-simulation uniform \
     --skip tiny,transformers,engine,prefill,profile,parity --out "$OUT/routing" 2>&1 | tail -14
-  timeout 180 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py \
-    tests/engine/test_step_failure.py -rfE --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
+  timeout 240 python3 -m pytest -v -p no:cacheprovider tests/ops/test_moe_simulate_routing.py \
+    tests/engine/test_step_failure.py -rfE --tb=short 2>&1 | tee "$OUT/routing/tests.log" \
+    | grep -E "PASSED|FAILED|ERROR|^E  |passed|failed" | cut -c1-400
 fi
 if has tailbv; then  # the fused kernel's window loop on long tails at other V tiles (more programs, less per token)
   for label in ${TAIL_LABELS:-bv32-split-w4-win bv16-split-w4-win bv8-split-w4-win bv16-split-w2-win}; do
