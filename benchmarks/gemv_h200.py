@@ -155,7 +155,9 @@ def sweep(M: int, N: int, K: int, elt: int, num_sms: int, wide: bool, dry: bool,
         return [GemvConfig("fma", 16, 32, 1, 4, 1), GemvConfig("fma", 8, 64, 3, 4, 1), GemvConfig("dot", 32, 32, 2, 4, 1),
                 k_gemv.default_config(M, N, K, elt, num_sms)]
     dot = [(64, 128, 4, 4), (128, 128, 4, 3), (64, 64, 4, 6), (128, 256, 8, 3), (64, 256, 4, 3), (32, 128, 4, 4)]
-    fma = [(4, 512, 4, 3), (8, 512, 4, 2)] if M <= 2 else []
+    # long contiguous row chunks (4-8 KB a row per step, 8 warps): what a plain streaming read needs to approach the
+    # HBM rate in context (benchmarks/read_floor_h200.py)
+    fma = [(4, 512, 4, 3), (8, 512, 4, 2), (4, 2048, 8, 1), (8, 1024, 8, 2)] if M <= 2 else []
     if N >= 8192:
         dot.append((256, 64, 8, 3))
     waves, depths = (1, 2), (4,)
