@@ -64,6 +64,9 @@
 #   l2side  side-stream L2 prefetch of the next weights during a latency-bound kernel: the producer -> projection
 #           micro-benchmark (l2_side_prefetch_h200.py; at accfa73 no gain, and the same prefetch inside the decode
 #           step, since removed, cost 1-2%)
+#   steptune  kimi-linear's batch-1 projections: the wide in-context GEMV sweep (gemv_h200.py --producer-cycles
+#           20000 --ms 1 --sweep wide), then each shape's top configs timed in the whole decode step
+#           (gemv_step_tune_h200.py; the kept buckets in $OUT/steptune/step_tune_table.json, for gemv_table_merge.py)
 #   rtests  the routing part's GPU tests alone (the simulation in a CUDA graph, the real out-of-memory step)
 #   next: "routing", then the full-scale swe-smith with ROUTING=uniform. Run from the repository root with carry
 #   [".whl"] (the working tree plus a copy under .gpu/ passed the device's 64 MiB carry limit)
@@ -115,6 +118,15 @@ if has l2side; then  # side-stream L2 prefetch of o_proj / router / shared exper
   mkdir -p "$OUT/l2side"
   timeout 150 python3 benchmarks/l2_side_prefetch_h200.py --out "$OUT/l2side" 2>&1 | grep -E "spin|Error|error" \
     | cut -c1-300 | head -20
+fi
+if has steptune; then  # configs that win a projection alone have lost in the step: choose them in the step
+  mkdir -p "$OUT/steptune"
+  timeout 200 python3 benchmarks/gemv_h200.py --producer-cycles 20000 --ms 1 --sweep wide --budget-s 170 \
+    --shapes "${TUNE_SHAPES:-12576x2304,6720x2304,2304x4096,18432x2304,2304x9216,163840x2304}" \
+    --table "$OUT/steptune/ctx_table.json" --out "$OUT/steptune" 2>&1 | grep -iE "done in|wrote|error" | cut -c1-200
+  timeout 330 python3 benchmarks/gemv_step_tune_h200.py --sweep "$OUT/steptune/gemv_h200.json" --out "$OUT/steptune" \
+    2>&1 | grep -vE "^\s*$" | cut -c1-400 | tail -12
+  rm -f "$OUT"/steptune/cand_*.json
 fi
 if has rtests; then
   timeout 180 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py \
