@@ -1,7 +1,8 @@
 """Compile the PDL variants of the decode kernels for sm_90 on a host without a GPU and check their machine code:
 GEMV (every prefetch mode, both kinds, split-K fused and two-launch, a whole weight slice per program at 1 and 3
 stages), RMSNorm (plain, gated, residual), gated
-activation, causal conv1d (conv + state kernels), AttnRes mix (split, tile and online schedules), and the
+activation, causal conv1d (conv + state kernels), AttnRes mix (split, tile and online schedules), the stacked
+GEMV (KDA's gate up-projections), and the
 spinning producer of benchmarks/gemv_pdl_chain_h200.py.
 
     PYTHONPATH=/path/to/triton-3.6:. python benchmarks/pdl_compile_sm90.py [--only REGEX] [--ptx DIR]
@@ -30,7 +31,7 @@ import torch
 import triton
 
 from tokenspeed.ops.reference.activation import Activation
-from tokenspeed.ops.triton import activation, attn_res, conv, gemv, norm
+from tokenspeed.ops.triton import activation, attn_res, conv, gemv, norm, stacked_gemv
 
 
 def caught(module, names: tuple[str, ...], call: Callable[[], object]) -> list[sc.Launch]:
@@ -101,6 +102,7 @@ def other_variants() -> list[tuple[str, object, Callable[[], object]]]:
     blocks, part, q = torch.zeros(5, 1, d, dtype=bf), torch.zeros(1, d, dtype=bf), torch.zeros(d, dtype=bf)
     attn_res._NUM_SMS[torch.device("cpu")] = 132  # the split schedule's residency check
     src = torch.zeros(1, 4096, dtype=bf)
+    fa, fw = torch.zeros(1, 12576, dtype=bf)[:, 12288:12544], torch.zeros(2, 4096, 128, dtype=bf)  # KDA's f_a | g_a
     return [
         ("chain producer", chain, lambda: chain.produce(src, src.clone(), 10_000, True)),
         ("norm rms", norm, lambda: norm.rms_norm(x, w, 1e-6)),
@@ -108,6 +110,7 @@ def other_variants() -> list[tuple[str, object, Callable[[], object]]]:
         ("norm add", norm, lambda: norm.add_rms_norm(x, x.clone(), w, 1e-6)),
         ("activation silu", activation, lambda: activation.gated_activation_merged(gu, Activation("silu"))),
         ("conv", conv, lambda: conv.causal_conv1d(cx, cw, cs, si, cu)),
+        ("stacked_gemv fg_b", stacked_gemv, lambda: stacked_gemv.stacked_linear(fa, fw)),
         *[(f"attn_res {s}", attn_res, lambda s=s: attn_res.attn_res_mix_rms_norm(blocks, part, q, 1e-6, w, 1e-6,
                                                                                   schedule=s))
           for s in ("split", "tile", "online")],

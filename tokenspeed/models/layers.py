@@ -136,7 +136,7 @@ class MergedLinear(Linear):
 
 
 class StackedLinear(nn.Module):
-    """G independent projections of G adjacent column groups of one input, as one batched GEMM (`torch.bmm`):
+    """G independent projections of G adjacent column groups of one input, as one batched GEMM (`ops.stacked_linear`):
     x [T, G * in_features] (any row stride, unit column stride; e.g. a `MergedLinear.part` view) ->
     y [G, T, out_features] contiguous, y[g] = x[:, g * in : (g + 1) * in] @ W[g]^T: the products and sums of G
     separate projections (no padding, no cross-group terms; the summation order is the GEMM library's). The
@@ -152,8 +152,7 @@ class StackedLinear(nn.Module):
                              stack=True, shard_dim=_SHARD_DIMS[shard], sources_scope_up=1)
 
     def forward(self, x: Tensor) -> Tensor:
-        g, _, k = self.weight.shape
-        return torch.bmm(x.view(x.shape[0], g, k).transpose(0, 1), self.weight.transpose(1, 2))
+        return ops.stacked_linear(x, self.weight)  # torch.bmm, or one PDL launch at decode sizes
 
 
 class RMSNorm(nn.Module):

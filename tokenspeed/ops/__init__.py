@@ -11,6 +11,7 @@ same contract in `tokenspeed.ops.triton` (`rms_norm`, `gated_rms_norm`, `add_rms
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 from torch import Tensor
@@ -81,6 +82,22 @@ def linear(x: Tensor, weight: Tensor, *, out_dtype: torch.dtype | None = None) -
     else:
         y = torch.nn.functional.linear(x2.to(out_dtype), weight.to(out_dtype))
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+
+
+STACKED_GEMV_ENV = "TOKENSPEED_STACKED_GEMV"
+
+
+def stacked_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """G independent projections of G adjacent column groups of one input: x [T, G * K] (any row stride, unit
+    column stride), weight [G, N, K] -> y [G, T, N] contiguous in x.dtype, y[g] = x[:, g*K:(g+1)*K] @ weight[g]^T
+    (fp32 accumulation, one rounding). `torch.bmm`, or, when TOKENSPEED_STACKED_GEMV=1 (read per call; off until
+    timed in the H200 decode step) on the Triton path and for at most `stacked_gemv.MAX_ROWS` rows, one PDL launch
+    of `ops.triton.stacked_gemv` (which keeps a decode step's chain of dependent launches unbroken)."""
+    if (os.environ.get(STACKED_GEMV_ENV, "0").strip() == "1" and _dispatch.use_triton(x, weight)
+            and _dispatch.kernels("stacked_gemv").supported(x, weight)):
+        return _dispatch.kernels("stacked_gemv").stacked_linear(x, weight)
+    g, _, k = weight.shape
+    return torch.bmm(x.view(x.shape[0], g, k).transpose(0, 1), weight.transpose(1, 2))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
