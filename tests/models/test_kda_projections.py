@@ -21,6 +21,7 @@ from tests.conftest import rel_err
 
 # tests.ops.triton_env sets up Triton (the interpreter) before anything imports it
 from tests.ops.triton_env import cpu_interp
+from tokenspeed import ops
 from tokenspeed.distributed import ParallelContext
 from tokenspeed.errors import CheckpointError
 from tokenspeed.models import CacheBuffers, ForwardBatch, load_model
@@ -112,12 +113,21 @@ def _step(model, attn, cache, ids_per_seq, cached, slots, verify=False):
 
 
 @cpu_interp
+@pytest.mark.parametrize("stacked", [False, True], ids=["bmm", "stacked_gemv"])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_triton_kda_reads_merged_views(monkeypatch, preset: str) -> None:
+def test_triton_kda_reads_merged_views(monkeypatch, preset: str, stacked: bool) -> None:
     """TOKENSPEED_OPS=triton (interpreter): prefill (Triton conv on the strided q|k|v), decode and verify (fused
     kda_decode on the strided q|k|v and b, no copy, told each sequence's token count) equal the reference ops,
-    outputs and pools."""
+    outputs and pools; also with the low-rank gate's up-projections on the stacked GEMV kernel
+    (TOKENSPEED_STACKED_GEMV=1, reading the f_a | g_a columns of the merged output in place)."""
     from tokenspeed.ops.triton import kda_decode as mod
+    from tokenspeed.ops.triton import stacked_gemv
+
+    stacked_calls = []
+    real_stacked = stacked_gemv.stacked_linear
+    monkeypatch.setattr(stacked_gemv, "stacked_linear", lambda x, w: stacked_calls.append(x.stride()) or
+                        real_stacked(x, w))
+    monkeypatch.setenv(ops.STACKED_GEMV_ENV, "1" if stacked else "0")
 
     model = load_model(preset, dtype=torch.float32, seed=4)
     attn = model.model.layers[model.config.kda_layers[0]].self_attn
@@ -141,3 +151,6 @@ def test_triton_kda_reads_merged_views(monkeypatch, preset: str) -> None:
     for got, ref in zip(results["triton"][0] + results["triton"][1], results["reference"][0] + results["reference"][1],
                         strict=True):
         assert rel_err(got, ref) < 1e-5
+    low_rank = not model.config.use_full_rank_gate
+    assert bool(stacked_calls) == (stacked and low_rank)
+    assert all(st == (width, 1) for st in stacked_calls)  # the merged output, read in place
