@@ -67,8 +67,9 @@
 #   steptune  kimi-linear's batch-1 projections: the wide in-context GEMV sweep (gemv_h200.py --producer-cycles
 #           20000 --ms 1 --sweep wide), then each shape's top configs timed in the whole decode step
 #           (gemv_step_tune_h200.py; the kept buckets in $OUT/steptune/step_tune_table.json, for gemv_table_merge.py)
-#   stacked  ops.stacked_linear's PDL kernel (KDA's f / g gate up-projections, TOKENSPEED_STACKED_GEMV=1) against
-#           torch.bmm in the decode step at batch 1 / 2 / 4 / 8, interleaved; then its GPU tests
+#   stacked  ops.stacked_linear's PDL kernel (KDA's f / g gate up-projections, MLA's W_UK / W_UV on the unfused
+#           path; TOKENSPEED_STACKED_GEMV=1) against torch.bmm in the decode step at batch 1 / 2 / 4 / 8,
+#           interleaved; then its GPU tests
 #   rtests  the routing part's GPU tests alone (the simulation in a CUDA graph, the real out-of-memory step)
 #   next: "stacked steptune" (then flip TOKENSPEED_STACKED_GEMV's default if it wins, and run "nocompile"). Run from the repository root with carry
 #   [".whl"] (the working tree plus a copy under .gpu/ passed the device's 64 MiB carry limit)

@@ -103,6 +103,8 @@ def other_variants() -> list[tuple[str, object, Callable[[], object]]]:
     attn_res._NUM_SMS[torch.device("cpu")] = 132  # the split schedule's residency check
     src = torch.zeros(1, 4096, dtype=bf)
     fa, fw = torch.zeros(1, 12576, dtype=bf)[:, 12288:12544], torch.zeros(2, 4096, 128, dtype=bf)  # KDA's f_a | g_a
+    q, kv_b = torch.zeros(1, 32, 192, dtype=bf), torch.zeros(32, 256, 512, dtype=bf)  # kimi-linear's MLA at batch 1
+    o_lat, o = torch.zeros(1, 32, 512, dtype=bf), torch.zeros(1, 32, 128, dtype=bf)
     return [
         ("chain producer", chain, lambda: chain.produce(src, src.clone(), 10_000, True)),
         ("norm rms", norm, lambda: norm.rms_norm(x, w, 1e-6)),
@@ -111,6 +113,8 @@ def other_variants() -> list[tuple[str, object, Callable[[], object]]]:
         ("activation silu", activation, lambda: activation.gated_activation_merged(gu, Activation("silu"))),
         ("conv", conv, lambda: conv.causal_conv1d(cx, cw, cs, si, cu)),
         ("stacked_gemv fg_b", stacked_gemv, lambda: stacked_gemv.stacked_linear(fa, fw)),
+        ("stacked_gemv mla w_uk", stacked_gemv, lambda: stacked_gemv.stacked_linear(q[..., :128], kv_b[:, :128].mT)),
+        ("stacked_gemv mla w_uv", stacked_gemv, lambda: stacked_gemv.stacked_linear(o_lat, kv_b[:, 128:], o.mT)),
         *[(f"attn_res {s}", attn_res, lambda s=s: attn_res.attn_res_mix_rms_norm(blocks, part, q, 1e-6, w, 1e-6,
                                                                                   schedule=s))
           for s in ("split", "tile", "online")],

@@ -125,8 +125,8 @@ def test_triton_kda_reads_merged_views(monkeypatch, preset: str, stacked: bool) 
 
     stacked_calls = []
     real_stacked = stacked_gemv.stacked_linear
-    monkeypatch.setattr(stacked_gemv, "stacked_linear", lambda x, w: stacked_calls.append(x.stride()) or
-                        real_stacked(x, w))
+    monkeypatch.setattr(stacked_gemv, "stacked_linear", lambda x, w, out=None: stacked_calls.append(x.stride()) or
+                        real_stacked(x, w, out))
     monkeypatch.setenv(ops.STACKED_GEMV_ENV, "1" if stacked else "0")
 
     model = load_model(preset, dtype=torch.float32, seed=4)

@@ -56,13 +56,22 @@ def _steps(model, attn) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 
 @cpu_interp
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize(("fused", "stacked"), [(False, False), (True, False), (False, True)],
+                         ids=["unfused", "fused", "unfused_stacked_gemv"])
 @pytest.mark.parametrize("rotary", [False, True])
-def test_mla_layer_triton_ops_match_reference(monkeypatch, rotary: bool, fused: bool) -> None:
+def test_mla_layer_triton_ops_match_reference(monkeypatch, rotary: bool, fused: bool, stacked: bool) -> None:
+    """stacked: the unfused path's W_UK / W_UV products on `ops.stacked_linear`'s kernel (TOKENSPEED_STACKED_GEMV=1)
+    wherever it takes the rows (the decodes and the verify window: two each; the 7-row prefill too)."""
+    from tokenspeed import ops
     from tokenspeed.models.kimi import mla
     from tokenspeed.ops.triton import mla_decode as dec
-    from tokenspeed.ops.triton import mla_prep
+    from tokenspeed.ops.triton import mla_prep, stacked_gemv
 
+    monkeypatch.setenv(ops.STACKED_GEMV_ENV, "1" if stacked else "0")
+    stacked_calls = []
+    real_stacked = stacked_gemv.stacked_linear
+    monkeypatch.setattr(stacked_gemv, "stacked_linear",
+                        lambda x, w, out=None: stacked_calls.append(x.shape[0]) or real_stacked(x, w, out))
     model, attn = _layer(rotary)
     monkeypatch.delenv(mla.FUSED_ENV, raising=False)  # FUSED_DECODE decides
     monkeypatch.setattr(mla, "FUSED_DECODE", fused)
@@ -90,6 +99,7 @@ def test_mla_layer_triton_ops_match_reference(monkeypatch, rotary: bool, fused: 
     n = 4
     assert calls == ({"store": 0, "absorb": n, "q_rope": n, "w_uv": n} if fused else
                      {"store": n, "absorb": 0, "q_rope": n, "w_uv": 0})
+    assert len(stacked_calls) == (2 * n if stacked else 0)  # W_UK and W_UV of each step
     (outs, cache), (ref_outs, ref_cache) = results["triton"], results["reference"]
     for got, ref in zip(outs, ref_outs, strict=True):
         assert rel_err(got, ref) < 1e-5

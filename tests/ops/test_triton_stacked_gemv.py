@@ -1,9 +1,9 @@
 """`ops.stacked_linear` (G projections of G adjacent column groups of one input, KDA's f / g gate up-projections):
-the Triton kernel against torch.bmm, and when the op takes it.
+and MLA's per-head absorptions): the Triton kernel against torch.bmm, and when the op takes it.
 
 Interpreter (fp32): the model's grouping (G 2, K 128) and odd shapes (N not a multiple of the tile, K under and
-over one K tile), 1..MAX_ROWS rows, x a strided view of a wider projection output, outputs from NaN-poisoned
-memory; within 1e-5 relative. Routing: bmm unless TOKENSPEED_STACKED_GEMV=1, and bmm past MAX_ROWS rows or for
+over one K tile), 1..MAX_ROWS rows, x a strided view of a wider projection output; MLA's W_UK read transposed and
+W_UV written through a transposed output; outputs from NaN-poisoned memory; within 1e-5 relative. Routing: bmm unless TOKENSPEED_STACKED_GEMV=1, and bmm past MAX_ROWS rows or for
 shapes the kernel does not take. On a GPU: bf16 within 1e-2 of bmm, eagerly and replayed from a CUDA graph.
 """
 
@@ -49,6 +49,29 @@ def test_kernel_matches_bmm(t, g, n, k, monkeypatch):
 
 
 @cpu_interp
+@pytest.mark.parametrize("t", [1, 3])
+def test_mla_head_products_with_strided_operands(t, monkeypatch):
+    """MLA's absorptions over H heads: q_nope @ W_UK[h] (x a column slice of q [T, H, nope + rope], W_UK read
+    transposed out of kv_b [H, nope + v, r]) and o_lat @ W_UV[h]^T written through the [H, T, v] transpose of a
+    [T, H, v] buffer. Poisoned outputs, against bmm."""
+    h, nope, rope, v, r = 4, 32, 16, 32, 64
+    q = torch.randn(t, h, nope + rope)
+    kv_b = torch.randn(h, nope + v, r)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *s, **kw: real_empty(*s, **kw).fill_(float("nan")))
+    x, w_uk = q[..., :nope], kv_b[:, :nope].transpose(1, 2)  # [T, H, nope]; [H, r, nope] with unit stride on r
+    assert _kernel().supported(x, w_uk)
+    q_lat = _kernel().stacked_linear(x, w_uk)
+    ref = torch.bmm(x.transpose(0, 1).double(), kv_b[:, :nope].double())
+    assert q_lat.shape == (h, t, r) and rel_err(q_lat, ref) < 1e-5
+    o_lat, w_uv = torch.randn(t, h, r), kv_b[:, nope:]  # [H, v, r], rows of stride r
+    o = torch.full((t, h, v), float("nan"))
+    assert _kernel().stacked_linear(o_lat, w_uv, o.transpose(0, 1)) is not None
+    ref = torch.bmm(o_lat.transpose(0, 1).double(), w_uv.transpose(1, 2).double()).transpose(0, 1)
+    assert rel_err(o, ref) < 1e-5
+
+
+@cpu_interp
 def test_op_takes_the_kernel_only_when_switched_on_and_small(monkeypatch):
     monkeypatch.setenv("TOKENSPEED_OPS", "triton")
     calls = []
@@ -67,8 +90,8 @@ def test_op_takes_the_kernel_only_when_switched_on_and_small(monkeypatch):
     big = _strided_input(kernel.MAX_ROWS + 1, 2, 128)
     assert rel_err(ops.stacked_linear(big, w), _reference(big, w)) < 1e-5
     assert len(calls) == 1  # more rows than MAX_ROWS: bmm
-    assert not kernel.supported(x.contiguous().view(1, 2, 128), w)  # not 2-D
-    assert not kernel.supported(x, w.transpose(1, 2).contiguous().transpose(1, 2))  # weight not contiguous
+    assert not kernel.supported(x.contiguous().view(1, 2, 64, 2), w)  # not [T, G * K] or [T, G, K]
+    assert not kernel.supported(x, torch.randn(2, 64, 256)[:, :, ::2])  # no unit stride along N or K
     assert dispatch.mode() == "triton"
 
 
@@ -91,3 +114,20 @@ def test_bf16_on_the_gpu_eager_and_in_a_graph(t, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(y.float(), _reference(x, w)) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_mla_head_products_bf16_on_the_gpu(monkeypatch):
+    """kimi-linear's MLA at batch 1: W_UK read transposed out of kv_b, W_UV into a transposed output."""
+    monkeypatch.setenv(ops.STACKED_GEMV_ENV, "1")
+    h, nope, rope, v, r = 32, 128, 64, 128, 512
+    q = torch.randn(1, h, nope + rope, device="cuda", dtype=torch.bfloat16)
+    kv_b = (torch.randn(h, nope + v, r, device="cuda") / r ** 0.5).to(torch.bfloat16)
+    q_lat = ops.stacked_linear(q[..., :nope], kv_b[:, :nope].transpose(1, 2))
+    assert rel_err(q_lat.float(), torch.bmm(q[..., :nope].transpose(0, 1).double(), kv_b[:, :nope].double())) < 1e-2
+    o_lat = torch.randn(1, h, r, device="cuda", dtype=torch.bfloat16)
+    o = torch.empty(1, h, v, device="cuda", dtype=torch.bfloat16)
+    ops.stacked_linear(o_lat, kv_b[:, nope:], out=o.transpose(0, 1))
+    ref = torch.bmm(o_lat.transpose(0, 1).double(), kv_b[:, nope:].transpose(1, 2).double()).transpose(0, 1)
+    assert rel_err(o.float(), ref) < 1e-2

@@ -87,17 +87,19 @@ def linear(x: Tensor, weight: Tensor, *, out_dtype: torch.dtype | None = None) -
 STACKED_GEMV_ENV = "TOKENSPEED_STACKED_GEMV"
 
 
-def stacked_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """G independent projections of G adjacent column groups of one input: x [T, G * K] (any row stride, unit
-    column stride), weight [G, N, K] -> y [G, T, N] contiguous in x.dtype, y[g] = x[:, g*K:(g+1)*K] @ weight[g]^T
-    (fp32 accumulation, one rounding). `torch.bmm`, or, when TOKENSPEED_STACKED_GEMV=1 (read per call; off until
-    timed in the H200 decode step) on the Triton path and for at most `stacked_gemv.MAX_ROWS` rows, one PDL launch
-    of `ops.triton.stacked_gemv` (which keeps a decode step's chain of dependent launches unbroken)."""
-    if (os.environ.get(STACKED_GEMV_ENV, "0").strip() == "1" and _dispatch.use_triton(x, weight)
-            and _dispatch.kernels("stacked_gemv").supported(x, weight)):
-        return _dispatch.kernels("stacked_gemv").stacked_linear(x, weight)
+def stacked_linear(x: Tensor, weight: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """G independent projections y[g] = x[:, g] @ weight[g]^T: x [T, G * K] (G adjacent column groups) or
+    [T, G, K], any strides with a unit last one; weight [G, N, K], any strides -> y [G, T, N] in x.dtype (fp32
+    accumulation, one rounding), written into `out` when given ([G, T, N], unit last stride) and returned.
+    `torch.bmm`, or, when TOKENSPEED_STACKED_GEMV=1 (read per call; off until timed in the H200 decode step) on
+    the Triton path and for at most `stacked_gemv.MAX_ROWS` rows, one PDL launch of `ops.triton.stacked_gemv`
+    (which keeps a decode step's chain of dependent launches unbroken)."""
+    if (os.environ.get(STACKED_GEMV_ENV, "0").strip() == "1" and _dispatch.use_triton(x, weight, out)
+            and _dispatch.kernels("stacked_gemv").supported(x, weight, out)):
+        return _dispatch.kernels("stacked_gemv").stacked_linear(x, weight, out)
     g, _, k = weight.shape
-    return torch.bmm(x.view(x.shape[0], g, k).transpose(0, 1), weight.transpose(1, 2))
+    xg = x.view(x.shape[0], g, k) if x.dim() == 2 else x
+    return torch.bmm(xg.transpose(0, 1), weight.transpose(1, 2), out=out)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -232,14 +232,15 @@ class MLAAttention(nn.Module):
         dtype (tensor cores); elsewhere in fp32 like `_attend_absorbed`, so CPU results do not depend on which path
         a batch took.
 
-        Launches on CUDA: the W_UK bmm, mla_decode (split + combine), the W_UV bmm (the unfused path, the reference
-        of `_attend_fused`, which the layer takes when `fused_decode_enabled()`). The absorbed query is passed
-        as two views (q_lat, and q_pe read in place from q), not concatenated; the W_UV bmm writes straight into
-        a [T, H, v] buffer (through its [H, T, v] transpose), so the o_proj input needs no copy."""
+        Launches on CUDA: the W_UK product, mla_decode (split + combine), the W_UV product (the unfused path, the
+        reference of `_attend_fused`, which the layer takes when `fused_decode_enabled()`); the products are
+        `ops.stacked_linear` over the heads (bmm, or its PDL kernel at a few rows). The absorbed query is passed
+        as two views (q_lat, and q_pe read in place from q), not concatenated; the W_UV product writes straight
+        into a [T, H, v] buffer (through its [H, T, v] transpose), so the o_proj input needs no copy."""
         t, h, r = q.shape[0], self.num_heads, self.kv_lora_rank
         cdt = q.dtype if q.is_cuda else torch.float32
         w = self.kv_b_proj.weight.to(cdt).view(h, self.nope + self.v_dim, r)
-        q_lat = torch.bmm(q[..., : self.nope].to(cdt).transpose(0, 1), w[:, : self.nope])  # [H, T, r]
+        q_lat = ops.stacked_linear(q[..., : self.nope].to(cdt), w[:, : self.nope].transpose(1, 2))  # [H, T, r]
         if cu_seqlens_q is None:
             n = kv_lens.shape[0]
             o_lat = ops.mla_decode(q_lat.transpose(0, 1).view(n, t // n, h, r), latent_cache, page_table, kv_lens,
@@ -249,7 +250,7 @@ class MLAAttention(nn.Module):
             o_lat = ops.mla_decode(q_lat.transpose(0, 1), latent_cache, page_table, kv_lens, self.scale, r, kv_scale,
                                    q_rope=q[..., self.nope :].to(cdt), cu_seqlens_q=cu_seqlens_q, max_q=max_q)
         o = torch.empty(t, h, self.v_dim, dtype=cdt, device=q.device)
-        torch.bmm(o_lat.view(t, h, r).transpose(0, 1), w[:, self.nope :].transpose(1, 2), out=o.transpose(0, 1))
+        ops.stacked_linear(o_lat.view(t, h, r), w[:, self.nope :], out=o.transpose(0, 1))
         return o.to(self.kv_b_proj.weight.dtype)
 
     def _attend(self, q: Tensor, batch: ForwardBatch, latent_cache: Tensor, kv_scale: float) -> Tensor:
