@@ -21,6 +21,7 @@ COUNT_NAMES = {"T", "N", "R", "P", "n", "n_iter", "num_m", "n_rows", "max_blocks
 NOT_COUNTS = {
     "_gemv_fma_kernel": {"N"},  # N = the weight's rows; M (the batch rows) is specialised on purpose: graphs only
     "_gemv_dot_kernel": {"N"},
+    "_stacked_gemv_kernel": {"N"},  # N = each group's weight rows (a model size); its row count T is unspecialised
     "_attn_res_split_kernel": {"P"},  # P: the partial-sum tensor
     "_attn_res_online_kernel": {"P"},
     "_attn_res_tile_kernel": {"P"},
