@@ -69,7 +69,7 @@
 #           (gemv_step_tune_h200.py; the kept buckets in $OUT/steptune/step_tune_table.json, for gemv_table_merge.py)
 #   stacked  ops.stacked_linear's PDL kernel (KDA's f / g gate up-projections, MLA's W_UK / W_UV on the unfused
 #           path; TOKENSPEED_STACKED_GEMV=1) against torch.bmm in the decode step at batch 1 / 2 / 4 / 8,
-#           interleaved; then its GPU tests
+#           interleaved; then its GPU tests and, with it on, the no-compile-after-start-up test
 #   rtests  the routing part's GPU tests alone (the simulation in a CUDA graph, the real out-of-memory step)
 #   next: "stacked steptune" (then flip TOKENSPEED_STACKED_GEMV's default if it wins, and run "nocompile"). Run from the repository root with carry
 #   [".whl"] (the working tree plus a copy under .gpu/ passed the device's 64 MiB carry limit)
@@ -136,6 +136,9 @@ if has stacked; then  # a cuBLAS bmm between two PDL kernels breaks the chain tw
     --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_STACKED_GEMV=1" --out "$OUT" 2>&1 | grep "PDL A/B"
   timeout 120 python3 -m pytest -p no:cacheprovider tests/ops/test_triton_stacked_gemv.py -rfE --tb=short 2>&1 \
     | grep -E "^E  |passed|failed" | cut -c1-400
+  # with it on, the start-up warm-up must still leave nothing to compile mid-serve
+  TOKENSPEED_STACKED_GEMV=1 timeout 240 python3 -m pytest -p no:cacheprovider tests/executor/test_cuda_graphs.py \
+    -k no_triton --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
 fi
 if has rtests; then
   timeout 180 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py \
