@@ -68,7 +68,7 @@
 #           20000 --ms 1 --sweep wide), then each shape's top configs timed in the whole decode step
 #           (gemv_step_tune_h200.py; the kept buckets in $OUT/steptune/step_tune_table.json, for gemv_table_merge.py)
 #   stacked  ops.stacked_linear's PDL kernel (KDA's f / g gate up-projections, MLA's W_UK / W_UV on the unfused
-#           path; TOKENSPEED_STACKED_GEMV=1) against torch.bmm in the decode step at batch 1 / 2 / 4 / 8,
+#           path; TOKENSPEED_STACKED_GEMV=1) against torch.bmm in the decode step at batch 1 / 2 / 4 / 8 / 16,
 #           interleaved; then its GPU tests and, with it on, the no-compile-after-start-up test
 #   rtests  the routing part's GPU tests alone (the simulation in a CUDA graph, the real out-of-memory step)
 #   next: "stacked steptune" (then flip TOKENSPEED_STACKED_GEMV's default if it wins, and run "nocompile"). Run from the repository root with carry
@@ -132,7 +132,7 @@ if has steptune; then  # configs that win a projection alone have lost in the st
   rm -f "$OUT"/steptune/cand_*.json
 fi
 if has stacked; then  # a cuBLAS bmm between two PDL kernels breaks the chain twice per KDA layer
-  timeout 240 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab "${STACKED_BATCHES:-1,2,4,8}" \
+  timeout 240 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab "${STACKED_BATCHES:-1,2,4,8,16}" \
     --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_STACKED_GEMV=1" --out "$OUT" 2>&1 | grep "PDL A/B"
   timeout 120 python3 -m pytest -p no:cacheprovider tests/ops/test_triton_stacked_gemv.py -rfE --tb=short 2>&1 \
     | grep -E "^E  |passed|failed" | cut -c1-400

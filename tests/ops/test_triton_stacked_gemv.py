@@ -35,7 +35,7 @@ def _strided_input(t: int, g: int, k: int, dtype=torch.float32, device="cpu") ->
 
 
 @cpu_interp
-@pytest.mark.parametrize("t", [1, 2, 5, 8])
+@pytest.mark.parametrize("t", [1, 2, 5, 8, 16])
 @pytest.mark.parametrize(("g", "n", "k"), [(2, 256, 128), (2, 100, 48), (3, 70, 200), (1, 32, 128)])
 def test_kernel_matches_bmm(t, g, n, k, monkeypatch):
     x = _strided_input(t, g, k)
@@ -97,7 +97,7 @@ def test_op_takes_the_kernel_only_when_switched_on_and_small(monkeypatch):
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 4, 8])
+@pytest.mark.parametrize("t", [1, 4, 8, 16])
 def test_bf16_on_the_gpu_eager_and_in_a_graph(t, monkeypatch):
     monkeypatch.setenv(ops.STACKED_GEMV_ENV, "1")
     g, n, k = 2, 4096, 128  # kimi-linear-48b-a3b's fg_b_proj

@@ -9,10 +9,11 @@ before the kernel before it had fully completed, and the kernel after it could n
 This kernel launches as a PDL dependent like the GEMV: each program loads its first weight tile before `gdc_wait`
 (weights are never written), then the input rows, and releases its dependents.
 
-Grid (cdiv(N, BLOCK_N), G): program (j, g) owns rows n in [j * BLOCK_N, (j + 1) * BLOCK_N) of W[g] and walks the
-T input rows one at a time: acc[n] = sum_k x[t, g, k] * W[g, n, k] in fp32 over BLOCK_K chunks of K, rounded to
-the output dtype once (as bmm's fp32 accumulation is; the summation order differs). For T <= MAX_ROWS (the
-wrapper's rule): each row is a dependent reduction, so many rows belong to cuBLAS. Strides: x [T, G, K] and out
+Grid (cdiv(N, BLOCK_N), G): program (j, g) owns rows n in [j * BLOCK_N, (j + 1) * BLOCK_N) of W[g] and all T
+input rows as one [BLOCK_T = MAX_ROWS, BLOCK_K] tile (rows past T masked: neither read nor written): acc[t, n] =
+sum_k x[t, g, k] * W[g, n, k] on the tensor cores (`tl.dot`, fp32 accumulation; IEEE for fp32 inputs) over
+BLOCK_K chunks of K, rounded to the output dtype once (as bmm's fp32 accumulation is; the summation order
+differs). T <= MAX_ROWS is the wrapper's rule. Strides: x [T, G, K] and out
 [G, T, N] any, with a unit last one; W [G, N, K] any (contiguous along K, or along N for a transposed read).
 Every output element is written. CUDA-graph safe (no host sync); T is not specialised (one variant for every row
 count). Compiled code and the interpreter run the same body (PDL compiles away without Hopper).
@@ -28,48 +29,56 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
 
-MAX_ROWS = 8  # more rows: torch.bmm (the per-row reductions here are serial)
+MAX_ROWS = 16  # one row tile (BLOCK_T); more rows: torch.bmm
 MAX_K = 1024
 BLOCK_N = 32
 
 
+@triton.jit
+def _dot(x, w, acc, IEEE: tl.constexpr):
+    """acc [BLOCK_T, BLOCK_N] += x [BLOCK_T, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T (fp32 inputs: IEEE, no TF32)."""
+    if IEEE:
+        return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _stacked_gemv_kernel(X, W, Out, T, N, K, stride_xt, stride_xg, stride_wg, stride_wn, stride_wk, stride_og,
-                         stride_ot, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                         PDL: tl.constexpr):
+                         stride_ot, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     pid_n, g = tl.program_id(0), tl.program_id(1)
+    offs_t = tl.arange(0, BLOCK_T)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = W + g * stride_wg + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
-    if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks; the first K tile before the wait
-        w_first = tl.load(w_ptrs)
+    if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no weight masks; the first K tile before the wait
+        w = tl.load(w_ptrs)
     else:
-        w_first = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+        w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    x_base = X + g * stride_xg
-    for t in range(T):
-        x_row = x_base + t * stride_xt
+    rows = offs_t < T  # rows past T are neither read nor written
+    x_ptrs = X + g * stride_xg + offs_t[:, None] * stride_xt + offs_k[None, :]
+    if EVEN:
+        x = tl.load(x_ptrs, mask=rows[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        x = tl.load(x_ptrs, mask=rows[:, None] & (offs_k[None, :] < K), other=0.0, cache_modifier=".cg")
+    acc = _dot(x, w, tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), IEEE)
+    for k0 in range(BLOCK_K, K, BLOCK_K):  # the rest of K (K > BLOCK_K), after the wait
+        kk = k0 + offs_k
         if EVEN:
-            x = tl.load(x_row + offs_k, cache_modifier=".cg")
+            w = tl.load(w_ptrs + k0 * stride_wk)
+            x = tl.load(x_ptrs + k0, mask=rows[:, None], other=0.0, cache_modifier=".cg")
         else:
-            x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0, cache_modifier=".cg")
-        acc = tl.sum(w_first.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        for k0 in range(BLOCK_K, K, BLOCK_K):  # the rest of the row (K > BLOCK_K), after the wait
-            kk = k0 + offs_k
-            if EVEN:
-                w = tl.load(w_ptrs + k0 * stride_wk)
-                xk = tl.load(x_row + kk, cache_modifier=".cg")
-            else:
-                w = tl.load(w_ptrs + k0 * stride_wk, mask=(offs_n[:, None] < N) & (kk[None, :] < K), other=0.0)
-                xk = tl.load(x_row + kk, mask=kk < K, other=0.0, cache_modifier=".cg")
-            acc += tl.sum(w.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
-        out_ptrs = Out + g * stride_og + t * stride_ot + offs_n
-        if EVEN:
-            tl.store(out_ptrs, acc.to(Out.dtype.element_ty))
-        else:
-            tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=offs_n < N)
+            w = tl.load(w_ptrs + k0 * stride_wk, mask=(offs_n[:, None] < N) & (kk[None, :] < K), other=0.0)
+            x = tl.load(x_ptrs + k0, mask=rows[:, None] & (kk[None, :] < K), other=0.0, cache_modifier=".cg")
+        acc = _dot(x, w, acc, IEEE)
+    out_ptrs = Out + g * stride_og + offs_t[:, None] * stride_ot + offs_n[None, :]
+    if EVEN:
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=rows[:, None])
+    else:
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=rows[:, None] & (offs_n[None, :] < N))
 
 
 def _groups(x: Tensor, weight: Tensor) -> Tensor | None:
@@ -102,10 +111,10 @@ def stacked_linear(x: Tensor, weight: Tensor, out: Tensor | None = None) -> Tens
     t = x.shape[0]
     if out is None:
         out = torch.empty(g, t, n, dtype=x.dtype, device=x.device)
-    block_k = min(next_pow2(k), 128)
+    block_k = max(min(next_pow2(k), 128), 16)  # tl.dot needs K tiles of >= 16
     even = n % BLOCK_N == 0 and k % block_k == 0
     _stacked_gemv_kernel[(triton.cdiv(n, BLOCK_N), g)](
         xg, weight, out, t, n, k, xg.stride(0), xg.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
-        out.stride(0), out.stride(1), BLOCK_N=BLOCK_N, BLOCK_K=block_k, EVEN=even, num_warps=4,
-        **pdl.kernel_kwargs(x.device, "gemv"))
+        out.stride(0), out.stride(1), BLOCK_T=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=block_k, EVEN=even,
+        IEEE=x.dtype == torch.float32, num_warps=4, **pdl.kernel_kwargs(x.device, "gemv"))
     return out
