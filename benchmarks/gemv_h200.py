@@ -65,7 +65,7 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
 
 import torch
 import triton
-from graph_timing import replay_ms, warm_up  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
+from graph_timing import graph_us  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
 
 from tokenspeed.ops import dispatch
 from tokenspeed.ops.triton import gemv as k_gemv
@@ -187,18 +187,6 @@ def sweep(M: int, N: int, K: int, elt: int, num_sms: int, wide: bool, dry: bool,
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
-def graph_us(call: Callable[[int], object], n_calls: int, reps: int) -> float:
-    """Per-call GPU time (us): median over `reps` replays of a CUDA graph of call(0..n_calls-1), / n_calls."""
-    warm_up(lambda: (call(0), call(1)))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n_calls):
-            call(i)
-    ms = replay_ms(g, reps, warmup=2)
-    del g
-    return ms / n_calls * 1e3
 
 
 def cpu_us(call: Callable[[int], object], n_calls: int, reps: int) -> float:

@@ -1,5 +1,6 @@
 """Shared by the H200 benchmarks: CUDA-event timing of eager calls, side-stream warm-up before a graph capture,
-the median GPU time of a captured graph's replay, and the JSON result file with the run's environment."""
+the median GPU time of a captured graph's replay (and per call of a graph of n calls), and the JSON result file
+with the run's environment."""
 
 from __future__ import annotations
 
@@ -46,6 +47,19 @@ def replay_ms(graph: torch.cuda.CUDAGraph, reps: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         graph.replay()
     return events_ms(graph.replay, reps, warmup=0)
+
+
+def graph_us(call: Callable[[int], object], n_calls: int, reps: int) -> float:
+    """Per-call GPU time (us): median over `reps` replays of a CUDA graph of call(0..n_calls-1), / n_calls (call(0)
+    and call(1) warmed up first, outside the capture)."""
+    warm_up(lambda: (call(0), call(1)))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(n_calls):
+            call(i)
+    ms = replay_ms(g, reps, warmup=2)
+    del g
+    return ms / n_calls * 1e3
 
 
 def write_result(path: str, body: dict, **env: object) -> None:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 from gemv_pdl_chain_h200 import produce  # benchmarks/ (the script's folder is on sys.path)
-from graph_timing import replay_ms, warm_up, write_result
+from graph_timing import graph_us, write_result
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenspeed.ops import dispatch
@@ -53,7 +53,7 @@ def _read_kernel(W, Out, numel, n_blocks, BLOCK: tl.constexpr, BEFORE: tl.conste
         gdc_launch_dependents()
     start = pid.to(tl.int64) * n_blocks * BLOCK
     acc = tl.zeros([BLOCK // 256, 256], tl.float32)
-    for i in range(0, n_blocks):
+    for i in range(n_blocks):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(W + offs, mask=offs < numel, other=0.0).to(tl.float32)
         acc += tl.reshape(x, [BLOCK // 256, 256])
@@ -70,18 +70,6 @@ def read(w: torch.Tensor, out: torch.Tensor, programs: int, block: int, before: 
                               **pdl.kernel_kwargs(w.device))
 
 
-def chain_us(step, n: int, reps: int) -> float:
-    """us per chain: a graph of n calls of step(i)."""
-    warm_up(lambda: [step(i) for i in range(n)])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n):
-            step(i)
-    ms = replay_ms(graph, reps, warmup=2)
-    torch.cuda.synchronize()
-    return ms * 1e3 / n
-
-
 def measure_shape(name: str, N: int, K: int, args, gen: torch.Generator) -> dict:
     nbytes = N * K * 2
     sets = [torch.randn(N, K, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -90,16 +78,16 @@ def measure_shape(name: str, N: int, K: int, args, gen: torch.Generator) -> dict
     x = torch.empty_like(src)
     out = torch.empty(4 * 132 * 4, device="cuda", dtype=torch.float32)
     cycles = args.producer_cycles
-    base = chain_us(lambda i: produce(src, x, cycles, True), args.chains, args.reps)
+    base = graph_us(lambda i: produce(src, x, cycles, True), args.chains, args.reps)
     cfg = dispatch.linear_route(1, N, K, torch.bfloat16) or {}
-    rows = {"gemv": chain_us(lambda i: (produce(src, x, cycles, True), k_gemv.gemv(x, sets[i % len(sets)], **cfg)),
+    rows = {"gemv": graph_us(lambda i: (produce(src, x, cycles, True), k_gemv.gemv(x, sets[i % len(sets)], **cfg)),
                              args.chains, args.reps) - base}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for per_sm in (1, 2, 4):
         for block, warps in ((8192, 4), (16384, 8)):
             for before in (False, True):
                 label = f"read-{'before' if before else 'after'} {per_sm}/SM B{block} w{warps}"
-                rows[label] = chain_us(lambda i, p=per_sm * sms, b=block, bf=before, w=warps: (
+                rows[label] = graph_us(lambda i, p=per_sm * sms, b=block, bf=before, w=warps: (
                     produce(src, x, cycles, True), read(sets[i % len(sets)], out, p, b, bf, w)),
                     args.chains, args.reps) - base
     best_after = min((v, k) for k, v in rows.items() if k.startswith("read-after"))
