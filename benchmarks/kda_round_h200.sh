@@ -68,10 +68,10 @@
 #           20000 --ms 1 --sweep wide), then each shape's top configs timed in the whole decode step
 #           (gemv_step_tune_h200.py; the kept buckets in $OUT/steptune/step_tune_table.json, for gemv_table_merge.py)
 #   stacked  ops.stacked_linear's PDL kernel (KDA's f / g gate up-projections, MLA's W_UK / W_UV on the unfused
-#           path; TOKENSPEED_STACKED_GEMV=1) against torch.bmm in the decode step at batch 1 / 2 / 4 / 8 / 16,
-#           interleaved; then its GPU tests and, with it on, the no-compile-after-start-up test
+#           path; on by default since da2090b) against torch.bmm (TOKENSPEED_STACKED_GEMV=0) in the decode step at
+#           batch 1 / 2 / 4 / 8 / 16, interleaved; then its GPU tests and the no-compile-after-start-up test
 #   rtests  the routing part's GPU tests alone (the simulation in a CUDA graph, the real out-of-memory step)
-#   next: "stacked steptune" (then flip TOKENSPEED_STACKED_GEMV's default if it wins, and run "nocompile"). Run from the repository root with carry
+#   Run from the repository root with carry
 #   [".whl"] (the working tree plus a copy under .gpu/ passed the device's 64 MiB carry limit)
 # Expects $OUT; at most 8 files come back from a device call.
 set -u
@@ -133,11 +133,11 @@ if has steptune; then  # configs that win a projection alone have lost in the st
 fi
 if has stacked; then  # a cuBLAS bmm between two PDL kernels breaks the chain twice per KDA layer
   timeout 240 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab "${STACKED_BATCHES:-1,2,4,8,16}" \
-    --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_STACKED_GEMV=1" --out "$OUT" 2>&1 | grep "PDL A/B"
+    --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_STACKED_GEMV=0" --out "$OUT" 2>&1 | grep "PDL A/B"
   timeout 120 python3 -m pytest -p no:cacheprovider tests/ops/test_triton_stacked_gemv.py -rfE --tb=short 2>&1 \
     | grep -E "^E  |passed|failed" | cut -c1-400
   # with it on, the start-up warm-up must still leave nothing to compile mid-serve
-  TOKENSPEED_STACKED_GEMV=1 timeout 240 python3 -m pytest -p no:cacheprovider tests/executor/test_cuda_graphs.py \
+  timeout 240 python3 -m pytest -p no:cacheprovider tests/executor/test_cuda_graphs.py \
     -k no_triton --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
 fi
 if has rtests; then

@@ -3,7 +3,7 @@ and MLA's per-head absorptions): the Triton kernel against torch.bmm, and when t
 
 Interpreter (fp32): the model's grouping (G 2, K 128) and odd shapes (N not a multiple of the tile, K under and
 over one K tile), 1..MAX_ROWS rows, x a strided view of a wider projection output; MLA's W_UK read transposed and
-W_UV written through a transposed output; outputs from NaN-poisoned memory; within 1e-5 relative. Routing: bmm unless TOKENSPEED_STACKED_GEMV=1, and bmm past MAX_ROWS rows or for
+W_UV written through a transposed output; outputs from NaN-poisoned memory; within 1e-5 relative. Routing: the kernel by default, bmm when TOKENSPEED_STACKED_GEMV=0, and bmm past MAX_ROWS rows or for
 shapes the kernel does not take. On a GPU: bf16 within 1e-2 of bmm, eagerly and replayed from a CUDA graph.
 """
 
@@ -80,11 +80,11 @@ def test_op_takes_the_kernel_only_when_switched_on_and_small(monkeypatch):
     monkeypatch.setattr(kernel, "stacked_linear", lambda *a: calls.append(a) or real(*a))
     w = torch.randn(2, 64, 128)
     x = _strided_input(1, 2, 128)
-    monkeypatch.delenv(ops.STACKED_GEMV_ENV, raising=False)
-    off = ops.stacked_linear(x, w)  # default: torch.bmm
+    monkeypatch.setenv(ops.STACKED_GEMV_ENV, "0")
+    off = ops.stacked_linear(x, w)  # switched off: torch.bmm
     assert not calls
-    monkeypatch.setenv(ops.STACKED_GEMV_ENV, "1")
-    on = ops.stacked_linear(x, w)
+    monkeypatch.delenv(ops.STACKED_GEMV_ENV, raising=False)
+    on = ops.stacked_linear(x, w)  # default: the kernel
     assert len(calls) == 1
     assert rel_err(on, off) < 1e-5
     big = _strided_input(kernel.MAX_ROWS + 1, 2, 128)
