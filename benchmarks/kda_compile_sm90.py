@@ -65,6 +65,10 @@ def variants() -> list[tuple[str, callable]]:
                 (f"decode-b8-chunked-s1{sfx}", call(8, 1, num_stages=1)),
                 (f"decode-b8-chunked-vfirst{sfx}", call(8, 1, state_v_first=True)),
                 (f"decode-b32-chunked-vfirst{sfx}", call(32, 1, state_v_first=True)),  # 1024 pairs: BV 16, 4 stages
+                (f"decode-b32-chunked-pf4-vfirst{sfx}", call(32, 1, state_v_first=True, config=kd.KdaConfig(
+                    8, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=4))),  # the first 4 tiles
+                (f"decode-b32-chunked-pf2{sfx}", call(32, 1, config=kd.KdaConfig(
+                    16, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=2))),
                 (f"decode-b1-d96{sfx}", call(1, 1, d=96)),
                 (f"verify-b2-q4{sfx}", call(2, 4, update_state=False)),
                 (f"verify-b2-q4-chunked{sfx}", call(2, 4, update_state=False, chunked=True)),

@@ -100,6 +100,13 @@ VARIANTS = [
     KdaConfig(32, chunked=True, num_stages=1),
     KdaConfig(32, chunked=True, num_stages=3, hints=True),
     KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True),  # the chunked default + the state L2 prefetch
+    # the prefetch of the first tiles only (the whole heads of every resident program overflow L2 at 96 x 64)
+    KdaConfig(8, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=4),
+    KdaConfig(8, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=8),
+    KdaConfig(16, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=2),
+    KdaConfig(16, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=4),
+    KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True, prefetch_tiles=1),
+    KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True, prefetch_tiles=2),
     KdaConfig(32, window=True),  # split, conv window in registers, next token's inputs ahead (verify windows)
     KdaConfig(64, window=True),
     KdaConfig(16, window=True),

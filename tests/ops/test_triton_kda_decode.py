@@ -399,7 +399,7 @@ def test_launch_config_table_and_validation():
     """default_config: the decode table by N * H, the multi-token table for verify / replay / tails (the window loop,
     then WY rows that carry the window for the launches WY cannot run), legacy for head dims < 64; the original
     choice is `legacy_config`; overrides are validated."""
-    from tokenspeed.ops.triton.kda_config import MULTI_TABLE
+    from tokenspeed.ops.triton.kda_config import MULTI_TABLE, config_from_label
     from tokenspeed.ops.triton.kda_decode import DECODE_TABLE, KdaConfig, default_config, kda_decode, legacy_config
 
     assert [b for b, _ in DECODE_TABLE] == sorted(b for b, _ in DECODE_TABLE) and DECODE_TABLE[0][0] == 0
@@ -413,6 +413,10 @@ def test_launch_config_table_and_validation():
     assert legacy_config(12, 128) == KdaConfig(32) and legacy_config(6144, 128) == KdaConfig(64)
     assert KdaConfig(32, chunked=True, num_stages=3).label == "bv32-chunked-w4-s3"
     assert KdaConfig(64, hints=True).label == "bv64-split-w4-hints"
+    part = KdaConfig(8, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=4)
+    assert part.label == "bv8-chunked-w4-s4-pf4" and config_from_label(part.label) == part
+    whole = KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True)
+    assert whole.label == "bv32-chunked-w4-s3-pf" and config_from_label(whole.label) == whole
     inp = make([1], 1, 48, torch.float32, "cpu")
     bad = [({"BV": 24}, "BV must be"), ({"BV": 128}, "BV must be"), ({"num_warps": 3}, "num_warps"),
            ({"num_stages": 0}, "num_stages"), ({"config": KdaConfig(16, num_stages=9)}, "num_stages")]

@@ -32,6 +32,9 @@ class KdaConfig(NamedTuple):
     (before the PDL wait under PDL), where the GPU and the pool's alignment allow it. Off by default: in decode on
     the H200 it cost 13% at 96 heads x 64 sequences, 9% at 32 x 64, 1% in the batch-4 / 16 decode step and nothing
     at batch 1 (benchmarks/README.md); not timed with WY.
+    prefetch_tiles (with prefetch_state, chunked decode only): prefetch only the head's first prefetch_tiles V tiles
+    (0: the whole head). Every resident program prefetching its whole 64 KB head (~1,700 programs on 132 SMs at 96
+    heads x 64) asks for about twice the L2; the first tiles cover what the pipelined loop reads first.
     window (split only; for several tokens per sequence: verify, replay, prompt tails): the conv window and weights
     carried in registers through the token loop and each next token's inputs loaded one token ahead, before this
     token's recurrence (`_split_window_tokens`); the plain loop's arithmetic (equal in the interpreter; on the
@@ -57,13 +60,14 @@ class KdaConfig(NamedTuple):
     window: bool = False
     wy: bool = False
     keys_pass: bool = False
+    prefetch_tiles: int = 0
 
     @property
     def label(self) -> str:
         sched = "chunked" if self.chunked else "split"
         s = f"bv{self.block_v}-{sched}-w{self.num_warps}"
         s += f"-s{self.num_stages}" if self.num_stages is not None else ""
-        return s + ("-hints" if self.hints else "") + ("-pf" if self.prefetch_state else "") + (
+        return s + ("-hints" if self.hints else "") + (f"-pf{self.prefetch_tiles or ''}" if self.prefetch_state else "") + (
             "-win" if self.window else "") + ("-wy" if self.wy else "") + ("-kp" if self.keys_pass else "")
 
 
@@ -117,7 +121,7 @@ REPLAY_WY_BLOCK_V = 32
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
 MULTI_ENV = "TOKENSPEED_KDA_VERIFY"  # the same for launches of several tokens per sequence (verify, replay, tails)
-_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf)?(-win)?(-wy)?(-kp)?")
+_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf(\d*))?(-win)?(-wy)?(-kp)?")
 
 
 def config_from_label(label: str) -> KdaConfig:
@@ -125,10 +129,10 @@ def config_from_label(label: str) -> KdaConfig:
     m = _LABEL.fullmatch(label.strip())
     if m is None:
         raise ValueError(f"{label!r} is not a KDA decode config label such as bv32-split-w4 or bv32-chunked-w4-s3")
-    bv, sched, warps, stages, hints, pf, win, wy, kp = m.groups()
+    bv, sched, warps, stages, hints, pf, pf_tiles, win, wy, kp = m.groups()
     return KdaConfig(int(bv), chunked=sched == "chunked", num_warps=int(warps),
                      num_stages=int(stages) if stages else None, hints=bool(hints), prefetch_state=bool(pf),
-                     window=bool(win), wy=bool(wy), keys_pass=bool(kp))
+                     window=bool(win), wy=bool(wy), keys_pass=bool(kp), prefetch_tiles=int(pf_tiles or 0))
 
 
 def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:

@@ -96,6 +96,9 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
     if cfg.num_stages is not None:
         opts["num_stages"] = cfg.num_stages
     opts["PF_STATE"] = cfg.prefetch_state  # then the device and the pool's alignment: `_pf_state`
+    if not isinstance(cfg.prefetch_tiles, int) or cfg.prefetch_tiles < 0:
+        raise ValueError(f"prefetch_tiles must be an int >= 0 (0: the whole head); got {cfg.prefetch_tiles}")
+    opts["PF_TILES"] = cfg.prefetch_tiles if cfg.prefetch_tiles < chunks else 0  # 0: the whole head
     if cfg.window and cfg.chunked:
         raise ValueError("KdaConfig(window=True) is for the split schedule (chunked=False)")
     opts["WINDOW"] = cfg.window
@@ -179,7 +182,7 @@ def kda_decode(
     why = wy_unsupported(D, opts["BV"], update_state, step_states, seq_lens) if wy else None
     if why is not None and config is not None:
         raise ValueError(why)
-    if wy and why is None:
+    if wy and why is None:  # (the WY forms prefetch whole heads: PF_TILES is the chunked decode's)
         if keys_pass and max_seq_tokens is not None and max_seq_tokens <= MAX_WINDOW:  # else the one-launch form
             cnt = _counters(qkv.device, N * H) if norm and opts["BV"] < D else cu_seqlens
             launch_keys_pass(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out,
@@ -283,7 +286,7 @@ def kda_replay_layers(
         return
     explicit = config is not None
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
-    opts["PF_STATE"] = False  # the replay's state rows come from per-layer offsets: no whole-head prefetch
+    opts["PF_STATE"], opts["PF_TILES"] = False, 0  # the replay's rows come from per-layer offsets: no prefetch
     opts.pop("KP")  # the WY replay always runs in two launches
     if opts.pop("WY"):
         wy_bv = opts["BV"] if explicit or BV is not None else replay_wy_block_v(D)  # a table row: the replay's own

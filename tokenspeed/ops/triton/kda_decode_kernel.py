@@ -457,6 +457,7 @@ def _kda_decode_kernel(
     PF_STATE: tl.constexpr = False,
     V_FIRST: tl.constexpr = False,
     WINDOW: tl.constexpr = False,
+    PF_TILES: tl.constexpr = 0,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
@@ -516,7 +517,12 @@ def _kda_decode_kernel(
     if CHUNKS > 1 and UPDATE and PF_STATE and not MULTI_LAYER:
         # the head's state (read tile by tile in the pipelined loop below), by rows, into L2: it streams in while
         # the program computes q / k / gate (with or without PDL; sm_90, chosen on the host)
-        _prefetch_l2_bulk(S + slot * stride_ss + h * D * D + ok * D, D * 4, mk)
+        if PF_TILES == 0:  # the whole head: D rows of D values
+            _prefetch_l2_bulk(S + slot * stride_ss + h * D * D + ok * D, D * 4, mk)
+        elif V_FIRST:  # the first PF_TILES tiles: the head's first PF_TILES * BV rows
+            _prefetch_l2_bulk(S + slot * stride_ss + h * D * D + ok * D, D * 4, mk & (ok < PF_TILES * BV))
+        else:  # [K, V]: the first PF_TILES * BV values of every row
+            _prefetch_l2_bulk(S + slot * stride_ss + h * D * D + ok * D, PF_TILES * BV * 4, mk)
     if PDL and not MULTI_LAYER:  # L2 prefetch hints for what the first token reads next to the state
         if CHUNKS == 1:
             _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D, ok, cq, ck, cv, mk, mv, NORM)
