@@ -100,6 +100,23 @@ VARIANTS = [
     KdaConfig(32, chunked=True, num_stages=1),
     KdaConfig(32, chunked=True, num_stages=3, hints=True),
     KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True),  # the chunked default + the state L2 prefetch
+    # the first tile loaded before the token inputs (it streams in during them)
+    KdaConfig(8, chunked=True, num_stages=4, preload=True),
+    KdaConfig(16, chunked=True, num_stages=4, preload=True),
+    KdaConfig(16, chunked=True, num_stages=3, preload=True),
+    KdaConfig(32, chunked=True, num_stages=3, preload=True),
+    KdaConfig(32, chunked=True, num_stages=3, preload=True, max_regs=128),
+    KdaConfig(32, chunked=True, num_stages=2, preload=True),
+    KdaConfig(16, chunked=True, num_stages=4, preload=True, max_regs=104),
+    KdaConfig(8, chunked=True, num_stages=4, preload=True, max_regs=72),
+    # capped registers: more resident programs per SM (72 / 96 / 162 registers allow 7 / 5 / 3 of 4 warps)
+    KdaConfig(8, chunked=True, num_stages=4, max_regs=64),
+    KdaConfig(8, chunked=True, num_stages=4, max_regs=56),
+    KdaConfig(8, chunked=True, num_stages=4, max_regs=48),
+    KdaConfig(16, chunked=True, num_stages=4, max_regs=80),
+    KdaConfig(16, chunked=True, num_stages=4, max_regs=64),
+    KdaConfig(32, chunked=True, num_stages=3, max_regs=128),
+    KdaConfig(32, chunked=True, num_stages=3, max_regs=96),
     # the prefetch of the first tiles only (the whole heads of every resident program overflow L2 at 96 x 64)
     KdaConfig(8, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=4),
     KdaConfig(8, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=8),

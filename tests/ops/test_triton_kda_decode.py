@@ -349,6 +349,24 @@ def test_chunked_decode_interp(D, BV, stages, lower_bound):
     check_poisoned_decode(KdaConfig(BV, chunked=True, num_stages=stages), 1, D, lower_bound)
 
 
+@cpu_interp
+@pytest.mark.parametrize("D,BV,stages", [c for c in CHUNK_CASES if c[2] != 1])
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_chunked_decode_preload_interp(D, BV, stages, lower_bound):
+    """Chunked decode with the first tile preloaded before the token inputs (and reloaded after each token of a
+    multi-token sequence): `check_poisoned_decode`'s batch, and bit-identical to the plain chunked launch."""
+    from tokenspeed.ops.triton.kda_decode import KdaConfig
+
+    cfg = KdaConfig(BV, chunked=True, num_stages=stages, preload=True)
+    check_poisoned_decode(cfg, 1, D, lower_bound)
+    inp = make([1, 3, 0, 2], 2, D, torch.float32, "cpu", slots=[4, 1, 6, -1])
+    a, b = clone(inp), clone(inp)
+    o_pl = run_fused(a, lower_bound, D ** -0.5, config=cfg)
+    o = run_fused(b, lower_bound, D ** -0.5, config=cfg._replace(preload=False))
+    assert torch.equal(o_pl, o) and torch.equal(a["state"], b["state"]) and torch.equal(a["conv_state"],
+                                                                                         b["conv_state"])
+
+
 def check_poisoned_decode(config, H: int, D: int, lower_bound: float | None) -> None:
     """One fp32 decode launch with `config` vs the composition: 1, 3 (several tokens: the state and conv window pass
     between tokens through the pools), 0 and 2 tokens, a padding row; idle slots NaN-poisoned and untouched;
@@ -417,9 +435,16 @@ def test_launch_config_table_and_validation():
     assert part.label == "bv8-chunked-w4-s4-pf4" and config_from_label(part.label) == part
     whole = KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True)
     assert whole.label == "bv32-chunked-w4-s3-pf" and config_from_label(whole.label) == whole
+    capped = KdaConfig(16, chunked=True, num_stages=4, max_regs=64)
+    assert capped.label == "bv16-chunked-w4-s4-r64" and config_from_label(capped.label) == capped
+    pre = KdaConfig(16, chunked=True, num_stages=4, preload=True)
+    assert pre.label == "bv16-chunked-w4-s4-pl" and config_from_label(pre.label) == pre
     inp = make([1], 1, 48, torch.float32, "cpu")
     bad = [({"BV": 24}, "BV must be"), ({"BV": 128}, "BV must be"), ({"num_warps": 3}, "num_warps"),
-           ({"num_stages": 0}, "num_stages"), ({"config": KdaConfig(16, num_stages=9)}, "num_stages")]
+           ({"num_stages": 0}, "num_stages"), ({"config": KdaConfig(16, num_stages=9)}, "num_stages"),
+           ({"config": KdaConfig(16, max_regs=60)}, "max_regs"),
+           ({"config": KdaConfig(16, preload=True)}, "preload"),
+           ({"config": KdaConfig(16, chunked=True, num_stages=1, preload=True)}, "preload")]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
             kda_decode(**inp, lower_bound=-5.0, scale=1.0, **kw)
@@ -534,11 +559,16 @@ def transposed_pool(inp):
 
 @cpu_interp
 @pytest.mark.parametrize("opts", [{"BV": 8}, {"BV": 8, "chunked": True, "num_stages": 2},
-                                  {"BV": 16, "chunked": True, "num_stages": 1}], ids=["split", "chunked", "chunked-s1"])
+                                  {"BV": 16, "chunked": True, "num_stages": 1},
+                                  {"config": "bv8-chunked-w4-s2-pl"}], ids=["split", "chunked", "chunked-s1", "preload"])
 @pytest.mark.parametrize("update", [True, False], ids=["decode", "verify"])
 def test_state_v_first_matches_kv_layout_interp(opts, update):
     """A [V, K] state pool gives the [K, V] pool's outputs, new state (transposed) and per-token verify states,
     padding slots and idle slots included: the layout moves addresses, not arithmetic."""
+    if "config" in opts:
+        from tokenspeed.ops.triton.kda_config import config_from_label
+
+        opts = {"config": config_from_label(opts["config"])}
     lens = [1, 1, 1] if update else [3, 2, 1]
     inp = make(lens, 2, 32, torch.float32, "cpu", slots=[4, -1, 1])
     T = sum(lens)

@@ -35,6 +35,11 @@ class KdaConfig(NamedTuple):
     prefetch_tiles (with prefetch_state, chunked decode only): prefetch only the head's first prefetch_tiles V tiles
     (0: the whole head). Every resident program prefetching its whole 64 KB head (~1,700 programs on 132 SMs at 96
     heads x 64) asks for about twice the L2; the first tiles cover what the pipelined loop reads first.
+    max_regs: Triton's `maxnreg` (registers per thread, a multiple of 8 in 24..255; None: the compiler's choice):
+    more resident programs per SM for the streaming chunked decode, at the price of spills if set too low.
+    preload (chunked decode, num_stages > 1): the head's first V tile loaded into registers before the q / k / gate
+    work (and before the PDL wait), so it streams in while the program computes its token inputs instead of after;
+    the other tiles go through the pipelined loop as before.
     window (split only; for several tokens per sequence: verify, replay, prompt tails): the conv window and weights
     carried in registers through the token loop and each next token's inputs loaded one token ahead, before this
     token's recurrence (`_split_window_tokens`); the plain loop's arithmetic (equal in the interpreter; on the
@@ -61,6 +66,8 @@ class KdaConfig(NamedTuple):
     wy: bool = False
     keys_pass: bool = False
     prefetch_tiles: int = 0
+    max_regs: int | None = None
+    preload: bool = False
 
     @property
     def label(self) -> str:
@@ -68,7 +75,9 @@ class KdaConfig(NamedTuple):
         s = f"bv{self.block_v}-{sched}-w{self.num_warps}"
         s += f"-s{self.num_stages}" if self.num_stages is not None else ""
         return s + ("-hints" if self.hints else "") + (f"-pf{self.prefetch_tiles or ''}" if self.prefetch_state else "") + (
-            "-win" if self.window else "") + ("-wy" if self.wy else "") + ("-kp" if self.keys_pass else "")
+            "-pl" if self.preload else "") + (
+            "-win" if self.window else "") + ("-wy" if self.wy else "") + ("-kp" if self.keys_pass else "") + (
+            f"-r{self.max_regs}" if self.max_regs else "")
 
 
 def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:
@@ -121,7 +130,7 @@ REPLAY_WY_BLOCK_V = 32
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
 MULTI_ENV = "TOKENSPEED_KDA_VERIFY"  # the same for launches of several tokens per sequence (verify, replay, tails)
-_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf(\d*))?(-win)?(-wy)?(-kp)?")
+_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf(\d*))?(-pl)?(-win)?(-wy)?(-kp)?(?:-r(\d+))?")
 
 
 def config_from_label(label: str) -> KdaConfig:
@@ -129,10 +138,11 @@ def config_from_label(label: str) -> KdaConfig:
     m = _LABEL.fullmatch(label.strip())
     if m is None:
         raise ValueError(f"{label!r} is not a KDA decode config label such as bv32-split-w4 or bv32-chunked-w4-s3")
-    bv, sched, warps, stages, hints, pf, pf_tiles, win, wy, kp = m.groups()
+    bv, sched, warps, stages, hints, pf, pf_tiles, pl, win, wy, kp, regs = m.groups()
     return KdaConfig(int(bv), chunked=sched == "chunked", num_warps=int(warps),
                      num_stages=int(stages) if stages else None, hints=bool(hints), prefetch_state=bool(pf),
-                     window=bool(win), wy=bool(wy), keys_pass=bool(kp), prefetch_tiles=int(pf_tiles or 0))
+                     window=bool(win), wy=bool(wy), keys_pass=bool(kp), prefetch_tiles=int(pf_tiles or 0),
+                     max_regs=int(regs) if regs else None, preload=bool(pl))
 
 
 def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:

@@ -95,10 +95,17 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
             "EVEN_K": bk == D, "EVEN_V": even_v, "HINTS": bool(cfg.hints), "num_warps": cfg.num_warps}
     if cfg.num_stages is not None:
         opts["num_stages"] = cfg.num_stages
+    if cfg.max_regs is not None:
+        if not isinstance(cfg.max_regs, int) or not 24 <= cfg.max_regs <= 255 or cfg.max_regs % 8:
+            raise ValueError(f"max_regs must be a multiple of 8 in 24..255 or None; got {cfg.max_regs}")
+        opts["maxnreg"] = cfg.max_regs
     opts["PF_STATE"] = cfg.prefetch_state  # then the device and the pool's alignment: `_pf_state`
     if not isinstance(cfg.prefetch_tiles, int) or cfg.prefetch_tiles < 0:
         raise ValueError(f"prefetch_tiles must be an int >= 0 (0: the whole head); got {cfg.prefetch_tiles}")
     opts["PF_TILES"] = cfg.prefetch_tiles if cfg.prefetch_tiles < chunks else 0  # 0: the whole head
+    if cfg.preload and (not cfg.chunked or cfg.num_stages == 1 or chunks < 2):
+        raise ValueError("KdaConfig(preload=True) is for the chunked schedule with num_stages > 1 and 2+ tiles")
+    opts["PRELOAD"] = int(cfg.preload)  # (decode launches only: kda_decode clears it for verify)
     if cfg.window and cfg.chunked:
         raise ValueError("KdaConfig(window=True) is for the split schedule (chunked=False)")
     opts["WINDOW"] = cfg.window
@@ -198,6 +205,7 @@ def kda_decode(
                       prefetch_state=_pf_state(opts["PF_STATE"], state, D))
         return out
     opts["PF_STATE"] = _pf_state(opts["PF_STATE"], state, D)
+    opts["PRELOAD"] = opts["PRELOAD"] if update_state else 0  # verify keeps its own first-tile load
     nv = opts["NV"]
     cnt = _counters(qkv.device, N * H) if ((update_state or norm) and nv > 1) else cu_seqlens
     _kda_decode_kernel[(nv, N * H)](
@@ -286,7 +294,7 @@ def kda_replay_layers(
         return
     explicit = config is not None
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
-    opts["PF_STATE"], opts["PF_TILES"] = False, 0  # the replay's rows come from per-layer offsets: no prefetch
+    opts["PF_STATE"], opts["PF_TILES"], opts["PRELOAD"] = False, 0, 0  # per-layer rows: no prefetch / preload
     opts.pop("KP")  # the WY replay always runs in two launches
     if opts.pop("WY"):
         wy_bv = opts["BV"] if explicit or BV is not None else replay_wy_block_v(D)  # a table row: the replay's own

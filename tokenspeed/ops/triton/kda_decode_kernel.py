@@ -458,6 +458,7 @@ def _kda_decode_kernel(
     V_FIRST: tl.constexpr = False,
     WINDOW: tl.constexpr = False,
     PF_TILES: tl.constexpr = 0,
+    PRELOAD: tl.constexpr = 0,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
@@ -512,6 +513,9 @@ def _kda_decode_kernel(
         b_s = tl.where(ms, b_s, 0.0)  # a padding row reads slot 0 (lanes only, unmasked when even), then zeros
     elif not UPDATE:  # chunked verify: the first tile (the pool is not written by this launch)
         nxt = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
+
+    if CHUNKS > 1 and UPDATE and PRELOAD:  # the first tile streams in during the token-input work below
+        first = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
 
     rate = tl.exp(tl.load(A_log + h).to(tl.float32))
     if CHUNKS > 1 and UPDATE and PF_STATE and not MULTI_LAYER:
@@ -599,7 +603,17 @@ def _kda_decode_kernel(
                 tl.debug_barrier()  # visible to the threads that read it back
             if STAGES == 1:  # no Triton pipelining: the next tile prefetched into registers by hand
                 nxt = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
-            for c in tl.range(0, CHUNKS, num_stages=STAGES):
+            if PRELOAD:  # tile 0 from the registers loaded before the token inputs (the loop's c = 0, as written)
+                b_s = tl.where(ms, first, 0.0)
+                if STORE_OUT:
+                    yv = _load_lanes(O + (t * H + h) * D + ov, lv, EVEN_V).to(tl.float32)
+                else:
+                    yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, t, 0, cv, mv, lv, EVEN_V, OUT_TY)
+                b_s, o = _delta_step(b_s, q, k, decay, beta, yv, mv, STORE_OUT)
+                if STORE_OUT:
+                    _store_out(O, t, H, h, D, ov, o, lv, EVEN_V)
+                _store_state(p_s, b_s, ms, HINTS)
+            for c in tl.range(PRELOAD, CHUNKS, num_stages=STAGES):
                 ovc = ov + c * BV
                 lvc = ovc < D
                 mvc = mv
@@ -628,6 +642,9 @@ def _kda_decode_kernel(
             _store_conv_states3(QKV, stride_qkv, cs, stride_csc, stride_csw, t, 1, 2 * HD + h * D + ow, mw, cq, ck,
                                 mk)
             tl.debug_barrier()  # the state and conv-state writes before the next token's reads (other threads)
+            if PRELOAD:  # the next token's tile 0, as this token wrote it (none after the last token)
+                more_t = (ok * 0 + i + 1) < seq_len
+                first = tl.load(p_s, mask=lk[:, None] & lv[None, :] & more_t[:, None], other=0.0)
         if NORM:  # this program wrote the whole o[t, h] rows (every tile), ordered by the barriers above
             _norm_rows(O, G, stride_gt, stride_gh, NW, norm_eps, bos, seq_len, h, H, D, ok, lk, NORM_ROWS)
     else:
