@@ -96,7 +96,7 @@ DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
     (0, KdaConfig(16)),                                  # under 32 pairs: split V over 8 programs per head
     (32, KdaConfig(32)),                                 # few heads: split V over 4 programs (latency-bound)
     (64, KdaConfig(32, chunked=True, num_stages=3)),     # one program per head, pipelined tiles
-    (1024, KdaConfig(16, chunked=True, num_stages=4)),   # many heads: narrower tiles, one more in flight
+    (512, KdaConfig(16, chunked=True, num_stages=4)),    # many heads: narrower tiles, one more in flight
 )
 # From the H200 sweep (benchmarks/kda_decode_sweep_h200.py, results/kda_decode_sweep_h200.json, graph replay):
 # 32 heads x 1: split BV 32 6.06 us vs chunked 6.98; 32 x 8: chunked 9.71 us vs split BV 64 15.87 (81% of HBM);
@@ -105,7 +105,11 @@ DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
 # 32 x 1 9.32 vs 8.92 and 12 x 1 9.07 vs 8.69, so the chunked row starts at 64 pairs (was 128). On the [V, K]
 # pools (7b6bd82, fused norm, cold L2): 12 x 1 (K3's TP8 rank) split BV 16 7.89 us vs BV 32 8.42; 32 x 1 BV 32
 # 8.55 vs BV 16 8.74, so BV 16 below 32 pairs. From 1024 pairs BV 16 / 4 stages (3f6f223, [V, K] pools): 32 x 64
-# 80.4 vs 81.9 us, 96 x 16 63.2 vs 63.2, 96 x 64 225.4 vs 227.7 (83.7% of HBM; BV 8 / 4 stages 224.3).
+# 80.4 vs 81.9 us, 96 x 16 63.2 vs 63.2, 96 x 64 225.4 vs 227.7 (83.7% of HBM; BV 8 / 4 stages 224.3). From 512 pairs
+# (was 1024; da2090b+, fused norm, cold L2): 32 x 16 BV 16 / 4 stages 25.3 us vs BV 32 / 3 stages 28.6 (BV 32 capped at
+# 128 registers 25.3), 32 x 8 16.6 vs 15.9 (so not lower); the batch-16 decode step 8.885 vs 8.949 ms (x1.007).
+# Not kept (no shape gained): L2 prefetch of a head's first tiles only, registers capped below 128, the first tile
+# preloaded before the token inputs (results/kda_decode_sweep_h200_{pftiles,regs,preload}_*.json).
 
 
 # Several tokens per sequence (verify windows, the replay, prompt tails), by program count N * H like DECODE_TABLE:
