@@ -141,7 +141,8 @@ def test_cuda_fusions_take_triton(monkeypatch):
     calls = [_spy(monkeypatch, "norm", "add_rms_norm"), _spy(monkeypatch, "activation", "gated_activation"),
              _spy(monkeypatch, "activation", "gated_activation_merged"), _spy(monkeypatch, "moe_experts", "moe_experts")]
     dev, bf = "cuda", torch.bfloat16
-    x, r, w = (torch.randn(3, 2304, device=dev, dtype=bf) for _ in range(3))
+    x, r = (torch.randn(3, 2304, device=dev, dtype=bf) for _ in range(2))
+    w = torch.randn(2304, device=dev, dtype=bf)  # the norm gain: one per hidden channel
     gu = torch.randn(3, 2048, device=dev, dtype=bf)
     act = ops.Activation("silu")
     ops.add_rms_norm(x, r, w, 1e-5)
