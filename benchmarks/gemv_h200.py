@@ -27,7 +27,8 @@ of the baseline doc; the copy rate is re-measured here and recorded too).
 --producer-cycles C (in context): x is written instead by a one-program PDL kernel that spins C SM clocks first
 (`gemv_pdl_chain_h200.produce`: the latency-bound kernel before a projection in a decode step), that kernel alone
 is subtracted, and the sweep adds "whole-slice" configs (K / split_k == block_k, so the "regs" prefetch loads each
-program's whole weight slice before its PDL wait). A time is then what the projection adds to the step, overlap
+program's whole weight slice before its PDL wait) and the "smem" kind's (`smem_configs`: weight rows copied into
+shared memory before the wait). A time is then what the projection adds to the step, overlap
 included: our PDL launches stream weights while the producer runs, cuBLAS starts after it. Write such a table
 elsewhere (--table) and A/B it in the step before it replaces the packaged one.
 
@@ -145,6 +146,32 @@ def whole_slice(N: int, K: int, num_sms: int) -> set[GemvConfig]:
     return out
 
 
+def smem_configs(M: int, N: int, K: int, elt: int, num_sms: int) -> set[GemvConfig]:
+    """Configs of the "smem" kind (`gemv_smem`: whole weight rows copied into shared memory before the PDL wait)
+    for M <= its MAX_BLOCK_M: one program a row tile of 2-16 rows (at most 4 for M > 2), all tiles' bytes in flight when they fit
+    beside the producer; and persistent grids of 1-3 programs an SM with 1-3 buffers each, within an SM's shared
+    memory (228 KB)."""
+    from tokenspeed.ops.triton import gemv_smem
+
+    if M > gemv_smem.MAX_BLOCK_M:
+        return set()
+    out = set()
+    for bn, warps in ((2, 2), (4, 4), (8, 4), (16, 8)):
+        if M > 2 and bn > 4:  # the fp32 products of 4 rows x 8+ weight rows spill (gemv_smem_compile_sm90.py)
+            continue
+        wn, wk = gemv_smem.warps_split(bn, warps)
+        bk = gemv_smem.VEC * 32 * wk
+        if K % bk:
+            continue
+        for stages, per_sm in ((1, 0), (1, 1), (2, 1), (3, 1), (1, 2), (2, 2), (1, 3)):
+            if stages == 3 and bn < 8:  # K 2304: ptxas spills in the tile loop (gemv_smem_compile_sm90.py)
+                continue
+            smem = gemv_smem.smem_bytes(M, K, elt, bn, stages)
+            if smem <= gemv_smem.SMEM_PER_PROGRAM and smem * max(per_sm, 1) <= 225 * 1024:
+                out.add(GemvConfig("smem", bn, bk, 1, warps, stages, programs_per_sm=per_sm))
+    return out
+
+
 def sweep(M: int, N: int, K: int, elt: int, num_sms: int, wide: bool, dry: bool,
           in_context: bool = False) -> list[GemvConfig]:
     """The launch configs tried for one (M, N, K): the tile shapes that won a wide H200 sweep (tensor-core kernel;
@@ -170,7 +197,7 @@ def sweep(M: int, N: int, K: int, elt: int, num_sms: int, wide: bool, dry: bool,
         depths = (1, 4)
     cfgs = {k_gemv.default_config(M, N, K, elt, num_sms)}
     if in_context and elt <= 2:
-        cfgs |= whole_slice(N, K, num_sms)
+        cfgs |= whole_slice(N, K, num_sms) | smem_configs(M, N, K, elt, num_sms)
     for kind, bases in (("fma", fma), ("dot", dot)):
         if kind == "dot" and elt > 2:
             continue

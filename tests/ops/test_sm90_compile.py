@@ -6,6 +6,9 @@ the GPU; these catch, without one, an edit that breaks a build, makes it spill o
   (`benchmarks/mla_gluon_h200.COMPILE_VARIANTS`: decode, verify, 12 to 96 heads, 64-row tiles, W_UV partials, small
   pages, fp8) builds, fits an H200's 227 KB of shared memory per block, and its main loop reloads nothing from the
   spill stack.
+- The Gluon "smem" GEMV (`tokenspeed/ops/triton/gemv_smem.py`, `benchmarks/gemv_smem_compile_sm90.py`): every
+  config the in-context sweep tries builds within a block's shared memory, without spill reloads in its loop,
+  with the weight copies before the PDL wait and x's loads after it.
 - The Triton kernels, through the offline compile scripts in `benchmarks/` (each exits 1 when a variant fails to
   compile or a check fails: the PDL wait before any read and the trigger after it, the MLA loops' spill reloads,
   the MoE variants).
@@ -55,7 +58,8 @@ def test_gluon_mla_split_compiles_for_sm90_without_spills(tmp_path):
 
 @needs_triton_36
 @pytest.mark.parametrize("script", ["mla_compile_sm90.py", "mla_ragged_compile_sm90.py", "kda_compile_sm90.py",
-                                    "moe_compile_sm90.py", "moe_gate_compile_sm90.py", "pdl_compile_sm90.py"])
+                                    "moe_compile_sm90.py", "moe_gate_compile_sm90.py", "pdl_compile_sm90.py",
+                                    "gemv_smem_compile_sm90.py"])
 def test_triton_kernels_compile_for_sm90(tmp_path, script):
     run = _run(script, cache=tmp_path / "cache")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]

@@ -221,11 +221,11 @@ class LinearTable:
 def parse_linear_table(raw: dict[str, Any]) -> LinearTable:
     """Parse the JSON form: {"dtypes": [...], "entries": {"N,K": {"M": {"kernel": "triton"|"torch", ...}}}}.
 
-    A "triton" entry's launch fields (kind, block_n, block_k, split_k, num_warps, num_stages, and reduce where
-    present) become the config; other fields (timings) are ignored. Raises ValueError on a malformed key or kernel
-    name.
+    A "triton" entry's launch fields (kind, block_n, block_k, split_k, num_warps, num_stages, and reduce and
+    programs_per_sm where present) become the config; other fields (timings) are ignored. Raises ValueError on a
+    malformed key or kernel name.
     """
-    launch = ("kind", "block_n", "block_k", "split_k", "num_warps", "num_stages", "reduce")
+    launch = ("kind", "block_n", "block_k", "split_k", "num_warps", "num_stages", "reduce", "programs_per_sm")
     routes: dict[tuple[int, int], tuple] = {}
     for nk, per_m in raw.get("entries", {}).items():
         n, k = (int(v) for v in nk.split(","))

@@ -76,11 +76,11 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from tokenspeed.ops.triton import pdl
+from tokenspeed.ops.triton import gemv_smem, pdl
 from tokenspeed.ops.triton._utils import l2_prefetch_bulk
 
 MAX_M = 16
-KINDS = ("fma", "dot")
+KINDS = ("fma", "dot", "smem")
 REDUCES = ("fused", "launch")
 PREFETCHES = ("none", "l2", "regs")
 _NUM_SMS_DEFAULT = 132  # H200 / H100 SXM
@@ -99,7 +99,12 @@ class GemvConfig:
     prefetch: what a program does with its weights before its PDL wait (see the module docstring): "none";
     "l2", an L2 prefetch of its weight rows' K range (PDL launches only, and only when the rows are 16-byte
     aligned; otherwise "none"); "regs", the first W tile loaded into registers (the loop's first step peeled;
-    also without PDL, where it is only the peel)."""
+    also without PDL, where it is only the peel).
+    kind "smem" (`gemv_smem`, Gluon on sm_90, M <= 4): block_n whole weight rows a tile, copied in block_k
+    chunks into num_stages shared-memory buffers before the PDL wait; programs_per_sm > 0 makes the grid
+    persistent (that many programs an SM, each looping over row tiles), 0 gives one program a tile. split_k,
+    reduce and prefetch do not apply. Where the kernel cannot run the call (`gemv_smem.unusable_reason`: CPU,
+    interpreter, another GPU or Triton, layout), `gemv` takes `default_config` instead."""
 
     kind: str = "fma"
     block_n: int = 16
@@ -109,6 +114,7 @@ class GemvConfig:
     num_stages: int = 3
     reduce: str = "fused"
     prefetch: str = "regs"
+    programs_per_sm: int = 0
 
     def validate(self) -> GemvConfig:
         """Raise ValueError on an impossible configuration; return self."""
@@ -126,6 +132,8 @@ class GemvConfig:
             raise ValueError(f"prefetch must be one of {PREFETCHES}; got {self.prefetch!r}")
         if self.split_k < 1 or self.num_stages < 1:
             raise ValueError(f"split_k and num_stages must be >= 1; got {self.split_k}, {self.num_stages}")
+        if self.programs_per_sm < 0:
+            raise ValueError(f"programs_per_sm must be >= 0; got {self.programs_per_sm}")
         return self
 
 
@@ -461,6 +469,7 @@ def gemv(
     out_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
     prefetch: str | None = None,
+    programs_per_sm: int | None = None,
 ) -> Tensor:
     """y = x @ weight^T for x [M, K] (1 <= M <= 16), weight [N, K] -> y [M, N] contiguous, out_dtype.
 
@@ -484,7 +493,13 @@ def gemv(
         return y.zero_()
     cfg = resolve_config(M, N, K, x.element_size(), x.device, kind=kind, block_n=block_n, block_k=block_k,
                          split_k=split_k, num_warps=num_warps, num_stages=num_stages, reduce=reduce,
-                         prefetch=prefetch)
+                         prefetch=prefetch, programs_per_sm=programs_per_sm)
+    if cfg.kind == "smem":
+        if gemv_smem.unusable_reason(x, weight, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) is None:
+            num_sms, pdl_on = _num_sms_pdl(x.device)
+            return gemv_smem.launch(x, weight, y, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                                    cfg.programs_per_sm, num_sms, pdl_on)
+        cfg = default_config(M, N, K, x.element_size(), _num_sms(x.device))
     split, k_split = effective_split(K, cfg)
     n_tiles = triton.cdiv(N, cfg.block_n)
     sem = semaphores(x.device) if split > 1 and cfg.reduce == "fused" else None
