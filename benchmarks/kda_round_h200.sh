@@ -70,6 +70,12 @@
 #   stacked  ops.stacked_linear's PDL kernel (KDA's f / g gate up-projections, MLA's W_UK / W_UV on the unfused
 #           path; on by default since da2090b) against torch.bmm (TOKENSPEED_STACKED_GEMV=0) in the decode step at
 #           batch 1 / 2 / 4 / 8 / 16, interleaved; then its GPU tests and the no-compile-after-start-up test
+#   smem    the "smem" GEMV kind (weight rows copied into shared memory before the PDL wait): its GPU tests, the
+#           in-context sweep of kimi-linear's batch-1 projections with its configs added, then each shape's top
+#           configs timed in the whole batch-1 decode step (gemv_step_tune_h200.py; kept buckets in
+#           $OUT/smem/step_tune_table.json)
+#   smemk3  the same sweep on h200-baseline.md's K3 TP8 shapes at M 1 / 2 / 4 after a 10 us producer (issue 7's
+#           GEMV targets), its table in $OUT/smemk3
 #   rtests  the routing part's GPU tests alone (the simulation in a CUDA graph, the real out-of-memory step)
 #   Run from the repository root with carry
 #   [".whl"] (the working tree plus a copy under .gpu/ passed the device's 64 MiB carry limit)
@@ -139,6 +145,23 @@ if has stacked; then  # a cuBLAS bmm between two PDL kernels breaks the chain tw
   # with it on, the start-up warm-up must still leave nothing to compile mid-serve
   timeout 240 python3 -m pytest -p no:cacheprovider tests/executor/test_cuda_graphs.py \
     -k no_triton --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
+fi
+if has smem; then
+  mkdir -p "$OUT/smem"
+  timeout 150 python3 -m pytest -p no:cacheprovider -n 8 tests/ops/test_triton_gemv_smem.py -rfE --tb=short 2>&1 \
+    | grep -E "^E  |passed|failed" | cut -c1-300 | tail -8
+  timeout 160 python3 benchmarks/gemv_h200.py --producer-cycles 20000 --ms 1 --budget-s 140 \
+    --shapes "${TUNE_SHAPES:-12576x2304,6720x2304,2304x4096,18432x2304,2304x9216}" \
+    --table "$OUT/smem/ctx_table.json" --out "$OUT/smem" 2>&1 | grep -iE "x[0-9]+ +[0-9.]+ +1 \||wrote|rror" | cut -c1-220
+  timeout 260 python3 benchmarks/gemv_step_tune_h200.py --sweep "$OUT/smem/gemv_h200.json" --top 3 --out "$OUT/smem" \
+    2>&1 | grep -vE "^\s*$" | cut -c1-300 | tail -14
+  rm -f "$OUT"/smem/cand_*.json "$OUT"/smem/gemv_h200.png
+fi
+if has smemk3; then
+  mkdir -p "$OUT/smemk3"
+  timeout 280 python3 benchmarks/gemv_h200.py --producer-cycles 20000 --ms 1,2,4 --budget-s 250 --shapes k3-tp8 \
+    --table "$OUT/smemk3/ctx_table.json" --out "$OUT/smemk3" 2>&1 | grep -iE "x[0-9]+ +[0-9.]+ +[124] \||wrote|rror" \
+    | cut -c1-220
 fi
 if has rtests; then
   timeout 180 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py \
