@@ -156,7 +156,7 @@ def smem_configs(M: int, N: int, K: int, elt: int, num_sms: int) -> set[GemvConf
     if M > gemv_smem.MAX_BLOCK_M:
         return set()
     out = set()
-    for bn, warps in ((2, 2), (4, 4), (8, 4), (16, 8)):
+    for bn, warps in ((2, 2), (4, 4), (8, 4), (16, 8), (8, 8), (16, 16), (8, 16)):  # more warps: a faster compute
         if M > 2 and bn > 4:  # the fp32 products of 4 rows x 8+ weight rows spill (gemv_smem_compile_sm90.py)
             continue
         wn, wk = gemv_smem.warps_split(bn, warps)
