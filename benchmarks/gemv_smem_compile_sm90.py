@@ -35,7 +35,7 @@ def compile_variant(K: int, M: int, block_n: int, block_k: int, num_warps: int, 
     fn = gemv_smem._gemv_smem_kernel
     wn, wk = gemv_smem.warps_split(block_n, num_warps)
     consts = {"K": K, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": block_n, "BLOCK_K": block_k,
-              "STAGES": stages, "WN": wn, "WK": wk, "PDL": True}
+              "STAGES": stages, "WN": wn, "WK": wk, "DELAY": 0, "PDL": True}
     sig = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i64",
            "stride_wn": "i64", "n_tiles": "i32", **dict.fromkeys(consts, "constexpr")}
     sig = {name: sig[name] for name in fn.arg_names}

@@ -76,6 +76,9 @@
 #           $OUT/smem/step_tune_table.json)
 #   smemk3  the same sweep on h200-baseline.md's K3 TP8 shapes at M 1 / 2 / 4 after a 10 us producer (issue 7's
 #           GEMV targets), its table in $OUT/smemk3
+#   smemdiag  why the smem o_proj loses in the batch-1 step: the step profiled (CUPTI, PDL on) with the packaged table
+#           and with o_proj on smem (does the KDA decode before it get slower?), then the step A/B of o_proj smem
+#           configs, the heaviest one with its copies delayed (TOKENSPEED_GEMV_SMEM_DELAY SM clocks)
 #   rtests  the routing part's GPU tests alone (the simulation in a CUDA graph, the real out-of-memory step)
 #   Run from the repository root with carry
 #   [".whl"] (the working tree plus a copy under .gpu/ passed the device's 64 MiB carry limit)
@@ -162,6 +165,37 @@ if has smemk3; then
   timeout 280 python3 benchmarks/gemv_h200.py --producer-cycles 20000 --ms 1,2,4 --budget-s 250 --shapes k3-tp8 \
     --table "$OUT/smemk3/ctx_table.json" --out "$OUT/smemk3" 2>&1 | grep -iE "x[0-9]+ +[0-9.]+ +[124] \||wrote|rror" \
     | cut -c1-220
+fi
+if has smemdiag; then
+  d="$OUT/smemdiag"; mkdir -p "$d"/packaged "$d"/smem
+  for c in "a 8 3 1" "b 4 1 0" "c 8 1 1"; do
+    set -- $c
+    printf '{"entries": {"2304,4096": {"1": {"kernel": "triton", "kind": "smem", "block_n": %s, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": %s, "programs_per_sm": %s}}}}\n' \
+      "$2" "$3" "$4" > "$d/oproj_$1.json"
+  done
+  cfgs="1:regs:0;1:regs:0:table=$d/oproj_a.json"
+  for cyc in 2000 5000 10000; do cfgs="$cfgs;1:regs:0:table=$d/oproj_a.json:TOKENSPEED_GEMV_SMEM_DELAY=$cyc"; done
+  cfgs="$cfgs;1:regs:0:table=$d/oproj_b.json;1:regs:0:table=$d/oproj_c.json"
+  timeout 300 python3 benchmarks/step_profile_h200.py --batches 1 --skip prefill,policy --pdl-ab 1 --pdl-configs "$cfgs" \
+    --out "$d/packaged" 2>&1 | grep -E "PDL A/B|graph" | cut -c1-250
+  cp tokenspeed/ops/gemv_table.json "$d/table.bak"
+  python3 benchmarks/gemv_table_merge.py "$d/oproj_a.json" --source smemdiag >/dev/null
+  timeout 200 python3 benchmarks/step_profile_h200.py --batches 1 --skip prefill,policy --out "$d/smem" 2>&1 \
+    | grep -E "graph" | cut -c1-250
+  cp "$d/table.bak" tokenspeed/ops/gemv_table.json && rm "$d/table.bak"
+  python3 - "$d" <<'PY'
+import json, statistics, sys
+d = sys.argv[1]
+for k in ("packaged", "smem"):
+    r = json.load(open(f"{d}/{k}/step_profile_h200.json"))["decode"][0]
+    ks = r["all_graph_kernels"]
+    print(k, "step", round(r["graph_step_ms"], 4), "ms,", len(ks), "kernels")
+    at = [i for i, (n, _) in enumerate(ks) if n == "_kda_decode_kernel"]
+    for off, what in ((0, "KDA decode"), (1, "o_proj"), (2, "MoE gate"), (3, "experts gate_up")):
+        ts = [ks[i + off][1] for i in at if i + off < len(ks)]
+        names = sorted({ks[i + off][0] for i in at if i + off < len(ks)})
+        print(f"  {what:16} median {statistics.median(ts):7.2f} us  sum {sum(ts):8.1f}  {names}")
+PY
 fi
 if has rtests; then
   timeout 180 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py \

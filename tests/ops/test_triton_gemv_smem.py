@@ -132,3 +132,14 @@ def test_graph_after_a_pdl_producer(cfg, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out.float(), F.linear(src.float(), w.float())) < 1e-2
+
+
+def test_copy_delay_setting(monkeypatch):
+    monkeypatch.delenv(gemv_smem.DELAY_ENV, raising=False)
+    assert gemv_smem.copy_delay() == 0
+    monkeypatch.setenv(gemv_smem.DELAY_ENV, "4000")
+    assert gemv_smem.copy_delay() == 4000
+    for bad in ("-1", "2us"):
+        monkeypatch.setenv(gemv_smem.DELAY_ENV, bad)
+        with pytest.raises(ValueError, match=gemv_smem.DELAY_ENV):
+            gemv_smem.copy_delay()

@@ -33,6 +33,8 @@ sweep (`benchmarks/gemv_h200.py --producer-cycles`) and the whole-step A/B measu
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 from torch import Tensor
@@ -49,7 +51,23 @@ SMEM_PER_PROGRAM = 227 * 1024  # sm_90's dynamic shared memory per block
 VEC = 8  # 16-bit elements per 16-byte copy / load
 MAX_BLOCK_M = 4  # x rows per program (padded to a power of two): the fp32 products are BLOCK_M x per thread
 
+# SM clocks a program spins before it issues its copies (TOKENSPEED_GEMV_SMEM_DELAY, read per launch, for A/B
+# timing only): lets a latency-bound predecessor's own loads go first instead of queueing behind the copies.
+DELAY_ENV = "TOKENSPEED_GEMV_SMEM_DELAY"
+
 _HOPPER: dict[int, bool] = {}
+
+
+def copy_delay() -> int:
+    """TOKENSPEED_GEMV_SMEM_DELAY as SM clocks (unset: 0). Raises ValueError on a negative or non-integer value."""
+    v = os.environ.get(DELAY_ENV, "").strip()
+    try:
+        cycles = int(v) if v else 0
+    except ValueError:
+        raise ValueError(f"{DELAY_ENV} must be a whole number of SM clocks; got {v!r}") from None
+    if cycles < 0:
+        raise ValueError(f"{DELAY_ENV} must be >= 0; got {cycles}")
+    return cycles
 
 
 def _hopper(device: torch.device) -> bool:
@@ -112,7 +130,8 @@ def launch(x: Tensor, weight: Tensor, y: Tensor, block_n: int, block_k: int, num
     _gemv_smem_kernel[(grid,)](
         x, weight, y, M, N, x.stride(0), weight.stride(0), n_tiles,
         K=K, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, WN=wn, WK=wk,
-        PDL=pdl_on, num_warps=num_warps, **({"launch_pdl": True} if pdl_on else {}))
+        DELAY=copy_delay() if pdl_on else 0, PDL=pdl_on, num_warps=num_warps,
+        **({"launch_pdl": True} if pdl_on else {}))
     return y
 
 
@@ -125,6 +144,12 @@ if gluon is not None:
                                   pack=1)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r", [x], dtype=gl.int32,
                                   is_pure=False, pack=1)
+
+    @gluon.jit
+    def _clock(x):
+        """%clock64 (x: any scalar, the asm's dummy operand)."""
+        return gl.inline_asm_elementwise("mov.u64 $0, %clock64; // $1", "=l,r", [x], dtype=gl.int64, is_pure=False,
+                                         pack=1)
 
     @gluon.jit
     def _issue_tile(w_s, W, stride_wn, t, buf, N, rows, cols, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -143,7 +168,7 @@ if gluon is not None:
     def _gemv_smem_kernel(
         X, W, Y, M, N, stride_xm, stride_wn, n_tiles,
         K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-        STAGES: gl.constexpr, WN: gl.constexpr, WK: gl.constexpr, PDL: gl.constexpr,
+        STAGES: gl.constexpr, WN: gl.constexpr, WK: gl.constexpr, DELAY: gl.constexpr, PDL: gl.constexpr,
     ):
         NKC: gl.constexpr = K // BLOCK_K
         # [BLOCK_M, BLOCK_N, BLOCK_K] products: 8 contiguous K elements a thread, a warp's 32 lanes along K, the
@@ -160,6 +185,11 @@ if gluon is not None:
         x_s = gl.allocate_shared_memory(X.dtype.element_ty, [NKC, BLOCK_M, BLOCK_K], SH)
         rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LW))
         cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LW))
+        if DELAY > 0:  # A/B only (copy_delay): the predecessor's loads first
+            t0 = _clock(pid)
+            t = t0
+            while t - t0 < DELAY:
+                t = _clock(pid)
         for j in gl.static_range(STAGES):  # before the wait: weights only
             _issue_tile(w_s, W, stride_wn, pid + j * G, j, N, rows, cols, BLOCK_N, BLOCK_K, NKC)
         if PDL:
