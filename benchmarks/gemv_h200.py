@@ -148,9 +148,9 @@ def whole_slice(N: int, K: int, num_sms: int) -> set[GemvConfig]:
 
 def smem_configs(M: int, N: int, K: int, elt: int, num_sms: int) -> set[GemvConfig]:
     """Configs of the "smem" kind (`gemv_smem`: whole weight rows copied into shared memory before the PDL wait)
-    for M <= its MAX_BLOCK_M: one program a row tile of 2-16 rows (at most 4 for M > 2), all tiles' bytes in flight when they fit
-    beside the producer; and persistent grids of 1-3 programs an SM with 1-3 buffers each, within an SM's shared
-    memory (228 KB)."""
+    for M <= its MAX_BLOCK_M: one program a row tile of 2-16 rows (at most 4 for M > 2), all tiles' bytes in
+    flight when they fit beside the producer; and persistent grids of 1-3 programs an SM with 1-3 buffers each,
+    within an SM's shared memory (228 KB)."""
     from tokenspeed.ops.triton import gemv_smem
 
     if M > gemv_smem.MAX_BLOCK_M:

@@ -1,14 +1,14 @@
 """Compile the "smem" GEMV kernel (`tokenspeed.ops.triton.gemv_smem`, Gluon) for sm_90 on a host without a GPU
-and check what can be checked there: shared memory within a block's 227 KB, no spill reloads in its tile loop, and the PTX order of
-its PDL protocol (the weight's `cp.async` copies before `griddepcontrol.wait`, the first `ld.global`, x's, after
-it, `launch_dependents` after the wait).
+and check what can be checked there: shared memory within a block's 227 KB, no spill reloads in its tile loop,
+and the PTX order of its PDL protocol (the weight's `cp.async` copies before `griddepcontrol.wait`, the first
+`ld.global`, x's, after it, `launch_dependents` after the wait).
 
     PYTHONPATH=/path/to/triton-3.6:benchmarks:. python benchmarks/gemv_smem_compile_sm90.py [--only REGEX]
 
 Variants: every launch config `gemv_h200.smem_configs` sweeps for kimi-linear's batch-1 projections (K 2304 and
 4096) at M 1, 2 and 4 and for K3's TP8 shapes (K 7168) at M 1 (N and the grid are run-time values: they do not
-change the build). Use the Triton the GPU runs (`pip install --target DIR triton==3.6.0`). Prints one line a variant, then
-"<n> failed"; exit status 1 if any failed.
+change the build). Use the Triton the GPU runs (`pip install --target DIR triton==3.6.0`). Prints one line a
+variant, then "<n> failed"; exit status 1 if any failed.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def compile_variant(K: int, M: int, block_n: int, block_k: int, num_warps: int, 
     kernel = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=TARGET,
                             options={"num_warps": num_warps})
     ptx = kernel.asm["ptx"]
-    return {"shared": kernel.metadata.shared, **cubin_usage(kernel), **loop_usage(kernel), "copy": ptx.find("cp.async.cg"),
-            "wait": ptx.find(WAIT), "trigger": ptx.find(TRIGGER), "load": ptx.find("ld.global")}
+    return {"shared": kernel.metadata.shared, **cubin_usage(kernel), **loop_usage(kernel),
+            "copy": ptx.find("cp.async.cg"), "wait": ptx.find(WAIT), "trigger": ptx.find(TRIGGER),
+            "load": ptx.find("ld.global")}
 
 
 def problems(r: dict) -> list[str]:

@@ -26,9 +26,14 @@ PDL protocol (`pdl.py`): before the wait only the weight is read (no kernel writ
 every program waits (no early exit), then triggers its dependents.
 
 Shared memory per program: STAGES * BLOCK_N * K * elt for the weight plus BLOCK_M * K * elt for x
-(`smem_bytes`); `usable` refuses a config over SMEM_PER_PROGRAM. All programs are resident at once (so all of
-them prefetch before the wait) only when G programs fit beside the previous kernel: that is what the in-context
-sweep (`benchmarks/gemv_h200.py --producer-cycles`) and the whole-step A/B measure.
+(`smem_bytes`); `unusable_reason` refuses a config over SMEM_PER_PROGRAM. All programs are resident at once (so
+all of them prefetch before the wait) only when G programs fit beside the previous kernel: that is what the
+in-context sweep (`benchmarks/gemv_h200.py --producer-cycles`) and the whole-step A/B measure.
+
+Measured on the H200 (`docs/kernels.md`, "Shared-memory GEMV"): after a producer that moves no bytes it beats the
+Triton kinds (K3's 90 / 294 MB TP8 projections at 91.5 / 97.8% of HBM); after a latency-bound kernel that does
+(KDA decode before kimi's o_proj) its copies queue ahead of that kernel's loads and the step is slower, so the
+routing table takes it only where the whole-step A/B or the in-context sweep of a shape says so.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch
 import triton
 from torch import Tensor
 
-try:  # Gluon's API changes between Triton releases: `usable` is False outside TRITON_VERSIONS
+try:  # Gluon's API changes between Triton releases: `unusable_reason` refuses other versions
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -136,14 +141,7 @@ def launch(x: Tensor, weight: Tensor, y: Tensor, block_n: int, block_k: int, num
 
 
 if gluon is not None:
-
-    @gluon.jit
-    def _grid_dependency(x):
-        """PDL (pdl.py): griddepcontrol.wait, then launch_dependents (x: any scalar, the asm's dummy operand)."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r", [x], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r", [x], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+    from tokenspeed.ops.triton.gluon_pdl import grid_dependency as _grid_dependency
 
     @gluon.jit
     def _clock(x):

@@ -143,6 +143,7 @@ def launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Te
 
 
 if gluon is not None:
+    from tokenspeed.ops.triton.gluon_pdl import grid_dependency as _grid_dependency
 
     @gluon.jit
     def _add(a, b):
@@ -154,14 +155,6 @@ if gluon is not None:
         uniform register (`mla_split_plan._warp_uniform`)."""
         return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r",
                                          [x.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _grid_dependency(x):
-        """PDL (pdl.py): griddepcontrol.wait, then launch_dependents (x: any scalar, the asm's dummy operand)."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r", [x], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r", [x], dtype=gl.int32,
-                                  is_pure=False, pack=1)
 
     @gluon.jit
     def _tile_pages(pt_row, k0, hi, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, LKV: gl.constexpr,
