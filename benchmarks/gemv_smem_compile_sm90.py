@@ -14,8 +14,10 @@ variant, then "<n> failed"; exit status 1 if any failed.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import triton
 from gemv_h200 import smem_configs
@@ -61,6 +63,15 @@ def problems(r: dict) -> list[str]:
     return out
 
 
+def _checked(variant: tuple) -> tuple[dict, list[str]]:
+    """(compile_variant's report, its problems), or ({}, [the error]) when the build fails."""
+    try:
+        r = compile_variant(*variant)
+        return r, problems(r)
+    except Exception as e:  # noqa: BLE001 - a failed build is a reported result
+        return {}, [f"{type(e).__name__}: {str(e)[:300]}"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="regex on the variant name")
@@ -71,15 +82,11 @@ def main() -> int:
             for c in smem_configs(M, N, K, 2, 132):
                 name = f"K{K} M{triton.next_power_of_2(M)} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
                 variants[name] = (K, M, c.block_n, c.block_k, c.num_warps, c.num_stages)
+    names = [n for n in sorted(variants) if not args.only or re.search(args.only, n)]
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # builds are independent: use every core
+        results = list(pool.map(_checked, [variants[n] for n in names]))
     failed = 0
-    for name, v in sorted(variants.items()):
-        if args.only and not re.search(args.only, name):
-            continue
-        try:
-            r = compile_variant(*v)
-            bad = problems(r)
-        except Exception as e:  # noqa: BLE001 - a failed build is a reported result
-            r, bad = {}, [f"{type(e).__name__}: {str(e)[:300]}"]
+    for name, (r, bad) in zip(names, results, strict=True):
         failed += bool(bad)
         usage = (f"shared {r['shared']} regs {r['regs']} stack {r['stack']} loop {r['loop_ins']} ins "
                  f"{r['loop_reloads']} reloads") if r else ""
