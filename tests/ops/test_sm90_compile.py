@@ -7,8 +7,8 @@ the GPU; these catch, without one, an edit that breaks a build, makes it spill o
   pages, fp8) builds, fits an H200's 227 KB of shared memory per block, and its main loop reloads nothing from the
   spill stack.
 - The Gluon "smem" GEMV (`tokenspeed/ops/triton/gemv_smem.py`, `benchmarks/gemv_smem_compile_sm90.py`): every
-  config the in-context sweep tries builds within a block's shared memory, without spill reloads in its loop,
-  with the weight copies before the PDL wait and x's loads after it.
+  config the in-context sweep tries at kimi-linear's K (M 1, 2, 4) and K3's (M 1) builds within a block's shared
+  memory, without spill reloads in its loop, with the weight copies before the PDL wait and x's loads after it.
 - The Triton kernels, through the offline compile scripts in `benchmarks/` (each exits 1 when a variant fails to
   compile or a check fails: the PDL wait before any read and the trigger after it, the MLA loops' spill reloads,
   the MoE variants).
