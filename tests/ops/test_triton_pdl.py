@@ -106,3 +106,17 @@ def test_pdl_families_from_the_environment(monkeypatch):
         pdl.family_on("gemv", "-mal")
     monkeypatch.setenv("TOKENSPEED_PDL", "gemv")
     assert not pdl.enabled(torch.device("cpu"), "gemv")  # never on the CPU (interpreter)
+
+
+def test_l2_prefetch_setting_per_kind(monkeypatch):
+    from tokenspeed.ops.triton import pdl
+
+    monkeypatch.delenv("TOKENSPEED_L2_PREFETCH", raising=False)
+    assert not pdl.l2_prefetch_on() and not pdl.l2_prefetch_on("down")
+    monkeypatch.setenv("TOKENSPEED_L2_PREFETCH", "1")
+    assert all(pdl.l2_prefetch_on(k) for k in ("", *pdl.L2_PREFETCH_KINDS))
+    monkeypatch.setenv("TOKENSPEED_L2_PREFETCH", "down")
+    assert pdl.l2_prefetch_on("down") and pdl.l2_prefetch_on() and not pdl.l2_prefetch_on("gate_up")
+    monkeypatch.setenv("TOKENSPEED_L2_PREFETCH", "up")
+    with pytest.raises(ValueError, match="TOKENSPEED_L2_PREFETCH"):
+        pdl.l2_prefetch_on("down")

@@ -90,7 +90,7 @@ def w2_prefetch_bytes(w2: Tensor, block_n: int, programs: int, wanted: bool) -> 
     per SM, at most `programs`) prefetch at most PREFETCH_L2_BYTES together. 0 unless `wanted` (a PDL launch with
     pointer loads and the config's prefetch on) and every row starts 16-byte aligned (the instruction's rule)."""
     elt = w2.element_size()
-    if not wanted or not pdl.l2_prefetch_on() or w2.data_ptr() % 16 or (w2.stride(0) * elt) % 16 \
+    if not wanted or not pdl.l2_prefetch_on("down") or w2.data_ptr() % 16 or (w2.stride(0) * elt) % 16 \
             or (w2.stride(1) * elt) % 16 \
             or w2.stride(2) != 1:
         return 0
@@ -103,7 +103,7 @@ def rows_prefetch_bytes(w: Tensor, wanted: bool) -> int:
     """Bytes of each row of w [E, N, K] to L2-prefetch whole (K * elt rounded down to 16), or 0 unless `wanted` and
     every row starts 16-byte aligned."""
     elt = w.element_size()
-    if not wanted or not pdl.l2_prefetch_on() or w.data_ptr() % 16 or (w.stride(0) * elt) % 16 \
+    if not wanted or not pdl.l2_prefetch_on("gate_up") or w.data_ptr() % 16 or (w.stride(0) * elt) % 16 \
             or (w.stride(1) * elt) % 16 or w.stride(2) != 1:
         return 0
     return w.shape[2] * elt // 16 * 16

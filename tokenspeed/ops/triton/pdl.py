@@ -83,13 +83,21 @@ def hopper(device: torch.device) -> bool:
     return ok
 
 
-def l2_prefetch_on() -> bool:
-    """Whether the MoE experts' kernels issue L2 prefetches of their W1 / W3 / W2 rows before their wait
-    (TOKENSPEED_L2_PREFETCH=1; off by default: on an H200 decode step of kimi-linear-48b-a3b, PDL on, they made
-    the step slower, 3.092 vs 2.905 ms at batch 1 and 18.62 vs 17.29 ms at batch 64,
-    benchmarks/results/step_profile_h200_dfb6cb1.json). The GEMV's mode has its own setting
-    (TOKENSPEED_GEMV_PREFETCH)."""
-    return os.environ.get("TOKENSPEED_L2_PREFETCH", "0").strip() == "1"
+L2_PREFETCH_KINDS = ("gate_up", "down")
+
+
+def l2_prefetch_on(kind: str = "") -> bool:
+    """Whether the MoE experts' kernels issue L2 prefetches of their weight rows before their wait: gate_up's of a
+    named expert (the folded shared expert's W1 / W3), down's of its experts' W2 rows. TOKENSPEED_L2_PREFETCH: "0"
+    or unset, none (the default: on an H200 decode step of kimi-linear-48b-a3b, PDL on, both together made the step
+    slower, 3.092 vs 2.905 ms at batch 1 and 18.62 vs 17.29 ms at batch 64,
+    benchmarks/results/step_profile_h200_dfb6cb1.json); "1", both; "gate_up" or "down", that one only (for A/B).
+    `kind` "" asks whether any is on. The GEMV's mode has its own setting (TOKENSPEED_GEMV_PREFETCH). Raises
+    ValueError on another value."""
+    v = os.environ.get("TOKENSPEED_L2_PREFETCH", "0").strip() or "0"
+    if v not in ("0", "1", *L2_PREFETCH_KINDS):
+        raise ValueError(f"TOKENSPEED_L2_PREFETCH must be 0, 1, gate_up or down; got {v!r}")
+    return v == "1" or (v != "0" and (not kind or v == kind))
 
 
 def launch_kwargs(device: torch.device, family: str = "") -> dict[str, bool]:
