@@ -44,6 +44,9 @@ import torch
 import triton
 from torch import Tensor
 
+from tokenspeed.ops.triton.gluon_common import TRITON_VERSIONS  # noqa: F401 - re-exported
+from tokenspeed.ops.triton.gluon_common import hopper as _hopper
+
 try:  # Gluon's API changes between Triton releases: `unusable_reason` refuses other versions
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -51,7 +54,6 @@ try:  # Gluon's API changes between Triton releases: `unusable_reason` refuses o
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
-TRITON_VERSIONS = ("3.6",)  # the GPU machine's (torch 2.11's pin), as for `mla_gluon`
 SMEM_PER_PROGRAM = 227 * 1024  # sm_90's dynamic shared memory per block
 VEC = 8  # 16-bit elements per 16-byte copy / load
 MAX_BLOCK_M = 4  # x rows per program (padded to a power of two): the fp32 products are BLOCK_M x per thread
@@ -59,8 +61,6 @@ MAX_BLOCK_M = 4  # x rows per program (padded to a power of two): the fp32 produ
 # SM clocks a program spins before it issues its copies (TOKENSPEED_GEMV_SMEM_DELAY, read per launch, for A/B
 # timing only): lets a latency-bound predecessor's own loads go first instead of queueing behind the copies.
 DELAY_ENV = "TOKENSPEED_GEMV_SMEM_DELAY"
-
-_HOPPER: dict[int, bool] = {}
 
 
 def copy_delay() -> int:
@@ -73,16 +73,6 @@ def copy_delay() -> int:
     if cycles < 0:
         raise ValueError(f"{DELAY_ENV} must be >= 0; got {cycles}")
     return cycles
-
-
-def _hopper(device: torch.device) -> bool:
-    """Gluon of TRITON_VERSIONS importable and `device` an sm_90 GPU, cached per device."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _HOPPER.get(idx)
-    if ok is None:
-        ok = _HOPPER[idx] = (gluon is not None and triton.__version__.rsplit(".", 1)[0] in TRITON_VERSIONS
-                             and torch.cuda.get_device_capability(idx) == (9, 0))
-    return ok
 
 
 def warps_split(block_n: int, num_warps: int) -> tuple[int, int]:
@@ -141,7 +131,7 @@ def launch(x: Tensor, weight: Tensor, y: Tensor, block_n: int, block_k: int, num
 
 
 if gluon is not None:
-    from tokenspeed.ops.triton.gluon_pdl import grid_dependency as _grid_dependency
+    from tokenspeed.ops.triton.gluon_common import grid_dependency as _grid_dependency
 
     @gluon.jit
     def _clock(x):

@@ -32,6 +32,9 @@ import torch
 import triton
 from torch import Tensor
 
+from tokenspeed.ops.triton.gluon_common import TRITON_VERSIONS  # noqa: F401 - re-exported
+from tokenspeed.ops.triton.gluon_common import hopper as _hopper
+
 try:  # Gluon's API changes between Triton releases: `usable` is False outside TRITON_VERSIONS (and off CUDA)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -49,10 +52,6 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 # CUDA-graph captures in one process.
 ENABLED = True
 ENV = "TOKENSPEED_MLA_GLUON"
-# Triton releases this kernel was built and measured with (major.minor): the GPU machine's 3.6, torch 2.11's pin.
-# Triton 3.9 renamed `thread_barrier` and removed `async_copy_global_to_shared`; elsewhere mla_decode stays on its
-# Triton kernel.
-TRITON_VERSIONS = ("3.6",)
 BLOCK_N = 64  # keys per tile (the wgmma M); the plan rounds its chunks to it, so every tile starts at a multiple
 # Query rows per program (the wgmma N): one warpgroup (4 warps) up to 32 rows (the accumulator [DV, 32] fp32 is 128
 # registers a thread), two for 64 (each owning 32 rows; shared memory 230,400 B of 232,448).
@@ -99,17 +98,6 @@ def default_block_h(q_rows: int, num_seqs: int) -> int:
     return 64 if WIDE_ROWS and num_seqs >= WIDE_MIN_SEQS else 32
 
 
-_HOPPER: dict[int, bool] = {}
-
-
-def _hopper(device: torch.device) -> bool:
-    """Gluon of TRITON_VERSIONS importable and `device` an sm_90 GPU (wgmma and this kernel's layouts), cached."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _HOPPER.get(idx)
-    if ok is None:
-        ok = _HOPPER[idx] = (gluon is not None and triton.__version__.rsplit(".", 1)[0] in TRITON_VERSIONS
-                             and torch.cuda.get_device_capability(idx) == (9, 0))
-    return ok
 
 
 def usable(q: Tensor, qr: Tensor, cache: Tensor, v_dim: int, block_n: int, balanced: bool) -> bool:
@@ -143,7 +131,7 @@ def launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Te
 
 
 if gluon is not None:
-    from tokenspeed.ops.triton.gluon_pdl import grid_dependency as _grid_dependency
+    from tokenspeed.ops.triton.gluon_common import grid_dependency as _grid_dependency
 
     @gluon.jit
     def _add(a, b):
