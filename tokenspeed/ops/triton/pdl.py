@@ -91,7 +91,9 @@ def l2_prefetch_on(kind: str = "") -> bool:
     named expert (the folded shared expert's W1 / W3), down's of its experts' W2 rows. TOKENSPEED_L2_PREFETCH: "0"
     or unset, none (the default: on an H200 decode step of kimi-linear-48b-a3b, PDL on, both together made the step
     slower, 3.092 vs 2.905 ms at batch 1 and 18.62 vs 17.29 ms at batch 64,
-    benchmarks/results/step_profile_h200_dfb6cb1.json); "1", both; "gate_up" or "down", that one only (for A/B).
+    benchmarks/results/step_profile_h200_dfb6cb1.json; one at a time each loses too, down x0.965 / 0.939 / 0.941
+    and gate_up x0.961 / 0.986 / 0.990 at batch 1 / 4 / 16, step_profile_h200_0260e38_moe_l2_prefetch_ab.json);
+    "1", both; "gate_up" or "down", that one only (for A/B).
     `kind` "" asks whether any is on. The GEMV's mode has its own setting (TOKENSPEED_GEMV_PREFETCH). Raises
     ValueError on another value."""
     v = os.environ.get("TOKENSPEED_L2_PREFETCH", "0").strip() or "0"
