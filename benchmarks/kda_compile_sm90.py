@@ -108,6 +108,17 @@ def variants() -> list[tuple[str, callable]]:
                 (f"verify-b2-q4-wy-bv16-w2{sfx}", call(2, 4, update_state=False,
                                                        config=kd.KdaConfig(16, num_warps=2, wy=True))),
                 (f"tail-b1-q64{sfx}", call(1, 64))]
+    for N in (1, 4):  # the low-rank gates' up projections in the kernel (kimi-linear: f and the norm gate)
+        def low_rank(N=N, **kw):
+            inp = _layer(N, 1)
+            T = inp.pop("f").shape[0]
+            wide = torch.zeros(T, 2 * D + H, dtype=torch.bfloat16)
+            w = torch.zeros(2, H * D, D, dtype=torch.bfloat16)
+            return lambda: kd.kda_decode(**inp, f=None, **dec, f_low_rank=(wide[:, :D], w[0]),
+                                         gate_low_rank=(wide[:, D:2 * D], w[1]), norm_weight=torch.zeros(D),
+                                         state_v_first=True, **kw)
+
+        out += [(f"decode-b{N}-lowrank-norm", low_rank())]
     layers = [KdaLayerTensors(*(_layer(2, 4)[k] for k in KdaLayerTensors._fields)) for _ in range(3)]
     table = KdaLayerTable.build(layers, strict=True)
     acc = torch.zeros(2, dtype=torch.int64)

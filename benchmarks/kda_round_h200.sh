@@ -76,6 +76,9 @@
 #           $OUT/smem/step_tune_table.json)
 #   smemk3  the same sweep on h200-baseline.md's K3 TP8 shapes at M 1 / 2 / 4 after a 10 us producer (issue 7's
 #           GEMV targets), its table in $OUT/smemk3
+#   lowrank  the KDA decode with the low-rank gates' up projections in its kernel (TOKENSPEED_KDA_FUSED_GATES): its
+#           GPU tests and the KDA decode ones, the decode step A/B at batch 1..16 (default / never / always fused),
+#           the batch-1 step's CUPTI profile, the no-compile-after-start-up test
 #   smemdiag  why the smem o_proj loses in the batch-1 step: the step profiled (CUPTI, PDL on) with the packaged table
 #           and with o_proj on smem (does the KDA decode before it get slower?), then the step A/B of o_proj smem
 #           configs, the heaviest one with its copies delayed (TOKENSPEED_GEMV_SMEM_DELAY SM clocks)
@@ -196,6 +199,19 @@ for k in ("packaged", "smem"):
         names = sorted({ks[i + off][0] for i in at if i + off < len(ks)})
         print(f"  {what:16} median {statistics.median(ts):7.2f} us  sum {sum(ts):8.1f}  {names}")
 PY
+fi
+if has lowrank; then  # the low-rank gates' up projections inside the KDA decode kernel: one launch fewer a layer
+  timeout 200 python3 -m pytest -p no:cacheprovider -n 8 tests/ops/test_triton_kda_low_rank.py \
+    tests/ops/test_triton_kda_decode.py tests/ops/test_triton_kda_norm_epilogue.py -rfE --tb=short 2>&1 \
+    | grep -E "^E  |passed|failed" | cut -c1-300 | tail -8
+  timeout 300 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab "${LOWRANK_BATCHES:-1,2,4,8,16}" \
+    --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_KDA_FUSED_GATES=0;1:regs:0:table:TOKENSPEED_KDA_FUSED_GATES=1" \
+    --out "$OUT" 2>&1 | grep "PDL A/B"
+  mkdir -p "$OUT/lowrank_profile"
+  timeout 200 python3 benchmarks/step_profile_h200.py --batches 1 --skip prefill,policy --out "$OUT/lowrank_profile" \
+    2>&1 | grep -E "graph|_kda_decode|stacked" | cut -c1-250 | head -12
+  timeout 240 python3 -m pytest -p no:cacheprovider tests/executor/test_cuda_graphs.py \
+    -k no_triton --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
 fi
 if has rtests; then
   timeout 180 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py \

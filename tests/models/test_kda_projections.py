@@ -154,3 +154,40 @@ def test_triton_kda_reads_merged_views(monkeypatch, preset: str, stacked: bool) 
     low_rank = not model.config.use_full_rank_gate
     assert bool(stacked_calls) == (stacked and low_rank)
     assert all(st == (width, 1) for st in stacked_calls)  # the merged output, read in place
+
+
+@cpu_interp
+@pytest.mark.parametrize("mode", ["reference", "triton"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_decode_with_gate_projections_in_the_kernel(monkeypatch, preset: str, mode: str) -> None:
+    """A decode step whose low-rank gate up projections run inside `kda_decode` (`low_rank_inputs`,
+    TOKENSPEED_KDA_FUSED_GATES=1) equals the step that runs them first (=0): outputs and both pools, on the reference
+    ops and the Triton ones (interpreter); the fused step passes f_a (and, low-rank output gate, g_a) as column views
+    of the merged output with the up weights, and no f."""
+    from tokenspeed.ops.triton import kda_decode as mod
+
+    model = load_model(preset, dtype=torch.float32, seed=4)
+    attn = model.model.layers[model.config.kda_layers[0]].self_attn
+    width = attn.in_proj.weight.shape[0]
+    calls = []
+    real = mod.kda_decode
+    monkeypatch.setattr(mod, "kda_decode", lambda *a, **k: calls.append((a[1], k.get("f_low_rank"),
+                                                                          k.get("gate_low_rank"))) or real(*a, **k))
+    monkeypatch.setenv("TOKENSPEED_OPS", mode)
+    results = {}
+    for fuse in ("0", "1"):
+        monkeypatch.setenv(ops.KDA_FUSED_GATES_ENV, fuse)
+        torch.manual_seed(1)
+        cache = CacheBuffers.allocate(model.config, 8, 16, 4, torch.float32)
+        outs = [_step(model, attn, cache, [[1, 2, 3], [6, 7]], [0, 0], [1, 3]),   # prefill (never fused)
+                _step(model, attn, cache, [[8], [9]], [3, 2], [1, 3]),             # decode
+                _step(model, attn, cache, [[5], [4]], [4, 3], [1, 3])]             # decode
+        results[fuse] = outs + [cache.kda_conv[0].clone(), cache.kda_recurrent[0].clone()]
+    for got, ref in zip(results["1"], results["0"], strict=True):
+        assert rel_err(got, ref) < 1e-5
+    if mode == "triton":
+        fused_calls = calls[2:]  # the two decodes of the "1" run
+        assert [c[0] is None for c in calls] == [False, False, True, True]
+        for _, f_in, g_in in fused_calls:
+            assert f_in[0].stride() == (width, 1)
+            assert (g_in is None) == model.config.use_full_rank_gate

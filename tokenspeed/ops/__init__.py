@@ -332,9 +332,28 @@ for _fn, _ref in ((moe_experts, _ref_moe.moe_experts),
     _fn.__doc__ = _ref.__doc__
 
 
+KDA_FUSED_GATES_ENV = "TOKENSPEED_KDA_FUSED_GATES"
+# (sequence, head) pairs up to which a KDA decode step runs its low-rank gate up projections inside the fused kernel:
+# every program then recomputes its head's f from the rank-hd input (32 KB of weight from L2 per program), which
+# replaces a dependent GEMV launch at small batch and would cost more L2 traffic than it saves at large ones.
+KDA_FUSED_GATES_MAX_PAIRS = 128
+
+
+def kda_fuses_gate_projections(x: Tensor, num_pairs: int) -> bool:
+    """Whether a KDA decode step (one token per sequence) of `num_pairs` (sequence, head) pairs passes its low-rank
+    gate inputs to `kda_decode` (`f_low_rank` / `gate_low_rank`) rather than running their up projections as a
+    launch before it: on the Triton path up to KDA_FUSED_GATES_MAX_PAIRS pairs. TOKENSPEED_KDA_FUSED_GATES (read per
+    call) "0": never, "1": always (on any device; the reference composes the same projections), else the default.
+    A host decision from shapes (safe inside graph capture)."""
+    env = os.environ.get(KDA_FUSED_GATES_ENV, "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    return _dispatch.use_triton(x) and num_pairs <= KDA_FUSED_GATES_MAX_PAIRS
+
+
 def kda_decode(
     qkv: Tensor,
-    f: Tensor,
+    f: Tensor | None,
     b: Tensor,
     conv_weight: Tensor,
     conv_state: Tensor,
@@ -354,6 +373,8 @@ def kda_decode(
     norm_eps: float = 1e-6,
     state_v_first: bool = False,
     max_seq_tokens: int | None = None,
+    f_low_rank: tuple[Tensor, Tensor] | None = None,
+    gate_low_rank: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """KDA decode / k-token verify from the raw projections, fused on CUDA (one launch per layer).
 
@@ -378,10 +399,18 @@ def kda_decode(
     max_seq_tokens: a bound on every sequence's token count that the caller guarantees (the model passes its
     uniform verify length); the fused verify then compiles without its long-sequence path, so a sequence longer
     than the bound would get only its first tokens' outputs. None: no bound assumed.
+    f_low_rank (a [T, R], unit column stride; w [H*D, R] contiguous, a's dtype), instead of f: f = cast(a @ w^T),
+    the low-rank decay gate's up projection, computed inside the fused kernel on CUDA (one GEMV launch fewer a
+    layer; `kda_fuses_gate_projections` says when the model asks for it). gate_low_rank, the same for the output
+    norm's gate instead of norm_gate (norm_weight still given).
     """
     if step_states is not None and update_state:
         raise ValueError("step_states is for verify (update_state=False)")
-    if (norm_gate is None) != (norm_weight is None):
+    if (f is None) == (f_low_rank is None):
+        raise ValueError("kda_decode takes f or f_low_rank, exactly one")
+    if gate_low_rank is not None and (norm_gate is not None or norm_weight is None):
+        raise ValueError("gate_low_rank replaces norm_gate and needs norm_weight")
+    if gate_low_rank is None and (norm_gate is None) != (norm_weight is None):
         raise ValueError("norm_gate and norm_weight go together")
     if _dispatch.use_triton(qkv, f, b, conv_state, state, state_indices, norm_gate) \
             and _dispatch.kda_decode_supported(qkv, conv_weight, dt_bias):
@@ -389,8 +418,13 @@ def kda_decode(
             qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens,
             lower_bound=lower_bound, scale=scale, update_state=update_state, step_states=step_states,
             seq_lens=seq_lens, norm_gate=norm_gate, norm_weight=norm_weight, norm_eps=norm_eps,
-            state_v_first=state_v_first, max_seq_tokens=max_seq_tokens,
+            state_v_first=state_v_first, max_seq_tokens=max_seq_tokens, f_low_rank=f_low_rank,
+            gate_low_rank=gate_low_rank,
         )
+    if f_low_rank is not None:  # the reference: the up projections as the unfused model computes them
+        f = linear(*f_low_rank)
+    if gate_low_rank is not None:
+        norm_gate = linear(*gate_low_rank)
     if state_v_first:  # the reference works on [K, V] views of the same memory (written through them)
         state = state.transpose(-1, -2)
         step_states = step_states.transpose(-1, -2) if step_states is not None else None

@@ -12,7 +12,9 @@ column views of the output (row stride = the merged width, no copy): the fused d
 and b in place. The low-rank gate's two up projections run as one `StackedLinear` (`fg_b_proj`, weight
 [2, local, hd] from f_b_proj and g_b_proj) on the adjacent f_a|g_a columns, giving f and g contiguous; the
 full-rank config keeps `f_b_proj`. Per decode step a KDA layer launches in_proj, fg_b_proj (or f_b_proj), the
-fused kda_decode (the gated output norm is its epilogue) and o_proj (+ the all-reduce under tensor parallelism).
+fused kda_decode (the gated output norm is its epilogue) and o_proj (+ the all-reduce under tensor parallelism);
+at small batch (`ops.kda_fuses_gate_projections`) the up projections run inside kda_decode from the f_a / g_a
+columns and the weights (`low_rank_inputs`), one launch fewer.
 """
 
 from __future__ import annotations
@@ -123,6 +125,19 @@ class KDAAttention(nn.Module):
         f, gate = self.fg_b_proj(self.in_proj.part(y, "f_a_proj", "g_a_proj")).unbind(0)
         return qkv, f, b, gate
 
+    def low_rank_inputs(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor, Tensor | None,
+                                                  tuple[Tensor, Tensor] | None]:
+        """`projections` without the low-rank up projections, for `ops.kda_decode` to run them in its kernel:
+        (qkv, (f_a, f_b weight), b, gate or None, (g_a, g_b weight) or None). One launch, `in_proj`; the full-rank
+        config's gate is the in_proj view as before."""
+        y = self.in_proj(x)
+        qkv, b = self.in_proj.part(y, "q_proj", "v_proj"), self.in_proj.part(y, "b_proj")
+        if self.full_rank_gate:
+            f_in = (self.in_proj.part(y, "f_a_proj"), self.f_b_proj.weight)
+            return qkv, f_in, b, self.in_proj.part(y, "g_proj"), None
+        w = self.fg_b_proj.weight
+        return qkv, (self.in_proj.part(y, "f_a_proj"), w[0]), b, None, (self.in_proj.part(y, "g_a_proj"), w[1])
+
     def forward(self, x: Tensor, batch: ForwardBatch, cache: CacheBuffers) -> Tensor:
         """x: [T, hidden] normed input -> [T, hidden].
 
@@ -136,8 +151,19 @@ class KDAAttention(nn.Module):
         short (FUSED_MAX_TAIL_CUDA); others (prefill chunks, mixed steps) compose conv, gate and `ops.kda_prefill`.
         """
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
-        projected, f, b, gate = self.projections(x)
         fused = takes_fused_path(batch, x.is_cuda)
+        if fused and not batch.verify and batch.uniform_query_len == 1 \
+                and ops.kda_fuses_gate_projections(x, batch.num_seqs * h):  # decode: the up projections in-kernel
+            projected, f_in, b, gate, gate_in = self.low_rank_inputs(x)
+            o = ops.kda_decode(projected, None, b, self.conv_weight, cache.kda_conv[self.cache_index], self.A_log,
+                               self.dt_bias, cache.kda_recurrent[self.cache_index], batch.kda_slots,
+                               batch.cu_seqlens, lower_bound=self.lower_bound, scale=1.0 / math.sqrt(hd),
+                               norm_gate=None if gate is None else gate.view(t, h, hd),
+                               norm_weight=self.o_norm.weight, norm_eps=self.eps,
+                               state_v_first=cache.kda_state_v_first, max_seq_tokens=1, f_low_rank=f_in,
+                               gate_low_rank=gate_in)
+            return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
+        projected, f, b, gate = self.projections(x)
         if batch.verify:
             cache.replay[self.cache_index] = ReplayInputs(projected, f, b,
                                                           committed=() if fused else batch.prompt_rows_host)

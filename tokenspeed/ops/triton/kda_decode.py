@@ -47,17 +47,18 @@ def _counters(device: torch.device, size: int) -> Tensor:
     return buf
 
 
-def _check_layer(qkv: Tensor, f: Tensor, b: Tensor, conv_weight: Tensor, conv_state: Tensor, dt_bias: Tensor,
-                 state: Tensor, N: int, cu_seqlens: Tensor, seq_lens: Tensor | None) -> Tensor:
-    """Validate one layer's arguments of `kda_decode` (N sequences); returns f as a [T, H, D] view."""
+def _check_layer(qkv: Tensor, f: Tensor | None, b: Tensor, conv_weight: Tensor, conv_state: Tensor, dt_bias: Tensor,
+                 state: Tensor, N: int, cu_seqlens: Tensor, seq_lens: Tensor | None) -> Tensor | None:
+    """Validate one layer's arguments of `kda_decode` (N sequences); returns f as a [T, H, D] view (None: f is
+    computed in the kernel from `f_low_rank`)."""
     H, D = dt_bias.shape
     T = qkv.shape[0]
     if qkv.shape != (T, 3 * H * D) or qkv.stride(1) != 1:
         raise ValueError(f"qkv must be [T, {3 * H * D}] with unit column stride; got {tuple(qkv.shape)}")
     if conv_weight.shape != (3 * H * D, 4):
         raise ValueError(f"the fused kernel needs a width-4 conv weight [C, 4]; got {tuple(conv_weight.shape)}")
-    f3 = f.view(T, H, D) if f.dim() == 2 else f
-    if f3.shape != (T, H, D) or f3.stride(2) != 1:
+    f3 = None if f is None else f.view(T, H, D) if f.dim() == 2 else f
+    if f3 is not None and (f3.shape != (T, H, D) or f3.stride(2) != 1):
         raise ValueError(f"f must be [T, H, D] with unit last stride; got {tuple(f.shape)}")
     if b.shape != (T, H):
         raise ValueError(f"b must be [T, {H}]; got {tuple(b.shape)}")
@@ -114,6 +115,31 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
     return opts
 
 
+LowRank = tuple[Tensor, Tensor]  # (a [T, R] low-rank input, unit column stride; w [H * D, R] up weight, contiguous)
+
+
+def _check_low_rank(pair: LowRank | None, T: int, H: int, D: int, name: str) -> LowRank | None:
+    """Validate a low-rank gate input (a, w) of `kda_decode` (module docstring of `kda_decode_kernel`)."""
+    if pair is None:
+        return None
+    a, w = pair
+    R = w.shape[-1] if w.dim() == 2 else -1
+    if w.shape != (H * D, R) or not w.is_contiguous() or not 1 <= R <= 512:
+        raise ValueError(f"{name}: the up weight must be a contiguous [{H * D}, R] (R <= 512); got {tuple(w.shape)}")
+    if a.shape != (T, R) or a.stride(1) != 1:
+        raise ValueError(f"{name}: the low-rank input must be [{T}, {R}] with unit column stride; got "
+                         f"{tuple(a.shape)}")
+    if a.dtype != w.dtype or a.dtype == torch.float64 or a.device != w.device:
+        raise ValueError(f"{name}: input and weight must share a 16/32-bit float dtype and device")
+    return a, w
+
+
+def _up(pair: LowRank) -> Tensor:
+    """The low-rank up projection a @ w^T [T, H * D] (a.dtype): for the schedules that cannot fuse it."""
+    a, w = pair
+    return torch.matmul(a, w.t())
+
+
 def _pf_state(wanted: bool, state: Tensor, D: int) -> bool:
     """PF_STATE: the chunked decode's L2 bulk prefetch of each head's state rows (`cp.async.bulk.prefetch`,
     sm_90+) when wanted and the rows are 16-byte aligned (fp32 rows of D % 4 == 0 values from an aligned pool)."""
@@ -150,6 +176,8 @@ def kda_decode(
     norm_eps: float = 1e-6,
     state_v_first: bool = False,
     max_seq_tokens: int | None = None,
+    f_low_rank: LowRank | None = None,
+    gate_low_rank: LowRank | None = None,
 ) -> Tensor:
     """Triton `ops.kda_decode` (same contract). `config` (a `KdaConfig`; default `default_config(N * H, D,
     ceil(T / N))`) and the overrides BV / num_warps / hints / chunked / num_stages (fields of it) set the launch.
@@ -164,11 +192,33 @@ def kda_decode(
     On Hopper the launch is a programmatic dependent (`tokenspeed.ops.triton.pdl`; module docstring, "PDL"):
     `state_indices`, `cu_seqlens` and the two pools are read before the kernel waits for the previous one, so
     neither of the two kernels launched just before may write them (true in the model: slots and bounds are copied
-    in before a step's first kernel, and only KDA ops of earlier steps write the pools)."""
+    in before a step's first kernel, and only KDA ops of earlier steps write the pools).
+
+    f_low_rank / gate_low_rank (a, w): f (instead of `f`) / the norm gate (instead of `norm_gate`, with
+    `norm_weight`) as the up projection cast(a @ w^T) of a low-rank input, computed in the kernel (LOW_RANK_F /
+    LOW_RANK_G); the schedules without it (the window loop, the WY verify) get them from one matmul first."""
     H, D = dt_bias.shape
     T, N = qkv.shape[0], state_indices.numel()
+    lr_f = _check_low_rank(f_low_rank, T, H, D, "f_low_rank")
+    lr_g = _check_low_rank(gate_low_rank, T, H, D, "gate_low_rank")
+    if (lr_f is None) == (f is None):
+        raise ValueError("kda_decode takes f or f_low_rank, exactly one")
+    if lr_g is not None and (norm_gate is not None or norm_weight is None):
+        raise ValueError("gate_low_rank replaces norm_gate and needs norm_weight")
+    if lr_f is not None and lr_g is not None and lr_f[1].shape != lr_g[1].shape:
+        raise ValueError("f_low_rank and gate_low_rank must have the same rank")
+    opts = _split(N * H, D, triton.cdiv(T, N) if N else 1, config, BV, num_warps, hints, chunked, num_stages)
+    if (lr_f is not None or lr_g is not None) and (opts["WY"] or opts["WINDOW"]):  # no in-kernel up projection
+        f = _up(lr_f) if lr_f is not None else f
+        norm_gate = _up(lr_g) if lr_g is not None else norm_gate
+        lr_f = lr_g = None
     f3 = _check_layer(qkv, f, b, conv_weight, conv_state, dt_bias, state, N, cu_seqlens, seq_lens)
-    g3 = _check_norm(norm_gate, norm_weight, T, H, D)
+    if lr_g is None:
+        g3 = _check_norm(norm_gate, norm_weight, T, H, D)
+    elif norm_weight.shape != (D,):
+        raise ValueError(f"norm_weight must be [{D}]; got {tuple(norm_weight.shape)}")
+    else:  # the kernel writes the gate here (LOW_RANK_G) and its norm epilogue reads it back
+        g3 = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
     norm = g3 is not None
     cw = conv_weight if conv_weight.is_contiguous() and conv_weight.dtype == torch.float32 \
         else conv_weight.float().contiguous()
@@ -183,7 +233,6 @@ def kda_decode(
             raise ValueError(f"step_states must be a contiguous fp32 [T, {H}, {D}, {D}]")
     if N == 0 or T == 0:
         return out
-    opts = _split(N * H, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     gate = g3 if norm else out
     wy, keys_pass = opts.pop("WY"), opts.pop("KP")
     why = wy_unsupported(D, opts["BV"], update_state, step_states, seq_lens) if wy else None
@@ -208,9 +257,13 @@ def kda_decode(
     opts["PRELOAD"] = opts["PRELOAD"] if update_state else 0  # verify keeps its own first-tile load
     nv = opts["NV"]
     cnt = _counters(qkv.device, N * H) if ((update_state or norm) and nv > 1) else cu_seqlens
+    fa, sft, sfh, fb = (lr_f[0], lr_f[0].stride(0), 0, lr_f[1]) if lr_f is not None else \
+        (f3, f3.stride(0), f3.stride(1), A_log)
+    ga, sga, gb = (lr_g[0], lr_g[0].stride(0), lr_g[1]) if lr_g is not None else (qkv, 0, A_log)
+    rank = (lr_f or lr_g)[1].shape[1] if (lr_f or lr_g) is not None else 0
     _kda_decode_kernel[(nv, N * H)](
         qkv, qkv.stride(0),
-        f3, f3.stride(0), f3.stride(1),
+        fa, sft, sfh,
         b, b.stride(0), b.stride(1),
         cw, conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         A_log, dt_bias.contiguous(),
@@ -218,11 +271,13 @@ def kda_decode(
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         out, step_states if step_states is not None else state, cnt, cu_seqlens,
         gate, gate.stride(0), gate.stride(1), norm_weight.contiguous() if norm else A_log,
+        fb, ga, sga, gb,
         float(lower_bound) if lower_bound is not None else 0.0, float(scale), float(norm_eps),
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=bool(update_state), STORE_STEPS=step_states is not None,
         HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, NORM=norm,
         NORM_ROWS=norm_rows(T, N) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"),
-        V_FIRST=bool(state_v_first), **opts, **pdl.launch_kwargs(qkv.device, "kda"),
+        V_FIRST=bool(state_v_first), LOW_RANK_F=lr_f is not None, LOW_RANK_G=lr_g is not None, RANK=rank,
+        **opts, **pdl.launch_kwargs(qkv.device, "kda"),
     )
     return out
 
@@ -320,6 +375,7 @@ def kda_replay_layers(
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         qkv, state, cnt, table.offsets,  # O: unused (STORE_OUT False), typed like the io dtype for the roundings
         qkv, 0, 0, A_log,  # the norm epilogue's gate / weight: unused (no outputs)
+        A_log, qkv, 0, A_log,  # the low-rank gate inputs: unused (f is read)
         float(lower_bound) if lower_bound is not None else 0.0, 1.0, 0.0,
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=True, STORE_STEPS=False, HAS_LENS=seq_lens is not None,
         MULTI_LAYER=True, STORE_OUT=False, NORM=False, PDL=pdl.enabled(qkv.device, "kda"),
