@@ -116,9 +116,9 @@ def variants() -> list[tuple[str, callable]]:
             w = torch.zeros(2, H * D, D, dtype=torch.bfloat16)
             return lambda: kd.kda_decode(**inp, f=None, **dec, f_low_rank=(wide[:, :D], w[0]),
                                          gate_low_rank=(wide[:, D:2 * D], w[1]), norm_weight=torch.zeros(D),
-                                         state_v_first=True, **kw)
+                                         state_v_first=True, max_seq_tokens=1, **kw)
 
-        out += [(f"decode-b{N}-lowrank-norm", low_rank())]
+        out += [(f"decode-b{N}-lowrank-norm", low_rank()), (f"decode-b{N}-lowrank-w8-norm", low_rank(num_warps=8))]
     layers = [KdaLayerTensors(*(_layer(2, 4)[k] for k in KdaLayerTensors._fields)) for _ in range(3)]
     table = KdaLayerTable.build(layers, strict=True)
     acc = torch.zeros(2, dtype=torch.int64)
@@ -168,7 +168,7 @@ def compile_sm90(launch: Launch, sass: bool = False) -> dict:
 def report(name: str, launch: Launch, args: argparse.Namespace) -> bool:
     """Compile one launch and print its line; False if its PTX lacks the PDL wait or trigger (PDL on)."""
     r, kw = compile_sm90(launch, args.sass), launch.kwargs
-    cfg = {k: kw[k] for k in ("BV", "RB", "NV", "CHUNKS", "STAGES", "NORM", "PDL", "num_warps") if k in kw}
+    cfg = {k: kw[k] for k in ("BV", "RB", "NV", "CHUNKS", "STAGES", "NORM", "PDL", "LOW_RANK_F", "LOW_RANK_G", "num_warps") if k in kw}
     ok = args.no_pdl or (r["wait"] >= 1 and r["trigger"] >= 1)
     print(f"{name:28s} regs {r['regs']:4d}  stack {r['stack']}  smem {r['shared']:6d} B  wait {r['wait']} "
           f"trigger {r['trigger']} prefetch {r['prefetch']}+{r['bulk']} bulk  cvt {r['cvt']}  {cfg}"

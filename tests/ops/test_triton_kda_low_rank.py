@@ -64,8 +64,9 @@ def check(lens, H, D, R=None, slots=None, update=True, gate=True, device="cpu", 
     fused, plain = clone(base), clone(inp)
     plain["f"] = (f_lr[0] @ f_lr[1].t()).view(T, H, D)
     g_in = {"gate_low_rank": g_lr} if gate else {"norm_gate": (g_lr[0] @ g_lr[1].t()).view(T, H, D)}
-    o = run(fused | {"f": None}, update, f_low_rank=f_lr, **g_in, **norm, **kw)
-    o_plain = run(plain, update, norm_gate=(g_lr[0] @ g_lr[1].t()).view(T, H, D), **norm, **kw)
+    bound = {"max_seq_tokens": 1} if max(lens) == 1 else {}  # decode: the in-kernel projections; else the matmul
+    o = run(fused | {"f": None}, update, f_low_rank=f_lr, **g_in, **norm, **bound, **kw)
+    o_plain = run(plain, update, norm_gate=(g_lr[0] @ g_lr[1].t()).view(T, H, D), **norm, **bound, **kw)
     assert rel_err(o, o_plain) < tol
     assert rel_err(fused["state"], plain["state"]) < tol
     assert torch.equal(fused["conv_state"], plain["conv_state"])
@@ -82,6 +83,7 @@ def check(lens, H, D, R=None, slots=None, update=True, gate=True, device="cpu", 
 @pytest.mark.parametrize("R", [16, 40])
 def test_decode_interp(cfg, R):
     check([1, 1, 1], 2, 16, R=R, slots=[3, -1, 0], config=cfg)
+    check([1, 0, 1], 2, 16, R=R, config=cfg)  # a zero-length sequence: nothing of its row read or written
 
 
 @cpu_interp
@@ -94,8 +96,8 @@ def test_f_only_and_padded_head_interp(chunked):
 
 @cpu_interp
 @pytest.mark.parametrize("chunked", [False, True])
-def test_verify_interp(chunked):
-    """Several tokens per sequence, pools untouched (the gate rows of every token are computed)."""
+def test_verify_falls_back_interp(chunked):
+    """Several tokens per sequence (verify, pools untouched): the projections come from one matmul first."""
     cfg = KdaConfig(block_v=8, num_warps=4, chunked=chunked)
     check([3, 0, 2], 2, 16, R=24, update=False, config=cfg)
 
@@ -116,7 +118,7 @@ def test_public_op_reference_and_triton(monkeypatch):
     lr = low_rank_args(2, 2, 16, 16, "cpu", torch.float32)
     f_lr, g_lr = lr["f_low_rank"], lr["gate_low_rank"]
     base = {k: v for k, v in inp.items() if k != "f"}
-    kw = {"lower_bound": LOWER, "scale": 0.25, "norm_weight": lr["norm_weight"], "norm_eps": EPS}
+    kw = {"lower_bound": LOWER, "scale": 0.25, "norm_weight": lr["norm_weight"], "norm_eps": EPS, "max_seq_tokens": 1}
     ref = clone(inp)
     ref["f"] = f_lr[0] @ f_lr[1].t()
     o_ref = ops.kda_decode(**ref, norm_gate=g_lr[0] @ g_lr[1].t(), **kw)

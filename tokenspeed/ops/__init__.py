@@ -400,9 +400,10 @@ def kda_decode(
     uniform verify length); the fused verify then compiles without its long-sequence path, so a sequence longer
     than the bound would get only its first tokens' outputs. None: no bound assumed.
     f_low_rank (a [T, R], unit column stride; w [H*D, R] contiguous, a's dtype), instead of f: f = cast(a @ w^T),
-    the low-rank decay gate's up projection, computed inside the fused kernel on CUDA (one GEMV launch fewer a
-    layer; `kda_fuses_gate_projections` says when the model asks for it). gate_low_rank, the same for the output
-    norm's gate instead of norm_gate (norm_weight still given).
+    the low-rank decay gate's up projection, computed inside the fused kernel on CUDA for decode launches bounded
+    by max_seq_tokens=1 (one GEMV launch fewer a layer; `kda_fuses_gate_projections` says when the model asks for
+    it), composed otherwise. gate_low_rank, the same for the output norm's gate instead of norm_gate (norm_weight
+    still given).
     """
     if step_states is not None and update_state:
         raise ValueError("step_states is for verify (update_state=False)")

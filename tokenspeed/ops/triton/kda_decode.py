@@ -124,8 +124,8 @@ def _check_low_rank(pair: LowRank | None, T: int, H: int, D: int, name: str) -> 
         return None
     a, w = pair
     R = w.shape[-1] if w.dim() == 2 else -1
-    if w.shape != (H * D, R) or not w.is_contiguous() or not 1 <= R <= 512:
-        raise ValueError(f"{name}: the up weight must be a contiguous [{H * D}, R] (R <= 512); got {tuple(w.shape)}")
+    if w.shape != (H * D, R) or not w.is_contiguous() or not 1 <= R <= 128:
+        raise ValueError(f"{name}: the up weight must be a contiguous [{H * D}, R] (R <= 128); got {tuple(w.shape)}")
     if a.shape != (T, R) or a.stride(1) != 1:
         raise ValueError(f"{name}: the low-rank input must be [{T}, {R}] with unit column stride; got "
                          f"{tuple(a.shape)}")
@@ -196,7 +196,8 @@ def kda_decode(
 
     f_low_rank / gate_low_rank (a, w): f (instead of `f`) / the norm gate (instead of `norm_gate`, with
     `norm_weight`) as the up projection cast(a @ w^T) of a low-rank input, computed in the kernel (LOW_RANK_F /
-    LOW_RANK_G); the schedules without it (the window loop, the WY verify) get them from one matmul first."""
+    LOW_RANK_G) for decode launches the caller bounds to one token per sequence (`max_seq_tokens=1`); other
+    launches and the schedules without it (the window loop, the WY verify) get them from one matmul first."""
     H, D = dt_bias.shape
     T, N = qkv.shape[0], state_indices.numel()
     lr_f = _check_low_rank(f_low_rank, T, H, D, "f_low_rank")
@@ -208,7 +209,8 @@ def kda_decode(
     if lr_f is not None and lr_g is not None and lr_f[1].shape != lr_g[1].shape:
         raise ValueError("f_low_rank and gate_low_rank must have the same rank")
     opts = _split(N * H, D, triton.cdiv(T, N) if N else 1, config, BV, num_warps, hints, chunked, num_stages)
-    if (lr_f is not None or lr_g is not None) and (opts["WY"] or opts["WINDOW"]):  # no in-kernel up projection
+    if (lr_f is not None or lr_g is not None) and (opts["WY"] or opts["WINDOW"] or max_seq_tokens != 1):
+        # the in-kernel up projections are for decode launches (one token per sequence) on split / chunked only
         f = _up(lr_f) if lr_f is not None else f
         norm_gate = _up(lr_g) if lr_g is not None else norm_gate
         lr_f = lr_g = None
@@ -277,6 +279,7 @@ def kda_decode(
         HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, NORM=norm,
         NORM_ROWS=norm_rows(T, N) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"),
         V_FIRST=bool(state_v_first), LOW_RANK_F=lr_f is not None, LOW_RANK_G=lr_g is not None, RANK=rank,
+        RC=min(32, next_pow2(max(rank, 1))), NCH=triton.cdiv(next_pow2(max(rank, 1)), 32),
         **opts, **pdl.launch_kwargs(qkv.device, "kda"),
     )
     return out

@@ -63,14 +63,15 @@ launches take the counter too (they write no conv state), and the last arriver s
 both uses. NV = 1 and chunked: the program owns the head; a CTA barrier orders its o stores before the reads.
 BR = NORM_ROWS rows are normed per step (several tokens per sequence: verify, prompt tails).
 
-Low-rank gates (LOW_RANK_F / LOW_RANK_G, `kda_decode(f_low_rank=, gate_low_rank=)`; split without the window
-loop, and chunked): the up projections of the low-rank gates run in the kernel instead of a GEMV launch before it.
-LOW_RANK_F: F is the low-rank input f_a [T, RANK] (stride_ft its row stride) and FB the up weight [H * D, RANK];
-every program computes its head's f [BK] per token (`_f_lanes`: fp32 over RANK, rounded to the io dtype as the
-GEMV's output is). LOW_RANK_G: GA / GB the same for the output-norm gate; right after the wait each program
-computes the gate of the value lanes it norms or owns (split: its BV lanes, chunked: the head) for all its tokens
-and stores them into G (the host's [T, H, D] scratch), which the norm epilogue reads back after the barriers /
-counter that already order the o stores. The weight rows are L2-prefetched before the PDL wait.
+Low-rank gates (LOW_RANK_F / LOW_RANK_G, `kda_decode(f_low_rank=, gate_low_rank=)`; one token per sequence, split
+without the window loop, and chunked decode): the up projections of the low-rank gates run in the kernel instead of
+a GEMV launch before it. LOW_RANK_F: F is the low-rank input f_a [T, RANK] (stride_ft its row stride) and FB the up
+weight [H * D, RANK] (RANK <= 128): every program loads its head's rows of FB into registers before the PDL wait, in
+NCH chunks of RC columns, and after it computes the token's f (`_up_apply`: fp32 over RANK, rounded to the io
+dtype as the GEMV's output is).
+LOW_RANK_G: GA / GB the same for the output-norm gate, of the value lanes a program norms or owns (split: its BV
+lanes, chunked: the head), stored into G (the host's [T, H, D] scratch), which the norm epilogue reads back after
+the barriers / counter that already order the o stores.
 
 PDL (`tokenspeed.ops.triton.pdl`; Hopper, compiled code only): before `gdc_wait` a single-layer launch reads only its
 slot and bounds (`state_indices[n]`, `cu_seqlens[n:n+2]`), the recurrent-state pool (split: its [BK, BV] tile into
@@ -155,51 +156,61 @@ def _load_lanes(ptr, lane, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _low_rank_up(A, stride_at, W, t, h, D: tl.constexpr, lanes, lmask, R: tl.constexpr):
-    """Lanes `lanes` of head h of a low-rank up projection of row t, [len(lanes)] fp32 holding the io-rounded value:
-    cast(sum_r W[h * D + lanes, r] * A[t, r]) with A [T, R] (unit column stride) and W [H * D, R] contiguous, both of
-    the io dtype, accumulated in fp32 over rank chunks of 32 (the GEMV's one rounding; its summation order may
-    differ). Lanes outside `lmask` read 0."""
-    acc = lanes.to(tl.float32) * 0.0
+def _up_weight(W, h, D: tl.constexpr, lanes, lmask, RANK: tl.constexpr, C: tl.constexpr, RC: tl.constexpr):
+    """Columns C*RC .. (C+1)*RC - 1 of rows h * D + lanes of a contiguous [H * D, RANK] low-rank up weight,
+    [len(lanes), RC] in its dtype (rows off `lmask` and columns past RANK read 0): loaded before the PDL wait and
+    held in registers (a constant weight), a chunk at a time so the fp32 products of one chunk are live at once."""
+    rr = C * RC + tl.arange(0, RC)
     rows = (h * D + lanes).to(tl.int64)
-    for r0 in tl.static_range(0, R, 32):
-        rr = r0 + tl.arange(0, 32)
-        mr = rr < R
-        a = tl.load(A + t * stride_at + rr, mask=mr, other=0.0).to(tl.float32)
-        w = tl.load(W + rows[:, None] * R + rr[None, :], mask=lmask[:, None] & mr[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+    return tl.load(W + rows[:, None] * RANK + rr[None, :], mask=lmask[:, None] & (rr < RANK)[None, :], other=0.0)
+
+
+@triton.jit
+def _up_chunk(A, row_off, w, seq_len, RANK: tl.constexpr, C: tl.constexpr, RC: tl.constexpr):
+    """w @ A[row, C*RC : (C+1)*RC] in fp32 (A's row at element offset row_off, read only when seq_len > 0)."""
+    rr = C * RC + tl.arange(0, RC)
+    a = tl.load(A + row_off + rr, mask=(rr < RANK) & ((rr * 0 + seq_len) > 0), other=0.0).to(tl.float32)
+    return tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+
+
+@triton.jit
+def _up_apply(A, row_off, w0, w1, w2, w3, seq_len, RANK: tl.constexpr, RC: tl.constexpr, NCH: tl.constexpr):
+    """cast(W @ A[row]) [len(lanes)] fp32 holding the io-rounded value (the GEMV's one rounding; its summation order
+    may differ) from the NCH <= 4 weight chunks w0.. of `_up_weight` (the unused ones are placeholders)."""
+    acc = _up_chunk(A, row_off, w0, seq_len, RANK, 0, RC)
+    if NCH > 1:
+        acc += _up_chunk(A, row_off, w1, seq_len, RANK, 1, RC)
+    if NCH > 2:
+        acc += _up_chunk(A, row_off, w2, seq_len, RANK, 2, RC)
+    if NCH > 3:
+        acc += _up_chunk(A, row_off, w3, seq_len, RANK, 3, RC)
     return acc.to(A.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
-def _f_lanes(F, stride_ft, stride_fh, FB, t, h, D: tl.constexpr, ok, lk, EVEN_K: tl.constexpr,
-             LOW_RANK_F: tl.constexpr, RANK: tl.constexpr):
-    """Token t's decay-gate logits f [BK] fp32 of head h: read from F [T, H, D], or (LOW_RANK_F) computed from the
-    low-rank input F [T, RANK] (stride_ft its row stride) and the up weight FB [H * D, RANK]."""
+def _up_weights(W, h, D: tl.constexpr, lanes, lmask, RANK: tl.constexpr, RC: tl.constexpr, NCH: tl.constexpr):
+    """The NCH chunks of `_up_weight` (placeholders repeat chunk 0)."""
+    w0 = _up_weight(W, h, D, lanes, lmask, RANK, 0, RC)
+    w1, w2, w3 = w0, w0, w0
+    if NCH > 1:
+        w1 = _up_weight(W, h, D, lanes, lmask, RANK, 1, RC)
+    if NCH > 2:
+        w2 = _up_weight(W, h, D, lanes, lmask, RANK, 2, RC)
+    if NCH > 3:
+        w3 = _up_weight(W, h, D, lanes, lmask, RANK, 3, RC)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _f_lanes(F, stride_ft, stride_fh, f_pre, t, h, D: tl.constexpr, ok, lk, EVEN_K: tl.constexpr,
+             LOW_RANK_F: tl.constexpr):
+    """Token t's decay-gate logits f [BK] fp32 of head h: read from F [T, H, D], or (LOW_RANK_F, one token per
+    sequence) `f_pre`, computed from the low-rank input after the wait."""
     if LOW_RANK_F:
-        f = _low_rank_up(F, stride_ft, FB, t, h, D, ok, lk, RANK)
+        f = f_pre
     else:
         f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
     return f
-
-
-@triton.jit
-def _store_low_rank_gate(GA, stride_ga, GB, G, stride_gt, stride_gh, bos, seq_len, h, D: tl.constexpr, lanes, lmask,
-                         RANK: tl.constexpr):
-    """The output-norm gate of lanes `lanes` of head h for the sequence's rows bos .. bos + seq_len - 1, computed
-    from the low-rank input GA [T, RANK] and the up weight GB [H * D, RANK] and stored (io dtype) into the scratch
-    G [T, H, D], where the norm epilogue reads it back (after the barriers / counter that order the o stores)."""
-    for i in range(seq_len):
-        g = _low_rank_up(GA, stride_ga, GB, bos + i, h, D, lanes, lmask, RANK)
-        tl.store(G + (bos + i) * stride_gt + h * stride_gh + lanes, g.to(G.dtype.element_ty), mask=lmask)
-
-
-@triton.jit
-def _prefetch_rows(W, rows, mask, RANK: tl.constexpr):
-    """L2 prefetch hints (before the PDL wait) of rows `rows` of a contiguous [*, RANK] 16-bit weight, one per
-    128 bytes (a constant weight: a hint is always correct)."""
-    for c in tl.static_range(0, RANK, 64):
-        _prefetch_l2(W + rows.to(tl.int64) * RANK + c, mask, W)
 
 
 @triton.jit
@@ -341,15 +352,15 @@ def _gate(xg, rate, lower_bound, HAS_LB: tl.constexpr):
 @triton.jit
 def _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh,
                   DT, h, bos, i, cq, ck, ok, mk, lk, rate, lower_bound, scale, D: tl.constexpr, EVEN_K: tl.constexpr,
-                  HAS_LB: tl.constexpr, STORE_OUT: tl.constexpr, OUT_TY: tl.constexpr, FB,
-                  LOW_RANK_F: tl.constexpr, RANK: tl.constexpr):
+                  HAS_LB: tl.constexpr, STORE_OUT: tl.constexpr, OUT_TY: tl.constexpr, f_pre,
+                  LOW_RANK_F: tl.constexpr):
     """Token i's per-head vectors (q, k, exp(g)) [BK] and beta: q/k conv + SiLU + L2 norm (q scaled), the gate (f
     read or, LOW_RANK_F, computed: `_f_lanes`). Without STORE_OUT the q path is skipped and q is a placeholder (k)."""
     t = bos + i
     if STORE_OUT:
         yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, lk, EVEN_K, OUT_TY)
     yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, lk, EVEN_K, OUT_TY)
-    f = _f_lanes(F, stride_ft, stride_fh, FB, t, h, D, ok, lk, EVEN_K, LOW_RANK_F, RANK)
+    f = _f_lanes(F, stride_ft, stride_fh, f_pre, t, h, D, ok, lk, EVEN_K, LOW_RANK_F)
     braw = tl.load(Bt + t * stride_bt + h * stride_bh).to(tl.float32)
     k = yk * tl.rsqrt(tl.sum(yk * yk, axis=0) + 1e-6)
     if STORE_OUT:
@@ -521,6 +532,8 @@ def _kda_decode_kernel(
     LOW_RANK_F: tl.constexpr = False,
     LOW_RANK_G: tl.constexpr = False,
     RANK: tl.constexpr = 0,
+    RC: tl.constexpr = 1,
+    NCH: tl.constexpr = 1,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
@@ -595,23 +608,27 @@ def _kda_decode_kernel(
         else:
             cw_all = 2 * HD + h * D + ok  # the head's v channels (CHUNKS * BV = BK)
             _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D, ok, cq, ck, cw_all, mk, mk, NORM)
-        if LOW_RANK_F:  # the head's rows of the gate's up weights (constant: read by this launch only)
-            _prefetch_rows(FB, h * D + ok, lk, RANK)
-        if LOW_RANK_G:
-            if CHUNKS == 1:
-                _prefetch_rows(GB, h * D + ov, lv, RANK)
-            else:
-                _prefetch_rows(GB, h * D + ok, lk, RANK)
+    if LOW_RANK_F:  # the head's rows of the low-rank up weights, into registers (constant: safe before the wait)
+        wf0, wf1, wf2, wf3 = _up_weights(FB, h, D, ok, lk, RANK, RC, NCH)
+    if LOW_RANK_G:
+        if CHUNKS == 1:
+            gl, glm = ov, lv
+        else:
+            gl, glm = ok, lk
+        wg0, wg1, wg2, wg3 = _up_weights(GB, h, D, gl, glm, RANK, RC, NCH)
     if not MULTI_LAYER:
         _pdl_sync(PDL)
 
     if HAS_LENS:  # only the first LENS[n] tokens of the sequence's rows (KDA replay of accepted drafts)
         seq_len = tl.maximum(tl.minimum(tl.load(LENS + n).to(tl.int64), seq_len), 0)
-    if LOW_RANK_G:  # the norm gate of this program's value lanes (split) or of the head (chunked), into scratch G
-        if CHUNKS == 1:
-            _store_low_rank_gate(GA, stride_ga, GB, G, stride_gt, stride_gh, bos, seq_len, h, D, ov, lv, RANK)
-        else:
-            _store_low_rank_gate(GA, stride_ga, GB, G, stride_gt, stride_gh, bos, seq_len, h, D, ok, lk, RANK)
+    if LOW_RANK_F:  # one token per sequence: its f, from the row the previous launch wrote
+        f_pre = _up_apply(F, bos * stride_ft, wf0, wf1, wf2, wf3, seq_len, RANK, RC, NCH)
+    else:
+        f_pre = ok.to(tl.float32)  # unused
+    if LOW_RANK_G:  # its norm gate for the lanes this program norms or owns, into scratch G for the epilogue
+        g_pre = _up_apply(GA, bos * stride_ga, wg0, wg1, wg2, wg3, seq_len, RANK, RC, NCH)
+        tl.store(G + bos * stride_gt + h * stride_gh + gl, g_pre.to(G.dtype.element_ty),
+                 mask=glm & ((gl * 0 + seq_len) > 0))
 
     if CHUNKS == 1 and WINDOW:
         b_s = _split_window_tokens(QKV, stride_qkv, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh, CW, cs,
@@ -626,7 +643,7 @@ def _kda_decode_kernel(
                 yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, lk, EVEN_K, OUT_TY)
             yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, lk, EVEN_K, OUT_TY)
             yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv, mv, lv, EVEN_V, OUT_TY)
-            f = _f_lanes(F, stride_ft, stride_fh, FB, t, h, D, ok, lk, EVEN_K, LOW_RANK_F, RANK)
+            f = _f_lanes(F, stride_ft, stride_fh, f_pre, t, h, D, ok, lk, EVEN_K, LOW_RANK_F)
             braw = tl.load(Bt + t * stride_bt + h * stride_bh).to(tl.float32)
 
             if STORE_OUT:
@@ -667,7 +684,7 @@ def _kda_decode_kernel(
             t = bos + i
             q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft, stride_fh,
                                               Bt, stride_bt, stride_bh, DT, h, t, 0, cq, ck, ok, mk, lk, rate,
-                                              lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY, FB, LOW_RANK_F, RANK)
+                                              lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY, f_pre, LOW_RANK_F)
             if STORE_OUT:
                 # v for the whole head with q / k, staged in o[t, h] (it is rounded to o's dtype anyway): the tile
                 # loop reads its slice back and overwrites it with o, instead of a v conv per tile
@@ -742,7 +759,7 @@ def _kda_decode_kernel(
                 t = bos + i
                 q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft,
                                                   stride_fh, Bt, stride_bt, stride_bh, DT, h, bos, i, cq, ck, ok, mk,
-                                                  lk, rate, lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY, FB, LOW_RANK_F, RANK)
+                                                  lk, rate, lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY, f_pre, LOW_RANK_F)
                 yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv + c * BV, mvc, lvc,
                                 EVEN_V, OUT_TY)
                 b_s, o = _delta_step(b_s, q, k, decay, beta, yv, mvc, STORE_OUT)
