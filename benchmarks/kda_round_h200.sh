@@ -207,10 +207,13 @@ if has lowrank; then  # the low-rank gates' up projections inside the KDA decode
   timeout 300 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab "${LOWRANK_BATCHES:-1,2,4,8,16}" \
     --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_KDA_FUSED_GATES=0;1:regs:0:table:TOKENSPEED_KDA_FUSED_GATES=1" \
     --out "$OUT" 2>&1 | grep "PDL A/B"
-  mkdir -p "$OUT/lowrank_w8"
+  mkdir -p "$OUT/lowrank_w8" "$OUT/lowrank_w8c"  # the fused variants on 8 warps (fewer registers a thread)
   timeout 200 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab 1 \
-    --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_KDA_DECODE=bv32-split-w8;1:regs:0:table:TOKENSPEED_KDA_DECODE=bv16-split-w4" \
+    --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_KDA_FUSED_GATES=0;1:regs:0:table:TOKENSPEED_KDA_DECODE=bv32-split-w8" \
     --out "$OUT/lowrank_w8" 2>&1 | grep "PDL A/B"
+  timeout 200 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab 2,4 \
+    --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_KDA_FUSED_GATES=0;1:regs:0:table:TOKENSPEED_KDA_DECODE=bv32-chunked-w8-s3" \
+    --out "$OUT/lowrank_w8c" 2>&1 | grep "PDL A/B"
   mkdir -p "$OUT/lowrank_profile"
   timeout 200 python3 benchmarks/step_profile_h200.py --batches 1 --skip prefill,policy --out "$OUT/lowrank_profile" \
     2>&1 | grep -E "graph|_kda_decode|stacked" | cut -c1-250 | head -12

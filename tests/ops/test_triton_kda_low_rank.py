@@ -83,7 +83,7 @@ def check(lens, H, D, R=None, slots=None, update=True, gate=True, device="cpu", 
 @pytest.mark.parametrize("R", [16, 40])
 def test_decode_interp(cfg, R):
     check([1, 1, 1], 2, 16, R=R, slots=[3, -1, 0], config=cfg)
-    check([1, 0, 1], 2, 16, R=R, config=cfg)  # a zero-length sequence: nothing of its row read or written
+    check([1, 0, 1], 2, 16, R=R, config=cfg)  # a zero-length sequence (T < N): the matmul fallback
 
 
 @cpu_interp

@@ -196,7 +196,7 @@ def kda_decode(
 
     f_low_rank / gate_low_rank (a, w): f (instead of `f`) / the norm gate (instead of `norm_gate`, with
     `norm_weight`) as the up projection cast(a @ w^T) of a low-rank input, computed in the kernel (LOW_RANK_F /
-    LOW_RANK_G) for decode launches the caller bounds to one token per sequence (`max_seq_tokens=1`); other
+    LOW_RANK_G) for decode launches of one token per sequence (T == N, bounded by the caller: `max_seq_tokens=1`); other
     launches and the schedules without it (the window loop, the WY verify) get them from one matmul first."""
     H, D = dt_bias.shape
     T, N = qkv.shape[0], state_indices.numel()
@@ -209,7 +209,8 @@ def kda_decode(
     if lr_f is not None and lr_g is not None and lr_f[1].shape != lr_g[1].shape:
         raise ValueError("f_low_rank and gate_low_rank must have the same rank")
     opts = _split(N * H, D, triton.cdiv(T, N) if N else 1, config, BV, num_warps, hints, chunked, num_stages)
-    if (lr_f is not None or lr_g is not None) and (opts["WY"] or opts["WINDOW"] or max_seq_tokens != 1):
+    if (lr_f is not None or lr_g is not None) and (opts["WY"] or opts["WINDOW"] or max_seq_tokens != 1
+                                                   or not update_state or T != N):
         # the in-kernel up projections are for decode launches (one token per sequence) on split / chunked only
         f = _up(lr_f) if lr_f is not None else f
         norm_gate = _up(lr_g) if lr_g is not None else norm_gate

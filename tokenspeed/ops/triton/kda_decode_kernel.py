@@ -67,11 +67,12 @@ Low-rank gates (LOW_RANK_F / LOW_RANK_G, `kda_decode(f_low_rank=, gate_low_rank=
 without the window loop, and chunked decode): the up projections of the low-rank gates run in the kernel instead of
 a GEMV launch before it. LOW_RANK_F: F is the low-rank input f_a [T, RANK] (stride_ft its row stride) and FB the up
 weight [H * D, RANK] (RANK <= 128): every program loads its head's rows of FB into registers before the PDL wait, in
-NCH chunks of RC columns, and after it computes the token's f (`_up_apply`: fp32 over RANK, rounded to the io
-dtype as the GEMV's output is).
-LOW_RANK_G: GA / GB the same for the output-norm gate, of the value lanes a program norms or owns (split: its BV
-lanes, chunked: the head), stored into G (the host's [T, H, D] scratch), which the norm epilogue reads back after
-the barriers / counter that already order the o stores.
+NCH chunks of RC columns, and computes each token's f where it would have read it (`_f_lanes`: fp32 over RANK,
+rounded to the io dtype as the GEMV's output is), so its loads overlap the q / k conv's. LOW_RANK_G: GA / GB the
+same for the output-norm gate, of the value lanes a program norms or owns (split: its BV lanes, chunked: the head),
+computed after the token's recurrence and stored into G (the host's [T, H, D] scratch), which the norm epilogue
+reads back after the barriers / counter that already order the o stores. Host rule: decode launches of exactly one
+token per sequence (T == N, `max_seq_tokens=1`), so the token loops run one trip (folded at compile time).
 
 PDL (`tokenspeed.ops.triton.pdl`; Hopper, compiled code only): before `gdc_wait` a single-layer launch reads only its
 slot and bounds (`state_indices[n]`, `cu_seqlens[n:n+2]`), the recurrent-state pool (split: its [BK, BV] tile into
@@ -202,15 +203,24 @@ def _up_weights(W, h, D: tl.constexpr, lanes, lmask, RANK: tl.constexpr, RC: tl.
 
 
 @triton.jit
-def _f_lanes(F, stride_ft, stride_fh, f_pre, t, h, D: tl.constexpr, ok, lk, EVEN_K: tl.constexpr,
-             LOW_RANK_F: tl.constexpr):
-    """Token t's decay-gate logits f [BK] fp32 of head h: read from F [T, H, D], or (LOW_RANK_F, one token per
-    sequence) `f_pre`, computed from the low-rank input after the wait."""
+def _f_lanes(F, stride_ft, stride_fh, wf0, wf1, wf2, wf3, t, h, D: tl.constexpr, ok, lk, EVEN_K: tl.constexpr,
+             LOW_RANK_F: tl.constexpr, RANK: tl.constexpr, RC: tl.constexpr, NCH: tl.constexpr):
+    """Token t's decay-gate logits f [BK] fp32 of head h: read from F [T, H, D], or (LOW_RANK_F) computed from the
+    low-rank input row F[t] (stride_ft its row stride) and the head's up-weight chunks held in registers."""
     if LOW_RANK_F:
-        f = f_pre
+        f = _up_apply(F, t * stride_ft, wf0, wf1, wf2, wf3, t * 0 + 1, RANK, RC, NCH)
     else:
         f = _load_lanes(F + t * stride_ft + h * stride_fh + ok, lk, EVEN_K).to(tl.float32)
     return f
+
+
+@triton.jit
+def _store_gate(GA, stride_ga, wg0, wg1, wg2, wg3, G, stride_gt, stride_gh, t, h, lanes, lmask, RANK: tl.constexpr,
+                RC: tl.constexpr, NCH: tl.constexpr):
+    """LOW_RANK_G: token t's output-norm gate of `lanes` of head h (from GA[t] and the up-weight chunks held in
+    registers) into the scratch G [T, H, D] that the norm epilogue reads back."""
+    g = _up_apply(GA, t * stride_ga, wg0, wg1, wg2, wg3, t * 0 + 1, RANK, RC, NCH)
+    tl.store(G + t * stride_gt + h * stride_gh + lanes, g.to(G.dtype.element_ty), mask=lmask)
 
 
 @triton.jit
@@ -352,15 +362,15 @@ def _gate(xg, rate, lower_bound, HAS_LB: tl.constexpr):
 @triton.jit
 def _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh,
                   DT, h, bos, i, cq, ck, ok, mk, lk, rate, lower_bound, scale, D: tl.constexpr, EVEN_K: tl.constexpr,
-                  HAS_LB: tl.constexpr, STORE_OUT: tl.constexpr, OUT_TY: tl.constexpr, f_pre,
-                  LOW_RANK_F: tl.constexpr):
+                  HAS_LB: tl.constexpr, STORE_OUT: tl.constexpr, OUT_TY: tl.constexpr, wf0, wf1, wf2, wf3,
+                  LOW_RANK_F: tl.constexpr, RANK: tl.constexpr, RC: tl.constexpr, NCH: tl.constexpr):
     """Token i's per-head vectors (q, k, exp(g)) [BK] and beta: q/k conv + SiLU + L2 norm (q scaled), the gate (f
     read or, LOW_RANK_F, computed: `_f_lanes`). Without STORE_OUT the q path is skipped and q is a placeholder (k)."""
     t = bos + i
     if STORE_OUT:
         yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, lk, EVEN_K, OUT_TY)
     yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, lk, EVEN_K, OUT_TY)
-    f = _f_lanes(F, stride_ft, stride_fh, f_pre, t, h, D, ok, lk, EVEN_K, LOW_RANK_F)
+    f = _f_lanes(F, stride_ft, stride_fh, wf0, wf1, wf2, wf3, t, h, D, ok, lk, EVEN_K, LOW_RANK_F, RANK, RC, NCH)
     braw = tl.load(Bt + t * stride_bt + h * stride_bh).to(tl.float32)
     k = yk * tl.rsqrt(tl.sum(yk * yk, axis=0) + 1e-6)
     if STORE_OUT:
@@ -608,27 +618,26 @@ def _kda_decode_kernel(
         else:
             cw_all = 2 * HD + h * D + ok  # the head's v channels (CHUNKS * BV = BK)
             _prefetch_inputs(CW, cs, stride_csc, stride_csw, DT, NW, h, D, ok, cq, ck, cw_all, mk, mk, NORM)
-    if LOW_RANK_F:  # the head's rows of the low-rank up weights, into registers (constant: safe before the wait)
+    # LOW_RANK_F / _G: the head's rows of the low-rank up weights, into registers (constant: safe before the wait)
+    if LOW_RANK_F:
         wf0, wf1, wf2, wf3 = _up_weights(FB, h, D, ok, lk, RANK, RC, NCH)
+    else:  # placeholders
+        wf0, wf1, wf2, wf3 = ok, ok, ok, ok
+    if CHUNKS == 1:  # the gate lanes a program norms (split: its own) or owns (chunked: the head's)
+        gl, glm = ov, lv
+    else:
+        gl, glm = ok, lk
     if LOW_RANK_G:
-        if CHUNKS == 1:
-            gl, glm = ov, lv
-        else:
-            gl, glm = ok, lk
         wg0, wg1, wg2, wg3 = _up_weights(GB, h, D, gl, glm, RANK, RC, NCH)
     if not MULTI_LAYER:
         _pdl_sync(PDL)
 
     if HAS_LENS:  # only the first LENS[n] tokens of the sequence's rows (KDA replay of accepted drafts)
         seq_len = tl.maximum(tl.minimum(tl.load(LENS + n).to(tl.int64), seq_len), 0)
-    if LOW_RANK_F:  # one token per sequence: its f, from the row the previous launch wrote
-        f_pre = _up_apply(F, bos * stride_ft, wf0, wf1, wf2, wf3, seq_len, RANK, RC, NCH)
+    if LOW_RANK_F or LOW_RANK_G:  # one token per sequence (the host's rule): a loop of one trip, folded away, so
+        n_tok = 1                 # nothing is kept live across tokens (the up weights die after their use)
     else:
-        f_pre = ok.to(tl.float32)  # unused
-    if LOW_RANK_G:  # its norm gate for the lanes this program norms or owns, into scratch G for the epilogue
-        g_pre = _up_apply(GA, bos * stride_ga, wg0, wg1, wg2, wg3, seq_len, RANK, RC, NCH)
-        tl.store(G + bos * stride_gt + h * stride_gh + gl, g_pre.to(G.dtype.element_ty),
-                 mask=glm & ((gl * 0 + seq_len) > 0))
+        n_tok = seq_len
 
     if CHUNKS == 1 and WINDOW:
         b_s = _split_window_tokens(QKV, stride_qkv, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh, CW, cs,
@@ -636,14 +645,15 @@ def _kda_decode_kernel(
                                    cv, mk, mv, lk, lv, ms, s_off, rate, lower_bound, scale, EVEN_K, EVEN_V, HAS_LB,
                                    STORE_OUT, STORE_STEPS, OUT_TY)
     elif CHUNKS == 1:
-        for i in range(seq_len):  # (the original code, kept verbatim: the same SASS as before the chunked paths)
+        for i in range(n_tok):  # (the original code, kept verbatim: the same SASS as before the chunked paths)
             t = bos + i
             # Short conv + SiLU: the window is re-read per token (L1/L2 hits) instead of carried in registers.
             if STORE_OUT:  # the q path (conv, norm, o = S^T q): a state replay (STORE_OUT False) needs none of it
                 yq = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cq, mk, lk, EVEN_K, OUT_TY)
             yk = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, ck, mk, lk, EVEN_K, OUT_TY)
             yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv, mv, lv, EVEN_V, OUT_TY)
-            f = _f_lanes(F, stride_ft, stride_fh, f_pre, t, h, D, ok, lk, EVEN_K, LOW_RANK_F)
+            f = _f_lanes(F, stride_ft, stride_fh, wf0, wf1, wf2, wf3, t, h, D, ok, lk, EVEN_K, LOW_RANK_F, RANK, RC,
+                         NCH)
             braw = tl.load(Bt + t * stride_bt + h * stride_bh).to(tl.float32)
 
             if STORE_OUT:
@@ -671,6 +681,8 @@ def _kda_decode_kernel(
             if STORE_STEPS:
                 tl.store(STEP + (t * H + h) * D * D + s_off, b_s, mask=ms,
                          cache_modifier=".cs")
+            if LOW_RANK_G:  # off the recurrence's critical path; ordered before the norm by the epilogue's counter
+                _store_gate(GA, stride_ga, wg0, wg1, wg2, wg3, G, stride_gt, stride_gh, t, h, gl, glm, RANK, RC, NCH)
     elif UPDATE:
         # Chunked, one program per head (decode, replay): token by token. The token's q / k / gate once, then the
         # CHUNKS V tiles in a software-pipelined loop (STAGES > 1: the next tiles' state in flight, through shared
@@ -680,11 +692,12 @@ def _kda_decode_kernel(
         # registers of one tile. One token (decode): each tile read and written once.
         ow = tl.arange(0, CHUNKS * BV)  # the head's value channels (CHUNKS * BV >= D)
         mw = ((ow * 0 + slot_raw) >= 0) & (ow < D)
-        for i in range(seq_len):
+        for i in range(n_tok):
             t = bos + i
             q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft, stride_fh,
                                               Bt, stride_bt, stride_bh, DT, h, t, 0, cq, ck, ok, mk, lk, rate,
-                                              lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY, f_pre, LOW_RANK_F)
+                                              lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY, wf0, wf1, wf2, wf3,
+                                              LOW_RANK_F, RANK, RC, NCH)
             if STORE_OUT:
                 # v for the whole head with q / k, staged in o[t, h] (it is rounded to o's dtype anyway): the tile
                 # loop reads its slice back and overwrites it with o, instead of a v conv per tile
@@ -729,6 +742,8 @@ def _kda_decode_kernel(
                 if STORE_OUT:
                     _store_out(O, t, H, h, D, ovc, o, lvc, EVEN_V)
                 _store_state(p_s + c * vstep, b_s, msc, HINTS)
+            if LOW_RANK_G:  # ordered before the norm epilogue's reads by the barriers below
+                _store_gate(GA, stride_ga, wg0, wg1, wg2, wg3, G, stride_gt, stride_gh, t, h, gl, glm, RANK, RC, NCH)
             # this token's window reads (all threads) -> barrier -> the shifted window written -> barrier
             _store_conv_states3(QKV, stride_qkv, cs, stride_csc, stride_csw, t, 1, 2 * HD + h * D + ow, mw, cq, ck,
                                 mk)
@@ -759,7 +774,8 @@ def _kda_decode_kernel(
                 t = bos + i
                 q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft,
                                                   stride_fh, Bt, stride_bt, stride_bh, DT, h, bos, i, cq, ck, ok, mk,
-                                                  lk, rate, lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY, f_pre, LOW_RANK_F)
+                                                  lk, rate, lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY, wf0, wf1, wf2, wf3,
+                                                  LOW_RANK_F, RANK, RC, NCH)
                 yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv + c * BV, mvc, lvc,
                                 EVEN_V, OUT_TY)
                 b_s, o = _delta_step(b_s, q, k, decay, beta, yv, mvc, STORE_OUT)
