@@ -168,7 +168,8 @@ def compile_sm90(launch: Launch, sass: bool = False) -> dict:
 def report(name: str, launch: Launch, args: argparse.Namespace) -> bool:
     """Compile one launch and print its line; False if its PTX lacks the PDL wait or trigger (PDL on)."""
     r, kw = compile_sm90(launch, args.sass), launch.kwargs
-    cfg = {k: kw[k] for k in ("BV", "RB", "NV", "CHUNKS", "STAGES", "NORM", "PDL", "LOW_RANK_F", "LOW_RANK_G", "num_warps") if k in kw}
+    keys = ("BV", "RB", "NV", "CHUNKS", "STAGES", "NORM", "PDL", "LOW_RANK_F", "LOW_RANK_G", "num_warps")
+    cfg = {k: kw[k] for k in keys if k in kw}
     ok = args.no_pdl or (r["wait"] >= 1 and r["trigger"] >= 1)
     print(f"{name:28s} regs {r['regs']:4d}  stack {r['stack']}  smem {r['shared']:6d} B  wait {r['wait']} "
           f"trigger {r['trigger']} prefetch {r['prefetch']}+{r['bulk']} bulk  cvt {r['cvt']}  {cfg}"

@@ -333,10 +333,13 @@ for _fn, _ref in ((moe_experts, _ref_moe.moe_experts),
 
 
 KDA_FUSED_GATES_ENV = "TOKENSPEED_KDA_FUSED_GATES"
-# (sequence, head) pairs up to which a KDA decode step runs its low-rank gate up projections inside the fused kernel:
-# every program then recomputes its head's f from the rank-hd input (32 KB of weight from L2 per program), which
-# replaces a dependent GEMV launch at small batch and would cost more L2 traffic than it saves at large ones.
-KDA_FUSED_GATES_MAX_PAIRS = 128
+# (sequence, head) pairs up to which a KDA decode step runs its low-rank gate up projections inside the fused kernel
+# (the split schedule's region of kda_config.DECODE_TABLE at head dim 128): every program holds its head's rows of
+# the up weights in registers from before its PDL wait and computes f (and its gate lanes) itself, which replaces a
+# dependent GEMV launch. H200, kimi-linear-48b-a3b decode step, 4K, interleaved A/B (benchmarks/README.md, a4c5852):
+# batch 1 (32 pairs, split) x1.006 / x1.010; batch 2 and 4 (64 / 128 pairs, the chunked schedule, whose one program a
+# head computes all of f and the gate) x0.973-0.984: there the kernel's extra critical path is longer than the launch.
+KDA_FUSED_GATES_MAX_PAIRS = 32
 
 
 def kda_fuses_gate_projections(x: Tensor, num_pairs: int) -> bool:

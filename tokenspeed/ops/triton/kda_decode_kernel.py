@@ -696,8 +696,8 @@ def _kda_decode_kernel(
             t = bos + i
             q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft, stride_fh,
                                               Bt, stride_bt, stride_bh, DT, h, t, 0, cq, ck, ok, mk, lk, rate,
-                                              lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY, wf0, wf1, wf2, wf3,
-                                              LOW_RANK_F, RANK, RC, NCH)
+                                              lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY,
+                                              wf0, wf1, wf2, wf3, LOW_RANK_F, RANK, RC, NCH)
             if STORE_OUT:
                 # v for the whole head with q / k, staged in o[t, h] (it is rounded to o's dtype anyway): the tile
                 # loop reads its slice back and overwrites it with o, instead of a v conv per tile
@@ -774,8 +774,8 @@ def _kda_decode_kernel(
                 t = bos + i
                 q, k, decay, beta = _token_inputs(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, F, stride_ft,
                                                   stride_fh, Bt, stride_bt, stride_bh, DT, h, bos, i, cq, ck, ok, mk,
-                                                  lk, rate, lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY, wf0, wf1, wf2, wf3,
-                                                  LOW_RANK_F, RANK, RC, NCH)
+                                                  lk, rate, lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY,
+                                                  wf0, wf1, wf2, wf3, LOW_RANK_F, RANK, RC, NCH)
                 yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, bos, i, cv + c * BV, mvc, lvc,
                                 EVEN_V, OUT_TY)
                 b_s, o = _delta_step(b_s, q, k, decay, beta, yv, mvc, STORE_OUT)
