@@ -340,15 +340,25 @@ def pattern_ceilings(inp: dict, H: int, D: int, dev: str, calls: int, reps: int,
     from state_copy_kernels import state_rmw
 
     rows = []
-    for contiguous, label in ((False, "rmw [K, 32] tiles (Triton)"), (True, "rmw contiguous tiles (Triton)")):
+    cases = ((False, False, "rmw [K, 32] tiles (Triton)"), (True, False, "rmw contiguous tiles (Triton)"),
+             (True, True, "contiguous tiles to a second pool (Triton)"))
+    for contiguous, other, label in cases:
         v = {"label": label}
         try:
             pool, slots = inp["state"].clone(), inp["state_indices"]
-            v.update(measure(lambda p=pool, s=slots, c=contiguous: state_rmw(p, s, H, D, min(32, D), c),
+            out = torch.empty_like(pool) if other else None
+            v.update(measure(lambda p=pool, s=slots, c=contiguous, o=out: state_rmw(p, s, H, D, min(32, D), c, out=o),
                              dev, calls, reps, cold, state_bytes))
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(v)
+    v = {"label": "in-place mul_ of the same bytes (torch)"}  # torch's elementwise RMW: in place at torch's rate
+    try:
+        buf = torch.empty(state_bytes // 8, dtype=torch.float32, device=dev).uniform_()
+        v.update(measure(lambda b=buf: b.mul_(1.0), dev, calls, reps, cold, state_bytes))
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    rows.append(v)
     return rows
 
 

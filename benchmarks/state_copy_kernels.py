@@ -9,7 +9,8 @@ chunked decode does:
 - contiguous True: the same bytes per tile as one contiguous block of D * block_v values (what a V-tile-major
   layout of the pool would give).
 If the first runs near torch's copy, the pattern is not what caps the decode; if only the second does, the
-layout is.
+layout is. `out` (a second pool of the same shape): the tiles are read from `state` and written to `out` instead of
+in place (a ping-pong pool's pattern): does writing over the bytes just read cost by itself?
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _state_rmw_kernel(S, SLOTS, stride_ss, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
+def _state_rmw_kernel(S, OUT, SLOTS, stride_ss, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
                       CONTIG: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     slot = tl.load(SLOTS + pid // H).to(tl.int64)
     base = S + slot * stride_ss + (pid % H) * D * D
+    dst = OUT + slot * stride_ss + (pid % H) * D * D
     rows = tl.arange(0, D)
     cols = tl.arange(0, BV)
     for j in tl.range(0, D // BV, num_stages=STAGES):
@@ -32,16 +34,19 @@ def _state_rmw_kernel(S, SLOTS, stride_ss, H: tl.constexpr, D: tl.constexpr, BV:
             offs = j * D * BV + rows[:, None] * BV + cols[None, :]
         else:
             offs = rows[:, None] * D + j * BV + cols[None, :]
-        tl.store(base + offs, tl.load(base + offs) * 1.0)
+        tl.store(dst + offs, tl.load(base + offs) * 1.0)
 
 
 def state_rmw(state: torch.Tensor, slots: torch.Tensor, H: int, D: int, block_v: int = 32,
-              contiguous: bool = False, num_stages: int = 3) -> None:
-    """Reads and rewrites in place the [H, D, D] fp32 states of `slots` (state: [S, H, D, D] contiguous fp32;
-    D a power of two, block_v dividing it). Values are unchanged."""
+              contiguous: bool = False, num_stages: int = 3, out: torch.Tensor | None = None) -> None:
+    """Reads and rewrites in place (or into `out`, a pool like `state`) the [H, D, D] fp32 states of `slots`
+    (state: [S, H, D, D] contiguous fp32; D a power of two, block_v dividing it). Values are unchanged."""
     if state.dtype != torch.float32 or not state.is_contiguous() or tuple(state.shape[1:]) != (H, D, D):
         raise ValueError(f"state must be a contiguous fp32 [S, {H}, {D}, {D}] pool")
     if D & (D - 1) or D % block_v:
         raise ValueError(f"D ({D}) must be a power of two and block_v ({block_v}) must divide it")
-    _state_rmw_kernel[(slots.numel() * H,)](state, slots, state.stride(0), H=H, D=D, BV=block_v,
+    if out is not None and (out.shape != state.shape or out.dtype != state.dtype or not out.is_contiguous()):
+        raise ValueError("out must be a contiguous pool of state's shape and dtype")
+    _state_rmw_kernel[(slots.numel() * H,)](state, state if out is None else out, slots, state.stride(0), H=H, D=D,
+                                          BV=block_v,
                                           CONTIG=contiguous, STAGES=num_stages, num_warps=4)
