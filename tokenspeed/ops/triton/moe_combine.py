@@ -52,26 +52,31 @@ def _combine_kernel(Buf, TopkW, Out, Add, D, stride_add, TOP_K: tl.constexpr, BL
     tl.store(Out + t * D + offs, y, mask=m)
 
 
-@triton.jit
-def _routed_sum(Buf, TopkW, t, D, cols, mask, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, CG: tl.constexpr):
-    """[1, BLOCK_D] fp32: sum_j w[t, j] * buf[t * k + j] over the k slots in order (`_combine_kernel`'s sum). CG: the
-    buffer rows through L2 only (written by other programs of the same launch)."""
+@triton.jit(do_not_specialize=["R"])  # per-step counts: no recompile per value
+def _combine_norm_kernel(Buf, TopkW, Add, Res, W, Y, S, R, D, stride_add, stride_res, eps,
+                         TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """Row t = program_id(0) of R rows, as one [1, BLOCK_D] tile (BLOCK_D >= D): f = the combine of
+    `_combine_kernel` (add included) rounded to Y's dtype, then `tokenspeed.ops.triton.norm`'s residual-add norm
+    with BLOCK_R = 1, expression for expression: S[t] = cast(Res[t] + f), Y[t] = cast(W * cast(S[t] * inv)).
+    PDL: Res, W and Add are read before the wait, buf and the routing weights after it."""
+    pid = tl.program_id(0)
+    rows = pid + tl.arange(0, 1)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < R
+    cmask = cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)
+    res = _load_pre_wait(Res + r64[:, None] * stride_res + cols[None, :], PDL, mask=mask, other=0.0)
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_ADD:
+        a = _load_pre_wait(Add + r64[:, None] * stride_add + cols[None, :], PDL, mask=mask, other=0.0)
+    _pdl_sync(PDL)
+    t = pid.to(tl.int64)
     acc = tl.zeros([1, BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         wj = tl.load(TopkW + t * TOP_K + j)
-        p = Buf + (t * TOP_K + j) * D + cols[None, :]
-        if CG:
-            b = tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            b = tl.load(p, mask=mask, other=0.0)
-        acc += wj * b.to(tl.float32)
-    return acc
-
-
-@triton.jit
-def _junction_store(acc, res, w, a, S, Y, r64, cols, mask, D, eps, HAS_ADD: tl.constexpr):
-    """From the routed sum `acc`: f = cast(acc) (+ a, cast), then `tokenspeed.ops.triton.norm`'s residual-add norm
-    with BLOCK_R = 1, expression for expression: S = cast(res + f), Y = cast(w * cast(S * inv))."""
+        acc += wj * tl.load(Buf + (t * TOP_K + j) * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     f = acc.to(S.dtype.element_ty)  # the FFN output as the unfused combine stores it
     if HAS_ADD:
         f = (f.to(tl.float32) + a.to(tl.float32)).to(S.dtype.element_ty)
@@ -83,71 +88,6 @@ def _junction_store(acc, res, w, a, S, Y, r64, cols, mask, D, eps, HAS_ADD: tl.c
     normed = (x * inv[:, None]).to(Y.dtype.element_ty).to(tl.float32)
     y = w[None, :] * normed
     tl.store(Y + r64[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["R"])  # per-step counts: no recompile per value
-def _combine_norm_kernel(Buf, TopkW, Add, Res, W, Y, S, R, D, stride_add, stride_res, eps,
-                         TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    """Row t = program_id(0) of R rows, as one [1, BLOCK_D] tile (BLOCK_D >= D): f = the combine of
-    `_combine_kernel` (add included) rounded to Y's dtype, then `tokenspeed.ops.triton.norm`'s residual-add norm
-    with BLOCK_R = 1 (`_junction_store`). PDL: Res, W and Add are read before the wait, buf and the routing
-    weights after it."""
-    pid = tl.program_id(0)
-    rows = pid + tl.arange(0, 1)
-    cols = tl.arange(0, BLOCK_D)
-    rmask = rows < R
-    cmask = cols < D
-    mask = rmask[:, None] & cmask[None, :]
-    r64 = rows.to(tl.int64)
-    res = _load_pre_wait(Res + r64[:, None] * stride_res + cols[None, :], PDL, mask=mask, other=0.0)
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    a = res
-    if HAS_ADD:
-        a = _load_pre_wait(Add + r64[:, None] * stride_add + cols[None, :], PDL, mask=mask, other=0.0)
-    _pdl_sync(PDL)
-    acc = _routed_sum(Buf, TopkW, pid.to(tl.int64), D, cols, mask, TOP_K, BLOCK_D, False)
-    _junction_store(acc, res, w, a, S, Y, r64, cols, mask, D, eps, HAS_ADD)
-
-
-@triton.jit
-def _junction_row(Buf, TopkW, Add, Res, W, Y, S, t, D, stride_add, stride_res, eps, TOP_K: tl.constexpr,
-                  BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr):
-    """`_combine_norm_kernel`'s row t inside another launch, after that launch's wait (the down kernel's last
-    program of the token, `moe_experts`' junction in down): the same expressions; the buffer through L2 only."""
-    rows = t + tl.arange(0, 1)
-    cols = tl.arange(0, BLOCK_D)
-    cmask = cols < D
-    mask = (rows >= 0)[:, None] & cmask[None, :]
-    r64 = rows.to(tl.int64)
-    res = tl.load(Res + r64[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    a = res
-    if HAS_ADD:
-        a = tl.load(Add + r64[:, None] * stride_add + cols[None, :], mask=mask, other=0.0)
-    acc = _routed_sum(Buf, TopkW, t.to(tl.int64), D, cols, mask, TOP_K, BLOCK_D, True)
-    _junction_store(acc, res, w, a, S, Y, r64, cols, mask, D, eps, HAS_ADD)
-
-
-# Per-token arrival counters of the down kernel's junction (int32, zero between launches), never freed: CUDA
-# graphs keep their address.
-JUNCTION_MAX_TOKENS = 64
-_junction_counters: dict[torch.device, Tensor] = {}
-
-
-def junction_counters(device: torch.device) -> Tensor | None:
-    """The device's JUNCTION_MAX_TOKENS arrival counters (each restored to zero by the launch that counts on it);
-    created on first use, or None when that first use is inside a CUDA-graph capture (a capture would only record
-    the zero fill): the caller then launches the combine instead."""
-    cnt = _junction_counters.get(device)
-    if cnt is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        cnt = torch.zeros(JUNCTION_MAX_TOKENS, dtype=torch.int32, device=device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the zeros visible to every stream before any kernel counts in
-        _junction_counters[device] = cnt
-    return cnt
 
 
 def _unit_cols(t: Tensor | None) -> Tensor | None:

@@ -87,8 +87,6 @@ approach the matmul rate; the grouped order removes the A re-reads that grow wit
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -97,16 +95,8 @@ from torch import Tensor
 from tokenspeed.ops.reference.activation import Activation
 from tokenspeed.ops.reference.moe import check_add, check_norm
 from tokenspeed.ops.triton import pdl
-from tokenspeed.ops.triton._utils import next_pow2
 from tokenspeed.ops.triton.moe_align import align
-from tokenspeed.ops.triton.moe_combine import (
-    JUNCTION_MAX_TOKENS,
-    _junction_row,
-    _unit_cols,
-    combine,
-    combine_add_rms_norm,
-    junction_counters,
-)
+from tokenspeed.ops.triton.moe_combine import _unit_cols, combine, combine_add_rms_norm
 from tokenspeed.ops.triton.moe_config import (  # noqa: F401 - re-exported
     DIRECT_MAX_TOKENS,
     ExpertsConfig,
@@ -407,7 +397,6 @@ def _down_kernel(
     H, W2, Buf, SortedPair, BlockExpert,
     P, D, DI, E,
     stride_w2e, stride_w2d, stride_w2i, num_m, HH, pf_bytes,
-    CNT, TopkW, Add, Res, NW, Y, S, stride_add, stride_res, eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -420,10 +409,6 @@ def _down_kernel(
     DIRECT: tl.constexpr = False,
     PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
-    JUNCTION: tl.constexpr = False,
-    TOP_K: tl.constexpr = 1,
-    BLOCK_D: tl.constexpr = 16,
-    HAS_ADD: tl.constexpr = False,
 ):
     """BLOCK_M here is the down M-block: SUB = alignment block / BLOCK_M programs per alignment block, and a
     sub-block whose first row is padding (so all its rows are) exits. TMA: H is a descriptor over [num_m * BLOCK_M,
@@ -433,28 +418,13 @@ def _down_kernel(
     p's block, H is the direct [P, DI], the expert SortedPair[p] (SortedPair is topk_ids flattened, [P];
     BlockExpert is unused); a pair whose id is outside [0, E) stores zeros. PDL: the routing reads (BlockExpert,
     SortedPair) come before the wait and the W2 prefetch (PREFETCH, pf_bytes per row) with them (`_down_rows`);
-    a program that exits early waits first.
-    JUNCTION (DIRECT only; `down_direct(junction=)`): the combine and the FFN junction of `_combine_norm_kernel` run
-    here instead of a launch after: every program of token t = pid_m // TOP_K counts in on CNT[t] (acq_rel, gpu
-    scope, after a CTA barrier so all its buffer stores precede the release) and the last of the token's TOP_K *
-    n_tiles programs resets the counter and computes the token's row (`_junction_row`: the buffer through L2) into
-    Y (normed) / S (summed). Nobody waits for anybody; the counters are touched only after the PDL wait (the
-    previous launch of this kernel completed and reset them, as `moe_gate`'s counter)."""
+    a program that exits early waits first."""
     pid_m, pid_n = _tile_ids(num_m, D, BLOCK_N, GROUP_M)
     if DIRECT:
         e = _load_pre_wait(SortedPair + pid_m, PDL)
         e = tl.where((e >= 0) & (e < E), e, E)  # invalid ids: the zero-storing branch of _down_rows
         _down_rows(H, W2, Buf, SortedPair, pid_m, e, pid_n, P, D, DI, E, stride_w2e, stride_w2d, stride_w2i,
                    pf_bytes, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, False, True, PDL, PREFETCH)
-        if JUNCTION:
-            tl.debug_barrier()  # every thread's buffer stores before the release
-            t = pid_m // TOP_K
-            arrived = tl.atomic_add(CNT + t, 1, sem="acq_rel")
-            if arrived == TOP_K * tl.num_programs(1) - 1:  # uniform: the token's last program
-                tl.atomic_xchg(CNT + t, 0)
-                tl.debug_barrier()  # the acquire (one thread) before every thread's reads
-                _junction_row(Buf, TopkW, Add, Res, NW, Y, S, t, D, stride_add, stride_res, eps, TOP_K, BLOCK_D,
-                              HAS_ADD)
     else:
         if SUB == 1:
             e = _load_pre_wait(BlockExpert + pid_m, PDL)
@@ -613,7 +583,6 @@ def down(h: Tensor, w2: Tensor, sorted_pair_ids: Tensor, block_expert: Tensor, n
         h_arg, w2_arg, buf, sorted_pair_ids, block_expert,
         num_pairs, D, DI, E,
         w2.stride(0), w2.stride(1), w2.stride(2), num_m, h_half, pf_bytes,
-        *_no_junction(buf),
         BLOCK_M=bm2, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_K=DI % bk == 0, IEEE=h.dtype == torch.float32, GROUP_M=cfg.group_m2, SUB=sub, TMA=tma,
         TAIL=cfg.tail_m2, PREFETCH=pf_bytes > 0,
@@ -652,36 +621,11 @@ def gate_up_direct(x: Tensor, w1: Tensor, w3: Tensor, pair_ids: Tensor, top_k: i
     return h
 
 
-def _no_junction(buf: Tensor) -> tuple:
-    """The down kernel's junction arguments when JUNCTION is off (unused placeholders of the right kinds)."""
-    return (buf, buf, buf, buf, buf, buf, buf, 0, 0, 0.0)
-
-
-# The FFN junction (combine + residual add + the next norm) inside the direct down kernel: "0" turns it off (the
-# combine's own launch), read per call.
-DOWN_JUNCTION_ENV = "TOKENSPEED_MOE_DOWN_JUNCTION"
-# Widths up to which the junction's one-row tile fits a down program (4 warps: 64 fp32 a thread at 8192).
-DOWN_JUNCTION_MAX_D = 8192
-
-
-def down_junction_ok(T: int, D: int, device: torch.device) -> bool:
-    """Whether a direct-mode call with the FFN junction runs it inside the down kernel (`down_direct(junction=)`)
-    rather than in the combine's launch after it."""
-    return (os.environ.get(DOWN_JUNCTION_ENV, "1").strip() != "0" and 0 < T <= JUNCTION_MAX_TOKENS
-            and D <= DOWN_JUNCTION_MAX_D and junction_counters(device) is not None)
-
-
-def down_direct(h: Tensor, w2: Tensor, pair_ids: Tensor, cfg: ExpertsConfig,
-                junction: tuple | None = None) -> Tensor | tuple[Tensor, Tensor]:
+def down_direct(h: Tensor, w2: Tensor, pair_ids: Tensor, cfg: ExpertsConfig) -> Tensor:
     """Kernel 2 in the direct mode: the per-pair buffer [P, D] (h.dtype) from `gate_up_direct`'s h [P, I], every
     row written (zeros for ids outside [0, E)). Grid P x cdiv(D, block_n2), (block_m2 or block_m)-row tiles (half
     that with tail_m2); group_m2 and tma2 do not apply. Bytes: W2 D * I * elt per valid pair, h P * I * elt read,
-    the buffer P * D * elt written.
-    junction (topk_weights fp32 [P] contiguous, top_k, residual [T, D] unit column stride, norm_weight [D],
-    norm_eps, add or None; `down_junction_ok` true): returns (normed, summed) of `combine_add_rms_norm` on the
-    buffer, computed by each token's last down program (the kernel's JUNCTION) instead of another launch; the same
-    expressions, with the sum of squares reduced over this kernel's warps (on the GPU it can round differently
-    from the 8-warp combine by an ulp of normed; summed is the same)."""
+    the buffer P * D * elt written."""
     E, D, DI = w2.shape
     P = pair_ids.numel()
     bm = cfg.block_m2 or cfg.block_m
@@ -691,26 +635,15 @@ def down_direct(h: Tensor, w2: Tensor, pair_ids: Tensor, cfg: ExpertsConfig,
     n_tiles = triton.cdiv(D, bn)
     kw = pdl.kernel_kwargs(h.device, "moe")
     pf_bytes = w2_prefetch_bytes(w2, bn, P * n_tiles, kw["PDL"] and cfg.prefetch_w2)
-    jargs, jkw, outs = _no_junction(buf), {}, None
-    if junction is not None:
-        tw, top_k, residual, norm_weight, eps, add = junction
-        T = P // top_k
-        normed = torch.empty(T, D, dtype=residual.dtype, device=h.device)
-        summed = torch.empty(T, D, dtype=residual.dtype, device=h.device)
-        jargs = (junction_counters(h.device), tw, summed if add is None else add, residual, norm_weight, normed,
-                 summed, 0 if add is None else add.stride(0), residual.stride(0), float(eps))
-        jkw = {"JUNCTION": True, "TOP_K": top_k, "BLOCK_D": next_pow2(D), "HAS_ADD": add is not None}
-        outs = (normed, summed)
     _down_kernel[(P, n_tiles)](
         h, w2, buf, pair_ids, pair_ids,
         P, D, DI, E,
         w2.stride(0), w2.stride(1), w2.stride(2), P, None, pf_bytes,
-        *jargs,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_K=DI % bk == 0, IEEE=h.dtype == torch.float32, DIRECT=True, PREFETCH=pf_bytes > 0,
-        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **jkw, **kw,
+        num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **kw,
     )
-    return buf if outs is None else outs
+    return buf
 
 
 def _check_args(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
@@ -790,8 +723,6 @@ def moe_experts(
     if T <= cfg.direct_max_tokens:
         pair_ids = topk_ids.reshape(-1).contiguous()
         h = gate_up_direct(x, w1, w3, pair_ids, k, act, cfg, prefetch_expert)
-        if residual is not None and down_junction_ok(T, D, x.device):  # the junction in down's last programs
-            return down_direct(h, w2, pair_ids, cfg, (tw, k, residual, norm_weight, norm_eps, add))
         buf = down_direct(h, w2, pair_ids, cfg)
     else:
         sorted_pair_ids, block_expert = align(topk_ids, E, cfg.block_m)
