@@ -10,9 +10,10 @@ other setting's step in the same interleaved run (> 1: that setting is faster th
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+from ratio_plot import plot_ratios, ratio_cli  # benchmarks/ (the script's folder is on sys.path)
 
 UNFUSED = "TOKENSPEED_KDA_FUSED_GATES=0"
 HEADS = 32  # kimi-linear's KDA heads
@@ -40,29 +41,11 @@ def ratios(path: Path) -> list[tuple[str, float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("results", nargs="+")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [row for p in args.results for row in ratios(Path(p))]
-    fig, ax = plt.subplots(figsize=(10, 0.26 * len(rows) + 1.5))
-    colors = ["tab:gray" if "control" in lab else "tab:green" if r > 1 else "tab:red" for lab, r in rows]
-    ax.barh(range(len(rows)), [r for _, r in rows], color=colors)
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([lab for lab, _ in rows], fontsize=6)
-    ax.set_xlim(0.9, 1.03)
-    ax.set_xlabel("unfused step / step (4K; > 1: faster than the stacked GEMV launch)")
-    ax.set_title("kimi-linear-48b-a3b decode step on an H200: KDA gate up projections in the kernel, same-run A/B",
-                 fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out} ({len(rows)} bars)")
+    rows, out = ratio_cli(__doc__, ratios)
+    plot_ratios(rows, out, xlabel="unfused step / step (4K; > 1: faster than the stacked GEMV launch)",
+                title="kimi-linear-48b-a3b decode step on an H200: KDA gate up projections in the kernel, same-run A/B",
+                xlim=(0.9, 1.03),
+                colors=["tab:gray" if "control" in lab else "tab:green" if r > 1 else "tab:red" for lab, r in rows])
 
 
 if __name__ == "__main__":

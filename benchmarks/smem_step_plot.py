@@ -9,9 +9,10 @@ against the packaged table's in the same interleaved run, from `gemv_step_tune_h
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+from ratio_plot import plot_ratios, ratio_cli  # benchmarks/ (the script's folder is on sys.path)
 
 
 def _label(cfg: dict) -> str:
@@ -36,28 +37,14 @@ def ratios(path: Path) -> list[tuple[str, float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("results", nargs="+")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    import matplotlib
+    def labelled(path: Path) -> list[tuple[str, float]]:
+        commit = json.loads(path.read_text())["env"].get("commit", "?")
+        return [(f"{commit}: {lab}", r) for lab, r in ratios(path)]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [(f"{json.loads(Path(p).read_text())['env'].get('commit', '?')}: {lab}", r)
-            for p in args.results for lab, r in ratios(Path(p))]
-    fig, ax = plt.subplots(figsize=(11, 0.28 * len(rows) + 1.5))
-    ax.barh(range(len(rows)), [r for _, r in rows], color=["tab:green" if r > 1 else "tab:red" for _, r in rows])
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([lab for lab, _ in rows], fontsize=6)
-    ax.set_xlim(0.92, 1.02)
-    ax.set_xlabel("packaged-table step time / candidate step time (batch 1, 4K; > 1: the candidate is faster)")
-    ax.set_title("kimi-linear-48b-a3b batch-1 decode step on an H200: smem GEMV candidates, same-run A/B", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out} ({len(rows)} candidates)")
+    rows, out = ratio_cli(__doc__, labelled)
+    plot_ratios(rows, out, width=11, xlim=(0.92, 1.02),
+                xlabel="packaged-table step time / candidate step time (batch 1, 4K; > 1: the candidate is faster)",
+                title="kimi-linear-48b-a3b batch-1 decode step on an H200: smem GEMV candidates, same-run A/B")
 
 
 if __name__ == "__main__":
