@@ -152,18 +152,13 @@ class KDAAttention(nn.Module):
         """
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
         fused = takes_fused_path(batch, x.is_cuda)
+        f_in = gate_in = None
         if fused and not batch.verify and batch.uniform_query_len == 1 \
                 and ops.kda_fuses_gate_projections(x, batch.num_seqs * h):  # decode: the up projections in-kernel
             projected, f_in, b, gate, gate_in = self.low_rank_inputs(x)
-            o = ops.kda_decode(projected, None, b, self.conv_weight, cache.kda_conv[self.cache_index], self.A_log,
-                               self.dt_bias, cache.kda_recurrent[self.cache_index], batch.kda_slots,
-                               batch.cu_seqlens, lower_bound=self.lower_bound, scale=1.0 / math.sqrt(hd),
-                               norm_gate=None if gate is None else gate.view(t, h, hd),
-                               norm_weight=self.o_norm.weight, norm_eps=self.eps,
-                               state_v_first=cache.kda_state_v_first, max_seq_tokens=1, f_low_rank=f_in,
-                               gate_low_rank=gate_in)
-            return self.parallel.all_reduce(self.o_proj(o.reshape(t, h * hd).to(x.dtype)))
-        projected, f, b, gate = self.projections(x)
+            f = None
+        else:
+            projected, f, b, gate = self.projections(x)
         if batch.verify:
             cache.replay[self.cache_index] = ReplayInputs(projected, f, b,
                                                           committed=() if fused else batch.prompt_rows_host)
@@ -172,8 +167,10 @@ class KDAAttention(nn.Module):
             o = ops.kda_decode(projected, f, b, self.conv_weight, conv_state, self.A_log, self.dt_bias, rec_state,
                                batch.kda_slots, batch.cu_seqlens, lower_bound=self.lower_bound,
                                scale=1.0 / math.sqrt(hd), update_state=not batch.verify,
-                               norm_gate=gate.view(t, h, hd), norm_weight=self.o_norm.weight, norm_eps=self.eps,
-                               state_v_first=cache.kda_state_v_first, max_seq_tokens=batch.uniform_query_len)
+                               norm_gate=None if gate is None else gate.view(t, h, hd),
+                               norm_weight=self.o_norm.weight, norm_eps=self.eps,
+                               state_v_first=cache.kda_state_v_first, max_seq_tokens=batch.uniform_query_len,
+                               f_low_rank=f_in, gate_low_rank=gate_in)
         else:
             slots = batch.kda_slots
             if batch.verify:  # scratch copies: the committed state is never written by a verification

@@ -196,8 +196,8 @@ def kda_decode(
 
     f_low_rank / gate_low_rank (a, w): f (instead of `f`) / the norm gate (instead of `norm_gate`, with
     `norm_weight`) as the up projection cast(a @ w^T) of a low-rank input, computed in the kernel (LOW_RANK_F /
-    LOW_RANK_G) for decode launches of one token per sequence (T == N, bounded by the caller: `max_seq_tokens=1`); other
-    launches and the schedules without it (the window loop, the WY verify) get them from one matmul first."""
+    LOW_RANK_G) for decode launches of one token per sequence (T == N, bounded by the caller: `max_seq_tokens=1`);
+    other launches and the schedules without it (the window loop, the WY verify) get them from one matmul first."""
     H, D = dt_bias.shape
     T, N = qkv.shape[0], state_indices.numel()
     lr_f = _check_low_rank(f_low_rank, T, H, D, "f_low_rank")
@@ -263,7 +263,7 @@ def kda_decode(
     fa, sft, sfh, fb = (lr_f[0], lr_f[0].stride(0), 0, lr_f[1]) if lr_f is not None else \
         (f3, f3.stride(0), f3.stride(1), A_log)
     ga, sga, gb = (lr_g[0], lr_g[0].stride(0), lr_g[1]) if lr_g is not None else (qkv, 0, A_log)
-    rank = (lr_f or lr_g)[1].shape[1] if (lr_f or lr_g) is not None else 0
+    rank = (lr_f or lr_g)[1].shape[1] if lr_f or lr_g else 0
     _kda_decode_kernel[(nv, N * H)](
         qkv, qkv.stride(0),
         fa, sft, sfh,
