@@ -336,9 +336,10 @@ KDA_FUSED_GATES_ENV = "TOKENSPEED_KDA_FUSED_GATES"
 # (sequence, head) pairs up to which a KDA decode step runs its low-rank gate up projections inside the fused kernel
 # (the split schedule's region of kda_config.DECODE_TABLE at head dim 128): every program holds its head's rows of
 # the up weights in registers from before its PDL wait and computes f (and its gate lanes) itself, which replaces a
-# dependent GEMV launch. H200, kimi-linear-48b-a3b decode step, 4K, interleaved A/B (benchmarks/README.md, a4c5852):
-# batch 1 (32 pairs, split) x1.006 / x1.010; batch 2 and 4 (64 / 128 pairs, the chunked schedule, whose one program a
-# head computes all of f and the gate) x0.973-0.984: there the kernel's extra critical path is longer than the launch.
+# dependent GEMV launch. H200, kimi-linear-48b-a3b decode step, 4K, interleaved A/B (benchmarks/README.md, cf8ea04 and
+# ef4b654): batch 1 (32 pairs, split) x1.006 / x1.010 / x1.008; batch 2 and 4 (64 / 128 pairs, the chunked schedule,
+# whose one program a head computes all of f and the gate) x0.973-0.984: there the kernel's extra critical path is
+# longer than the launch it saves.
 KDA_FUSED_GATES_MAX_PAIRS = 32
 
 
@@ -403,8 +404,8 @@ def kda_decode(
     uniform verify length); the fused verify then compiles without its long-sequence path, so a sequence longer
     than the bound would get only its first tokens' outputs. None: no bound assumed.
     f_low_rank (a [T, R], unit column stride; w [H*D, R] contiguous, a's dtype), instead of f: f = cast(a @ w^T),
-    the low-rank decay gate's up projection, computed inside the fused kernel on CUDA for decode launches bounded
-    by max_seq_tokens=1 (one GEMV launch fewer a layer; `kda_fuses_gate_projections` says when the model asks for
+    the low-rank decay gate's up projection, computed inside the fused kernel on CUDA for decode launches of one
+    token per sequence (T == N, bounded by max_seq_tokens=1) (one GEMV launch fewer a layer; `kda_fuses_gate_projections` says when the model asks for
     it), composed otherwise. gate_low_rank, the same for the output norm's gate instead of norm_gate (norm_weight
     still given).
     """
