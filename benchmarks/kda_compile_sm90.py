@@ -71,6 +71,10 @@ def variants() -> list[tuple[str, callable]]:
                     8, chunked=True, num_stages=4, max_regs=56))),  # capped registers: more programs per SM
                 (f"decode-b32-chunked-pl-vfirst{sfx}", call(32, 1, state_v_first=True, config=kd.KdaConfig(
                     16, chunked=True, num_stages=4, preload=True))),  # the first tile before the token inputs
+                *[(f"decode-b32-chunked-bv{bv}-s{st}-tma{m}-vfirst{sfx}", call(
+                    32, 1, state_v_first=True, max_seq_tokens=1,
+                    config=kd.KdaConfig(bv, chunked=True, num_stages=st, tma=m)))  # TMA state tiles
+                  for bv, st in ((8, 4), (16, 4), (32, 3)) for m in (1, 2)],
                 (f"decode-b32-chunked-pf2{sfx}", call(32, 1, config=kd.KdaConfig(
                     16, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=2))),
                 (f"decode-b1-d96{sfx}", call(1, 1, d=96)),
@@ -161,7 +165,7 @@ def compile_sm90(launch: Launch, sass: bool = False) -> dict:
     ptx = kernel.asm["ptx"]
     return {"shared": kernel.metadata.shared, **cubin_usage(kernel), "wait": ptx.count("griddepcontrol.wait"),
             "trigger": ptx.count("griddepcontrol.launch_dependents"), "prefetch": ptx.count("prefetch.global.L2"),
-            "bulk": ptx.count("cp.async.bulk.prefetch.L2"), "sass": sass_hash(kernel) if sass else None,
+            "bulk": ptx.count("cp.async.bulk.prefetch.L2"), "tma": ptx.count("cp.async.bulk.tensor"), "sass": sass_hash(kernel) if sass else None,
             "cvt": kernel.asm["ttgir"].count("ttg.convert_layout")}
 
 
@@ -172,7 +176,7 @@ def report(name: str, launch: Launch, args: argparse.Namespace) -> bool:
     cfg = {k: kw[k] for k in keys if k in kw}
     ok = args.no_pdl or (r["wait"] >= 1 and r["trigger"] >= 1)
     print(f"{name:28s} regs {r['regs']:4d}  stack {r['stack']}  smem {r['shared']:6d} B  wait {r['wait']} "
-          f"trigger {r['trigger']} prefetch {r['prefetch']}+{r['bulk']} bulk  cvt {r['cvt']}  {cfg}"
+          f"trigger {r['trigger']} prefetch {r['prefetch']}+{r['bulk']} bulk  tma {r['tma']}  cvt {r['cvt']}  {cfg}"
           + (f"  sass {r['sass']}" if args.sass else "") + ("" if ok else "  NO PDL"), flush=True)
     return ok
 

@@ -120,6 +120,11 @@ VARIANTS = [
     # the prefetch of the first tiles only (the whole heads of every resident program overflow L2 at 96 x 64)
     KdaConfig(8, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=4),
     KdaConfig(8, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=8),
+    # the state tiles through a TMA descriptor ([V, K] pools, one-token decode): loads (tma 1), and stores (2)
+    *[KdaConfig(bv, chunked=True, num_stages=st, tma=m) for bv, st in ((8, 4), (8, 6), (16, 3), (16, 4), (32, 2),
+                                                                       (32, 3)) for m in (1, 2)],
+    KdaConfig(8, chunked=True, num_warps=2, num_stages=4, tma=1),
+    KdaConfig(16, chunked=True, num_warps=8, num_stages=4, tma=1),
     KdaConfig(16, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=2),
     KdaConfig(16, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=4),
     KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True, prefetch_tiles=1),
@@ -337,7 +342,7 @@ def pattern_ceilings(inp: dict, H: int, D: int, dev: str, calls: int, reps: int,
                      state_bytes: int) -> list[dict]:
     """The decode's state bytes moved in place by `state_copy_kernels.state_rmw`, one program per (sequence, head)
     like the chunked decode: with its [K, 32] column tiles, and with 16 KB contiguous tiles (no arithmetic)."""
-    from state_copy_kernels import state_rmw
+    from state_copy_kernels import state_rmw, state_rmw_tma
 
     rows = []
     cases = ((False, False, "rmw [K, 32] tiles (Triton)"), (True, False, "rmw contiguous tiles (Triton)"),
@@ -348,6 +353,15 @@ def pattern_ceilings(inp: dict, H: int, D: int, dev: str, calls: int, reps: int,
             pool, slots = inp["state"].clone(), inp["state_indices"]
             out = torch.empty_like(pool) if other else None
             v.update(measure(lambda p=pool, s=slots, c=contiguous, o=out: state_rmw(p, s, H, D, min(32, D), c, out=o),
+                             dev, calls, reps, cold, state_bytes))
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(v)
+    for bv, tma, stages in ((32, 1, 3), (32, 2, 3), (16, 1, 4), (8, 1, 4), (8, 2, 4)):
+        v = {"label": f"rmw contiguous tiles, TMA loads{' + stores' if tma == 2 else ''} bv{bv} s{stages} (Triton)"}
+        try:
+            pool, slots = inp["state"].clone(), inp["state_indices"]
+            v.update(measure(lambda p=pool, s=slots, b=bv, m=tma, g=stages: state_rmw_tma(p, s, H, D, b, m, g),
                              dev, calls, reps, cold, state_bytes))
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -396,7 +410,7 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
                 rec: KernelRecorder) -> dict:
     scale = D ** -0.5
     q, update = (args.verify, False) if args.verify else (1, True)  # --verify K: windows of K tokens, pools read
-    window = q if args.verify else None  # max_seq_tokens, as the model passes for its uniform verify windows
+    window = q if args.verify else 1  # max_seq_tokens, as the model passes for its uniform steps
     inp = make_inputs(H, N, D, dev, dtype, seed=H * 1000 + N, q=q)
     state_bytes = N * H * D * D * 4 * (2 if update else 1)
     ref = clone_pools(inp)

@@ -9,7 +9,8 @@ chunked decode does:
 - contiguous True: the same bytes per tile as one contiguous block of D * block_v values (what a V-tile-major
   layout of the pool would give).
 If the first runs near torch's copy, the pattern is not what caps the decode; if only the second does, the
-layout is. `out` (a second pool of the same shape): the tiles are read from `state` and written to `out` instead of
+layout is. `state_rmw_tma` walks the contiguous tiles through a host TMA descriptor (`KdaConfig.tma`'s loads),
+written back by plain stores (tma 1) or TMA stores (tma 2). `out` (a second pool of the same shape): the tiles are read from `state` and written to `out` instead of
 in place (a ping-pong pool's pattern): does writing over the bytes just read cost by itself?
 """
 
@@ -35,6 +36,36 @@ def _state_rmw_kernel(S, OUT, SLOTS, stride_ss, H: tl.constexpr, D: tl.constexpr
         else:
             offs = rows[:, None] * D + j * BV + cols[None, :]
         tl.store(dst + offs, tl.load(base + offs) * 1.0)
+
+
+@triton.jit
+def _state_rmw_tma_kernel(SD, S, SLOTS, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, TMA: tl.constexpr,
+                          STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    slot = tl.load(SLOTS + pid // H).to(tl.int64)
+    row0 = (slot * H + pid % H) * D
+    rows = tl.arange(0, BV)
+    cols = tl.arange(0, D)
+    for j in tl.range(0, D // BV, num_stages=STAGES):
+        r = (row0 + j * BV).to(tl.int32)
+        x = SD.load([r, 0]) * 1.0
+        if TMA == 2:
+            SD.store([r, 0], x)
+        else:
+            tl.store(S + (row0 + j * BV + rows[:, None]) * D + cols[None, :], x)
+
+
+def state_rmw_tma(state: torch.Tensor, slots: torch.Tensor, H: int, D: int, block_v: int = 32, tma: int = 1,
+                  num_stages: int = 3) -> None:
+    """`state_rmw` of contiguous [block_v, D] row tiles read through a TMA descriptor of the pool (state: [S, H, D,
+    D] contiguous fp32), written back by plain stores (tma 1) or TMA stores (tma 2). Values are unchanged."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if state.dtype != torch.float32 or not state.is_contiguous() or tuple(state.shape[1:]) != (H, D, D):
+        raise ValueError(f"state must be a contiguous fp32 [S, {H}, {D}, {D}] pool")
+    desc = TensorDescriptor.from_tensor(state.view(-1, D), [block_v, D])
+    _state_rmw_tma_kernel[(slots.numel() * H,)](desc, state, slots, H=H, D=D, BV=block_v, TMA=tma,
+                                              STAGES=num_stages, num_warps=4)
 
 
 def state_rmw(state: torch.Tensor, slots: torch.Tensor, H: int, D: int, block_v: int = 32,
