@@ -120,11 +120,6 @@ VARIANTS = [
     # the prefetch of the first tiles only (the whole heads of every resident program overflow L2 at 96 x 64)
     KdaConfig(8, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=4),
     KdaConfig(8, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=8),
-    # the state tiles through a TMA descriptor ([V, K] pools, one-token decode): loads (tma 1), and stores (2)
-    *[KdaConfig(bv, chunked=True, num_stages=st, tma=m) for bv, st in ((8, 4), (8, 6), (16, 3), (16, 4), (32, 2),
-                                                                       (32, 3)) for m in (1, 2)],
-    KdaConfig(8, chunked=True, num_warps=2, num_stages=4, tma=1),
-    KdaConfig(16, chunked=True, num_warps=8, num_stages=4, tma=1),
     KdaConfig(16, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=2),
     KdaConfig(16, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=4),
     KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True, prefetch_tiles=1),

@@ -79,9 +79,6 @@
 #   lowrank  the KDA decode with the low-rank gates' up projections in its kernel (TOKENSPEED_KDA_FUSED_GATES): its
 #           GPU tests and the KDA decode ones, the decode step A/B at batch 1..16 (default / never / always fused),
 #           the batch-1 step's CUPTI profile, the no-compile-after-start-up test
-#   tma     the chunked decode's state tiles through a TMA descriptor (KdaConfig.tma): its GPU tests, the sweep at
-#           TMA_SHAPES (default 96:64, 32:64, 96:16) against the plain chunked rows, and the decode step A/B at
-#           TMA_BATCHES (16, 64) with TMA_LABELS forced (TOKENSPEED_KDA_DECODE) against the default table
 #   smemdiag  why the smem o_proj loses in the batch-1 step: the step profiled (CUPTI, PDL on) with the packaged table
 #           and with o_proj on smem (does the KDA decode before it get slower?), then the step A/B of o_proj smem
 #           configs, the heaviest one with its copies delayed (TOKENSPEED_GEMV_SMEM_DELAY SM clocks)
@@ -224,19 +221,6 @@ if has lowrank; then  # the low-rank gates' up projections inside the KDA decode
     timeout 240 python3 -m pytest -p no:cacheprovider tests/executor/test_cuda_graphs.py \
       -k no_triton --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
   fi
-fi
-if has tma; then  # the chunked decode's state tiles through a TMA descriptor (KdaConfig.tma), [V, K] pools
-  timeout 150 python3 -m pytest -p no:cacheprovider -n 8 tests/ops/test_triton_kda_decode.py -k "tma or fused_96" \
-    -rfE --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-300 | tail -6
-  timeout 300 python3 benchmarks/kda_decode_sweep_h200.py --shapes "${TMA_SHAPES:-96:64,32:64,96:16}" --v-first \
-    --no-fla --only "tma,bv8-chunked-w4-s4,bv16-chunked-w4-s4,bv32-chunked-w4-s3" \
-    --out "$OUT/kda_decode_sweep_h200_tma.json" 2>&1 | tee "$OUT/kda_sweep_tma.log" | grep -A4 "best per shape"
-  cfgs="1:regs:0"
-  for label in ${TMA_LABELS:-bv16-chunked-w4-s4-tma1 bv8-chunked-w4-s4-tma1 bv32-chunked-w4-s3-tma2}; do
-    cfgs="$cfgs;1:regs:0:table:TOKENSPEED_KDA_DECODE=$label"
-  done
-  timeout 200 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab "${TMA_BATCHES:-16,64}" \
-    --pdl-configs "$cfgs" --out "$OUT" 2>&1 | grep "PDL A/B"
 fi
 if has rtests; then
   timeout 180 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py \

@@ -437,8 +437,6 @@ def test_launch_config_table_and_validation():
     assert whole.label == "bv32-chunked-w4-s3-pf" and config_from_label(whole.label) == whole
     capped = KdaConfig(16, chunked=True, num_stages=4, max_regs=64)
     assert capped.label == "bv16-chunked-w4-s4-r64" and config_from_label(capped.label) == capped
-    assert config_from_label("bv8-chunked-w4-s4-r64-tma2") == KdaConfig(8, chunked=True, num_stages=4,
-                                                                         max_regs=64, tma=2)
     pre = KdaConfig(16, chunked=True, num_stages=4, preload=True)
     assert pre.label == "bv16-chunked-w4-s4-pl" and config_from_label(pre.label) == pre
     inp = make([1], 1, 48, torch.float32, "cpu")
@@ -446,8 +444,7 @@ def test_launch_config_table_and_validation():
            ({"num_stages": 0}, "num_stages"), ({"config": KdaConfig(16, num_stages=9)}, "num_stages"),
            ({"config": KdaConfig(16, max_regs=60)}, "max_regs"),
            ({"config": KdaConfig(16, preload=True)}, "preload"),
-           ({"config": KdaConfig(16, chunked=True, num_stages=1, preload=True)}, "preload"),
-           ({"config": KdaConfig(16, chunked=True, tma=3)}, "tma must be")]
+           ({"config": KdaConfig(16, chunked=True, num_stages=1, preload=True)}, "preload")]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
             kda_decode(**inp, lower_bound=-5.0, scale=1.0, **kw)
@@ -585,46 +582,6 @@ def test_state_v_first_matches_kv_layout_interp(opts, update):
     assert torch.equal(vk["conv_state"], kv["conv_state"])
     if not update:
         assert torch.equal(steps_vk.transpose(-1, -2).nan_to_num(7.0), steps_kv.nan_to_num(7.0))
-
-
-def check_tma(H: int, D: int, BV: int, stages: int, tma: int, dtype: torch.dtype, device: str) -> None:
-    """`KdaConfig(tma=...)` (the [V, K] pool's tiles through a TMA descriptor) on a one-token decode gives the plain
-    chunked launch's outputs and new states (fp32 io within rounding: the K sums run along the other tile axis), the
-    same conv states, leaves idle slots (NaN) untouched and writes nothing for a padding row; a launch that does not
-    qualify (no max_seq_tokens=1 bound) runs the plain path bit for bit."""
-    from tokenspeed.ops.triton.kda_config import KdaConfig, config_from_label
-
-    cfg = KdaConfig(BV, chunked=True, num_stages=stages, tma=tma)
-    assert cfg.label == f"bv{BV}-chunked-w4-s{stages}-tma{tma}" and config_from_label(cfg.label) == cfg
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    inp = make([1, 1, 1, 1], H, D, dtype, device, slots=[4, -1, 1, 6])
-    _, idle = poison_idle(inp)
-    a, b, c = transposed_pool(inp), transposed_pool(inp), transposed_pool(inp)
-    kw = {"state_v_first": True}
-    o_tma = run_fused(a, -5.0, D ** -0.5, config=cfg, max_seq_tokens=1, **kw)
-    o = run_fused(b, -5.0, D ** -0.5, config=cfg._replace(tma=0), max_seq_tokens=1, **kw)
-    assert rel_err(o_tma, o) < tol and not o_tma.isnan().any()
-    assert rel_err(a["state"].nan_to_num(0.0), b["state"].nan_to_num(0.0)) < 1e-5
-    assert a["state"][idle].isnan().all() and torch.equal(a["conv_state"].nan_to_num(7.0),
-                                                          b["conv_state"].nan_to_num(7.0))
-    o_plain = run_fused(c, -5.0, D ** -0.5, config=cfg, **kw)  # unbounded: not a TMA launch
-    assert torch.equal(o_plain, o) and torch.equal(c["state"].nan_to_num(7.0), b["state"].nan_to_num(7.0))
-
-
-@cpu_interp
-@pytest.mark.parametrize("D,BV,stages", [(32, 8, 2), (64, 16, 3), (32, 16, 1)])
-@pytest.mark.parametrize("tma", [1, 2])
-def test_tma_state_tiles_match_plain_chunked_interp(D, BV, stages, tma):
-    check_tma(2, D, BV, stages, tma, torch.float32, "cpu")
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("H,BV,stages", [(32, 8, 4), (32, 16, 4), (96, 32, 3), (12, 16, 6)])
-@pytest.mark.parametrize("tma", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_tma_state_tiles_gpu(H, BV, stages, tma, dtype):
-    check_tma(H, 128, BV, stages, tma, dtype, "cuda")
 
 
 @cpu_interp

@@ -31,11 +31,6 @@ from tokenspeed.ops.triton.kda_replay_wy import launch_replay_wy
 from tokenspeed.ops.triton.kda_verify_keys import launch_keys_pass
 from tokenspeed.ops.triton.kda_verify_wy import MAX_WINDOW, launch_wy, wy_shape_unsupported, wy_unsupported
 
-try:  # host TMA descriptors (Triton >= 3.4): KdaConfig.tma
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    TensorDescriptor = None
-
 _COUNTERS: dict[torch.device, Tensor] = {}
 _RETIRED: list[Tensor] = []  # outgrown counter buffers, kept alive: graphs captured earlier still address them
 
@@ -115,9 +110,6 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
     if cfg.window and cfg.chunked:
         raise ValueError("KdaConfig(window=True) is for the split schedule (chunked=False)")
     opts["WINDOW"] = cfg.window
-    if cfg.tma not in (0, 1, 2):
-        raise ValueError(f"tma must be 0, 1 or 2; got {cfg.tma}")
-    opts["TMA"] = cfg.tma  # (one-token chunked decode on a [V, K] pool only: `_tma_state`)
     opts["WY"] = cfg.wy  # popped by the launches: the WY verify schedule is another kernel
     opts["KP"] = cfg.keys_pass  # (its two-launch form)
     return opts
@@ -153,19 +145,6 @@ def _pf_state(wanted: bool, state: Tensor, D: int) -> bool:
     sm_90+) when wanted and the rows are 16-byte aligned (fp32 rows of D % 4 == 0 values from an aligned pool)."""
     return (wanted and pdl.hopper(state.device) and D % 4 == 0 and state.data_ptr() % 16 == 0
             and state.stride(0) % 4 == 0)
-
-
-def _tma_state(opts: dict, state: Tensor, D: int, one_token: bool, v_first: bool) -> Tensor | None:
-    """The state pool as a TMA descriptor of [BV, D] row tiles ([slots * H * D, D] rows) when the launch asks for
-    `KdaConfig.tma` and qualifies: a one-token decode (`one_token`) on the chunked schedule over a contiguous
-    [V, K] pool of even tiles, without the preload / L2 prefetch variants; else None (and opts["TMA"] cleared)."""
-    ok = (opts["TMA"] and TensorDescriptor is not None and one_token and v_first and opts["CHUNKS"] > 1
-          and opts["EVEN_K"] and opts["EVEN_V"] and not opts["PRELOAD"] and not opts["PF_STATE"]
-          and state.is_contiguous() and state.data_ptr() % 16 == 0)
-    if not ok:
-        opts["TMA"] = 0
-        return None
-    return TensorDescriptor.from_tensor(state.view(-1, D), [opts["BV"], D])
 
 
 def kda_decode(
@@ -285,8 +264,6 @@ def kda_decode(
         (f3, f3.stride(0), f3.stride(1), A_log)
     ga, sga, gb = (lr_g[0], lr_g[0].stride(0), lr_g[1]) if lr_g is not None else (qkv, 0, A_log)
     rank = (lr_f or lr_g)[1].shape[1] if lr_f or lr_g else 0
-    sd = _tma_state(opts, state, D, update_state and max_seq_tokens == 1 and T == N and seq_lens is None,
-                    state_v_first)
     _kda_decode_kernel[(nv, N * H)](
         qkv, qkv.stride(0),
         fa, sft, sfh,
@@ -297,7 +274,7 @@ def kda_decode(
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         out, step_states if step_states is not None else state, cnt, cu_seqlens,
         gate, gate.stride(0), gate.stride(1), norm_weight.contiguous() if norm else A_log,
-        fb, ga, sga, gb, sd if sd is not None else state,
+        fb, ga, sga, gb,
         float(lower_bound) if lower_bound is not None else 0.0, float(scale), float(norm_eps),
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=bool(update_state), STORE_STEPS=step_states is not None,
         HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, NORM=norm,
@@ -402,10 +379,10 @@ def kda_replay_layers(
         state_indices, cu_seqlens, seq_lens if seq_lens is not None else cu_seqlens,
         qkv, state, cnt, table.offsets,  # O: unused (STORE_OUT False), typed like the io dtype for the roundings
         qkv, 0, 0, A_log,  # the norm epilogue's gate / weight: unused (no outputs)
-        A_log, qkv, 0, A_log, state,  # the low-rank gate inputs and the TMA descriptor: unused
+        A_log, qkv, 0, A_log,  # the low-rank gate inputs: unused (f is read)
         float(lower_bound) if lower_bound is not None else 0.0, 1.0, 0.0,
         H=H, D=D, HAS_LB=lower_bound is not None, UPDATE=True, STORE_STEPS=False, HAS_LENS=seq_lens is not None,
         MULTI_LAYER=True, STORE_OUT=False, NORM=False, PDL=pdl.enabled(qkv.device, "kda"),
-        V_FIRST=bool(state_v_first), **{**opts, "TMA": 0},
+        V_FIRST=bool(state_v_first), **opts,
         **pdl.launch_kwargs(qkv.device, "kda"),
     )

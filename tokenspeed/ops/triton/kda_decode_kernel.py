@@ -344,40 +344,6 @@ def _delta_step(b_s, q, k, decay, beta, yv, mv, STORE_OUT: tl.constexpr):
 
 
 @triton.jit
-def _delta_rows(b_r, q, k, decay, beta, yv, mv, STORE_OUT: tl.constexpr):
-    """`_delta_step` on a [BV, BK] tile of a [V, K] pool (row v of the tile is value lane v, as TMA reads it)."""
-    b_r = b_r * decay[None, :]
-    pred = tl.sum(b_r * k[None, :], axis=1)
-    nu = beta * (yv - pred)
-    b_r = b_r + nu[:, None] * k[None, :]
-    if STORE_OUT:
-        o = tl.where(mv, tl.sum(b_r * q[None, :], axis=1), 0.0)
-    else:
-        o = nu  # unused
-    return b_r, o
-
-
-@triton.jit
-def _tma_tile(SD, S, stride_ss, slot, slot_raw, h, c, t, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
-              ok, ov, mv, q, k, decay, beta, O, TMA: tl.constexpr):
-    """Tile c of head h (TMA chunked decode, one token): its [BV, D] rows of the [V, K] pool through the descriptor
-    SD (the pool as [slots * H * D, D] rows), the token's update, o stored, the tile written back (TMA 2: through
-    SD; else plain stores). A padding row (slot_raw < 0) reads slot 0 as zeros and writes no state."""
-    row = ((slot * H + h) * D + c * BV).to(tl.int32)
-    b_r = tl.where(mv[:, None], SD.load([row, 0]), 0.0)
-    ovc = ov + c * BV
-    yv = tl.load(O + (t * H + h) * D + ovc).to(tl.float32)
-    b_r, o = _delta_rows(b_r, q, k, decay, beta, yv, mv, True)
-    tl.store(O + (t * H + h) * D + ovc, o.to(O.dtype.element_ty))
-    if TMA == 2:
-        if slot_raw >= 0:
-            SD.store([row, 0], b_r)
-    else:
-        p_r = S + slot * stride_ss + (h * D + ovc)[:, None] * D + ok[None, :]
-        tl.store(p_r, b_r, mask=mv[:, None] & (ok[None, :] >= 0))
-
-
-@triton.jit
 def _norm_rows(O, G, stride_gt, stride_gh, NW, norm_eps, bos, num_rows, h, H, D: tl.constexpr, ok, lk,
                BR: tl.constexpr):
     """The gated RMSNorm epilogue, in place on rows o[bos .. bos + num_rows - 1, h, :D] (lanes `ok`, real where
@@ -494,7 +460,7 @@ def _kda_decode_kernel(
     SLOTS, CU, LENS,
     O, STEP, CNT, LOFF,
     G, stride_gt, stride_gh, NW,
-    FB, GA, stride_ga, GB, SD,
+    FB, GA, stride_ga, GB,
     lower_bound, scale, norm_eps,
     H: tl.constexpr,
     D: tl.constexpr,
@@ -525,7 +491,6 @@ def _kda_decode_kernel(
     RANK: tl.constexpr = 0,
     RC: tl.constexpr = 1,
     NCH: tl.constexpr = 1,
-    TMA: tl.constexpr = 0,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
@@ -616,8 +581,8 @@ def _kda_decode_kernel(
 
     if HAS_LENS:  # only the first LENS[n] tokens of the sequence's rows (KDA replay of accepted drafts)
         seq_len = tl.maximum(tl.minimum(tl.load(LENS + n).to(tl.int64), seq_len), 0)
-    if LOW_RANK_F or LOW_RANK_G or TMA:  # one token per sequence (the host's rule): a loop of one trip, folded
-        n_tok = 1                        # away, so nothing is kept live across tokens (the up weights die after use)
+    if LOW_RANK_F or LOW_RANK_G:  # one token per sequence (the host's rule): a loop of one trip, folded away, so
+        n_tok = 1                 # nothing is kept live across tokens (the up weights die after their use)
     else:
         n_tok = seq_len
 
@@ -699,36 +664,31 @@ def _kda_decode_kernel(
                 if STORE_OUT:
                     _store_out(O, t, H, h, D, ov, o, lv, EVEN_V)
                 _store_state(p_s, b_s, ms, HINTS)
-            if TMA:  # (one token, STORE_OUT, even tiles of a [V, K] pool: the host's rule)
-                for c in tl.range(0, CHUNKS, num_stages=STAGES):
-                    _tma_tile(SD, S, stride_ss, slot, slot_raw, h, c, t, H, D, BV, ok, ov, mv, q, k, decay, beta, O,
-                              TMA)
-            else:
-                for c in tl.range(PRELOAD, CHUNKS, num_stages=STAGES):
-                    ovc = ov + c * BV
-                    lvc = ovc < D
-                    mvc = mv
+            for c in tl.range(PRELOAD, CHUNKS, num_stages=STAGES):
+                ovc = ov + c * BV
+                lvc = ovc < D
+                mvc = mv
+                if not EVEN_V:
+                    mvc = mv & lvc
+                msc = mk[:, None] & mvc[None, :]
+                if STAGES == 1:
+                    b_s = tl.where(msc, nxt, 0.0)
+                    more = (ovc * 0 + c + 1) < CHUNKS  # none after the last tile
                     if not EVEN_V:
-                        mvc = mv & lvc
-                    msc = mk[:, None] & mvc[None, :]
-                    if STAGES == 1:
-                        b_s = tl.where(msc, nxt, 0.0)
-                        more = (ovc * 0 + c + 1) < CHUNKS  # none after the last tile
-                        if not EVEN_V:
-                            more = more & (ovc + BV < D)
-                        nxt = tl.load(p_s + (c + 1) * vstep, mask=lk[:, None] & more[None, :], other=0.0)
-                    else:
-                        b_s = _load_state(p_s + c * vstep, lk[:, None] & lvc[None, :], EVEN_K and EVEN_V, HINTS)
-                        b_s = tl.where(msc, b_s, 0.0)
-                    if STORE_OUT:
-                        yv = _load_lanes(O + (t * H + h) * D + ovc, lvc, EVEN_V).to(tl.float32)
-                    else:
-                        yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, t, 0, cv + c * BV, mvc, lvc,
-                                        EVEN_V, OUT_TY)
-                    b_s, o = _delta_step(b_s, q, k, decay, beta, yv, mvc, STORE_OUT)
-                    if STORE_OUT:
-                        _store_out(O, t, H, h, D, ovc, o, lvc, EVEN_V)
-                    _store_state(p_s + c * vstep, b_s, msc, HINTS)
+                        more = more & (ovc + BV < D)
+                    nxt = tl.load(p_s + (c + 1) * vstep, mask=lk[:, None] & more[None, :], other=0.0)
+                else:
+                    b_s = _load_state(p_s + c * vstep, lk[:, None] & lvc[None, :], EVEN_K and EVEN_V, HINTS)
+                    b_s = tl.where(msc, b_s, 0.0)
+                if STORE_OUT:
+                    yv = _load_lanes(O + (t * H + h) * D + ovc, lvc, EVEN_V).to(tl.float32)
+                else:
+                    yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, t, 0, cv + c * BV, mvc, lvc,
+                                    EVEN_V, OUT_TY)
+                b_s, o = _delta_step(b_s, q, k, decay, beta, yv, mvc, STORE_OUT)
+                if STORE_OUT:
+                    _store_out(O, t, H, h, D, ovc, o, lvc, EVEN_V)
+                _store_state(p_s + c * vstep, b_s, msc, HINTS)
             if LOW_RANK_G:  # ordered before the norm epilogue's reads by the barriers below
                 _store_gate(GA, stride_ga, wg0, wg1, wg2, wg3, G, stride_gt, stride_gh, t, h, gl, glm, RANK, RC, NCH)
             # this token's window reads (all threads) -> barrier -> the shifted window written -> barrier
