@@ -352,6 +352,19 @@ def pattern_ceilings(inp: dict, H: int, D: int, dev: str, calls: int, reps: int,
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(v)
+    shapes = ((32, 2, 3, 4, 0), (32, 1, 3, 4, 0), (16, 2, 4, 4, 0), (16, 1, 4, 4, 0), (64, 1, 3, 8, 0),
+              (128, 1, 1, 8, 0), (32, 0, 3, 4, 1), (32, 0, 3, 4, 2), (16, 0, 4, 4, 1))
+    for bv, tpp, stages, warps, pre in shapes:  # shorter walks (more, shorter programs); dependent loads first
+        v = {"label": f"rmw contiguous tiles bv{bv} s{stages} w{warps}, {tpp or 128 // bv} tiles a program"
+                      + (f", {pre} dependent loads first" if pre else "") + " (Triton)"}
+        try:
+            pool, slots = inp["state"].clone(), inp["state_indices"]
+            v.update(measure(lambda p=pool, s=slots, b=bv, t=tpp, g=stages, w=warps, r=pre: state_rmw(
+                p, s, H, D, b, True, g, tiles_per_program=t, pre_loads=r, num_warps=w), dev, calls, reps, cold,
+                state_bytes))
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(v)
     for bv, tma, stages in ((32, 1, 3), (32, 2, 3), (16, 1, 4), (8, 1, 4), (8, 2, 4)):
         v = {"label": f"rmw contiguous tiles, TMA loads{' + stores' if tma == 2 else ''} bv{bv} s{stages} (Triton)"}
         try:

@@ -22,15 +22,24 @@ import triton.language as tl
 
 
 @triton.jit
-def _state_rmw_kernel(S, OUT, SLOTS, stride_ss, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
-                      CONTIG: tl.constexpr, STAGES: tl.constexpr):
+def _state_rmw_kernel(S, OUT, SLOTS, stride_ss, X, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
+                      CONTIG: tl.constexpr, STAGES: tl.constexpr, TPP: tl.constexpr = 0, PRE: tl.constexpr = 0):
+    NT: tl.constexpr = D // BV
+    SPAN: tl.constexpr = NT if TPP == 0 else TPP  # tiles a program walks
+    PARTS: tl.constexpr = NT // SPAN
     pid = tl.program_id(0)
-    slot = tl.load(SLOTS + pid // H).to(tl.int64)
-    base = S + slot * stride_ss + (pid % H) * D * D
-    dst = OUT + slot * stride_ss + (pid % H) * D * D
+    pair = pid // PARTS
+    part = pid % PARTS
+    slot = tl.load(SLOTS + pair // H).to(tl.int64)
+    bump = slot * 0
+    for i in tl.static_range(PRE):  # PRE dependent loads of a 512-value row first (a decode's per-head inputs)
+        xr = tl.load(X + (pair * PRE + i) * 512 + bump + tl.arange(0, 512)).to(tl.float32)
+        bump = (tl.sum(xr, axis=0) > 1e30).to(tl.int64)  # 0, but only known once the row has arrived
+    base = S + slot * stride_ss + (pair % H) * D * D + bump
+    dst = OUT + slot * stride_ss + (pair % H) * D * D + bump
     rows = tl.arange(0, D)
     cols = tl.arange(0, BV)
-    for j in tl.range(0, D // BV, num_stages=STAGES):
+    for j in tl.range(part * SPAN, part * SPAN + SPAN, num_stages=STAGES):
         if CONTIG:
             offs = j * D * BV + rows[:, None] * BV + cols[None, :]
         else:
@@ -69,15 +78,25 @@ def state_rmw_tma(state: torch.Tensor, slots: torch.Tensor, H: int, D: int, bloc
 
 
 def state_rmw(state: torch.Tensor, slots: torch.Tensor, H: int, D: int, block_v: int = 32,
-              contiguous: bool = False, num_stages: int = 3, out: torch.Tensor | None = None) -> None:
+              contiguous: bool = False, num_stages: int = 3, out: torch.Tensor | None = None,
+              tiles_per_program: int = 0, pre_loads: int = 0, num_warps: int = 4) -> None:
     """Reads and rewrites in place (or into `out`, a pool like `state`) the [H, D, D] fp32 states of `slots`
-    (state: [S, H, D, D] contiguous fp32; D a power of two, block_v dividing it). Values are unchanged."""
+    (state: [S, H, D, D] contiguous fp32; D a power of two, block_v dividing it). Values are unchanged.
+    tiles_per_program (0: all D / block_v tiles of a head, as the chunked decode): each program walks that many
+    consecutive tiles of one head (grid pairs x tiles / that, in address order). pre_loads: each program first
+    makes that many dependent loads of a 1 KB row (a 0 added to the state addresses once each arrives), as the
+    decode's per-head inputs come before its first tile."""
     if state.dtype != torch.float32 or not state.is_contiguous() or tuple(state.shape[1:]) != (H, D, D):
         raise ValueError(f"state must be a contiguous fp32 [S, {H}, {D}, {D}] pool")
     if D & (D - 1) or D % block_v:
         raise ValueError(f"D ({D}) must be a power of two and block_v ({block_v}) must divide it")
     if out is not None and (out.shape != state.shape or out.dtype != state.dtype or not out.is_contiguous()):
         raise ValueError("out must be a contiguous pool of state's shape and dtype")
-    _state_rmw_kernel[(slots.numel() * H,)](state, state if out is None else out, slots, state.stride(0), H=H, D=D,
-                                          BV=block_v,
-                                          CONTIG=contiguous, STAGES=num_stages, num_warps=4)
+    nt = D // block_v
+    span = tiles_per_program or nt
+    if nt % span:
+        raise ValueError(f"tiles_per_program ({tiles_per_program}) must divide the {nt} tiles of a head")
+    x = torch.zeros(max(pre_loads, 1) * slots.numel() * H * 512, dtype=torch.bfloat16, device=state.device)
+    _state_rmw_kernel[(slots.numel() * H * (nt // span),)](
+        state, state if out is None else out, slots, state.stride(0), x, H=H, D=D, BV=block_v, CONTIG=contiguous,
+        STAGES=num_stages, TPP=tiles_per_program, PRE=pre_loads, num_warps=num_warps)
