@@ -365,6 +365,21 @@ def pattern_ceilings(inp: dict, H: int, D: int, dev: str, calls: int, reps: int,
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(v)
+    from state_copy_kernels import mini_decode
+
+    parts = ((False, 0, False, 0), (True, 0, False, 0), (True, 0, True, 0), (True, 1, True, 0), (True, 2, True, 0),
+             (True, 1, True, 1), (True, 2, True, 1))
+    for bv, stages in ((16, 4), (32, 3)):  # the decode's tile loop with its parts added one by one
+        for math, yv, ost, pre in parts:
+            v = {"label": f"mini decode bv{bv} s{stages}: math {int(math)} v {('-', 'staged', 'regs')[yv]} "
+                          f"o {int(ost)} pre {pre} (Triton)"}
+            try:
+                pool, slots = inp["state"].clone(), inp["state_indices"]
+                v.update(measure(lambda p=pool, s=slots, b=bv, g=stages, m=math, y=yv, o=ost, r=pre: mini_decode(
+                    p, s, H, D, b, g, m, y, o, r), dev, calls, reps, cold, state_bytes))
+            except Exception as e:  # noqa: BLE001 - reported, not fatal
+                v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(v)
     for bv, tma, stages in ((32, 1, 3), (32, 2, 3), (16, 1, 4), (8, 1, 4), (8, 2, 4)):
         v = {"label": f"rmw contiguous tiles, TMA loads{' + stores' if tma == 2 else ''} bv{bv} s{stages} (Triton)"}
         try:

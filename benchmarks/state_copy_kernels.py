@@ -34,7 +34,8 @@ def _state_rmw_kernel(S, OUT, SLOTS, stride_ss, X, H: tl.constexpr, D: tl.conste
     bump = slot * 0
     for i in tl.static_range(PRE):  # PRE dependent loads of a 512-value row first (a decode's per-head inputs)
         xr = tl.load(X + (pair * PRE + i) * 512 + bump + tl.arange(0, 512)).to(tl.float32)
-        bump = (tl.sum(xr, axis=0) > 1e30).to(tl.int64)  # 0, but only known once the row has arrived
+        # 0, but only known once the row has arrived; a multiple of 1024 so the tile addresses keep their alignment
+        bump = (tl.sum(xr, axis=0) > 1e30).to(tl.int64) * 1024
     base = S + slot * stride_ss + (pair % H) * D * D + bump
     dst = OUT + slot * stride_ss + (pair % H) * D * D + bump
     rows = tl.arange(0, D)
@@ -100,3 +101,64 @@ def state_rmw(state: torch.Tensor, slots: torch.Tensor, H: int, D: int, block_v:
     _state_rmw_kernel[(slots.numel() * H * (nt // span),)](
         state, state if out is None else out, slots, state.stride(0), x, H=H, D=D, BV=block_v, CONTIG=contiguous,
         STAGES=num_stages, TPP=tiles_per_program, PRE=pre_loads, num_warps=num_warps)
+
+
+@triton.jit
+def _mini_decode_kernel(S, SLOTS, stride_ss, X, O, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
+                        STAGES: tl.constexpr, MATH: tl.constexpr, YV: tl.constexpr, OST: tl.constexpr,
+                        PRE: tl.constexpr):
+    """The chunked decode's tile loop on a [V, K] pool with its parts switched on one by one (`mini_decode`)."""
+    NT: tl.constexpr = D // BV
+    pid = tl.program_id(0)
+    slot = tl.load(SLOTS + pid // H).to(tl.int64)
+    ok = tl.arange(0, D)
+    ov = tl.arange(0, BV)
+    bump = slot * 0
+    for i in tl.static_range(PRE):  # dependent loads first, as the decode's per-head inputs
+        xr = tl.load(X + (pid * PRE + i) * 512 + bump + tl.arange(0, 512)).to(tl.float32)
+        bump = (tl.sum(xr, axis=0) > 1e30).to(tl.int64) * 1024
+    k = tl.load(X + pid * 512 + ok + bump).to(tl.float32) * 0.01
+    q = tl.load(X + pid * 512 + D + ok + bump).to(tl.float32) * 0.01
+    decay = 1.0 - tl.load(X + pid * 512 + 2 * D + ok + bump).to(tl.float32) * 0.001
+    if YV == 1:  # the whole head's v staged in o (as the decode does), read back per tile
+        vw = tl.load(X + pid * 512 + 3 * D + ok + bump)
+        tl.store(O + pid * D + ok, vw)
+        tl.debug_barrier()
+    if YV == 2:  # the whole head's v kept in registers as [NT, BV]; tile c's slice picked by a masked sum
+        vw2 = tl.load(X + pid * 512 + 3 * D + tl.arange(0, NT)[:, None] * BV + ov[None, :] + bump).to(tl.float32)
+    p_s = S + slot * stride_ss + (pid % H) * D * D + ov[None, :] * D + ok[:, None] + bump
+    for c in tl.range(0, NT, num_stages=STAGES):
+        b = tl.load(p_s + c * BV * D)
+        if MATH:
+            if YV == 1:
+                yv = tl.load(O + pid * D + c * BV + ov).to(tl.float32)
+            elif YV == 2:
+                yv = tl.sum(tl.where((tl.arange(0, NT) == c)[:, None], vw2, 0.0), axis=0)
+            else:
+                yv = ov * 0.0
+            b = b * decay[:, None]
+            pred = tl.sum(b * k[:, None], axis=0)
+            nu = 0.5 * (yv - pred)
+            b = b + k[:, None] * nu[None, :]
+            if OST:
+                o = tl.sum(b * q[:, None], axis=0)
+                tl.store(O + pid * D + c * BV + ov, o.to(O.dtype.element_ty))
+        else:
+            b = b * 1.0
+        tl.store(p_s + c * BV * D, b)
+
+
+def mini_decode(state: torch.Tensor, slots: torch.Tensor, H: int, D: int, block_v: int = 16, num_stages: int = 4,
+                math: bool = True, yv: int = 1, store_o: bool = True, pre_loads: int = 0) -> None:
+    """The chunked decode's tile walk over a [V, K] pool ([S, H, D, D] contiguous fp32, each head's tiles block_v
+    contiguous rows), one program per (sequence, head), with its parts switched on one by one: math (decay, the
+    prediction and the rank-1 update on every tile), yv (0: none; 1: the head's v stored into the output row first,
+    then read back per tile, as the decode stages it; 2: kept in registers), store_o (o per tile), pre_loads
+    (dependent loads first). The state changes (fixed inputs); the bytes are the decode's."""
+    if state.dtype != torch.float32 or not state.is_contiguous() or tuple(state.shape[1:]) != (H, D, D):
+        raise ValueError(f"state must be a contiguous fp32 [S, {H}, {D}, {D}] pool")
+    n = slots.numel() * H
+    x = torch.rand(max(pre_loads, 1) * n * 512, device=state.device).to(torch.bfloat16)
+    o = torch.empty(n * D, dtype=torch.bfloat16, device=state.device)
+    _mini_decode_kernel[(n,)](state, slots, state.stride(0), x, o, H=H, D=D, BV=block_v, STAGES=num_stages,
+                              MATH=math, YV=yv, OST=store_o, PRE=pre_loads, num_warps=4)
