@@ -21,6 +21,19 @@ import triton
 import triton.language as tl
 
 
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(numel: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, rand: bool = False):
+    """A buffer made once per (size, device, dtype, kind) and reused: no allocation or fill inside a timed call."""
+    key = (numel, str(device), dtype, rand)
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        buf = (torch.rand(numel, device=device) if rand else torch.zeros(numel, device=device)).to(dtype)
+        _SCRATCH[key] = buf
+    return buf
+
+
 @triton.jit
 def _state_rmw_kernel(S, OUT, SLOTS, stride_ss, X, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
                       CONTIG: tl.constexpr, STAGES: tl.constexpr, TPP: tl.constexpr = 0, PRE: tl.constexpr = 0):
@@ -97,7 +110,7 @@ def state_rmw(state: torch.Tensor, slots: torch.Tensor, H: int, D: int, block_v:
     span = tiles_per_program or nt
     if nt % span:
         raise ValueError(f"tiles_per_program ({tiles_per_program}) must divide the {nt} tiles of a head")
-    x = torch.zeros(max(pre_loads, 1) * slots.numel() * H * 512, dtype=torch.bfloat16, device=state.device)
+    x = _scratch(max(pre_loads, 1) * slots.numel() * H * 512, state.device)
     _state_rmw_kernel[(slots.numel() * H * (nt // span),)](
         state, state if out is None else out, slots, state.stride(0), x, H=H, D=D, BV=block_v, CONTIG=contiguous,
         STAGES=num_stages, TPP=tiles_per_program, PRE=pre_loads, num_warps=num_warps)
@@ -158,7 +171,7 @@ def mini_decode(state: torch.Tensor, slots: torch.Tensor, H: int, D: int, block_
     if state.dtype != torch.float32 or not state.is_contiguous() or tuple(state.shape[1:]) != (H, D, D):
         raise ValueError(f"state must be a contiguous fp32 [S, {H}, {D}, {D}] pool")
     n = slots.numel() * H
-    x = torch.rand(max(pre_loads, 1) * n * 512, device=state.device).to(torch.bfloat16)
-    o = torch.empty(n * D, dtype=torch.bfloat16, device=state.device)
+    x = _scratch(max(pre_loads, 1) * n * 512, state.device, rand=True)
+    o = _scratch(n * D, state.device)
     _mini_decode_kernel[(n,)](state, slots, state.stride(0), x, o, H=H, D=D, BV=block_v, STAGES=num_stages,
                               MATH=math, YV=yv, OST=store_o, PRE=pre_loads, num_warps=4)
