@@ -79,9 +79,6 @@
 #   lowrank  the KDA decode with the low-rank gates' up projections in its kernel (TOKENSPEED_KDA_FUSED_GATES): its
 #           GPU tests and the KDA decode ones, the decode step A/B at batch 1..16 (default / never / always fused),
 #           the batch-1 step's CUPTI profile, the no-compile-after-start-up test
-#   onetok  one-token decode launches folded at compile time (ONE_TOKEN) and KdaConfig.tile_v: the KDA GPU tests,
-#           the sweep (plain and --norm) at ONETOK_SHAPES, and the decode step A/B at ONETOK_BATCHES against
-#           TOKENSPEED_KDA_ONE_TOKEN=0 and the ONETOK_LABELS forced
 #   smemdiag  why the smem o_proj loses in the batch-1 step: the step profiled (CUPTI, PDL on) with the packaged table
 #           and with o_proj on smem (does the KDA decode before it get slower?), then the step A/B of o_proj smem
 #           configs, the heaviest one with its copies delayed (TOKENSPEED_GEMV_SMEM_DELAY SM clocks)
@@ -224,23 +221,6 @@ if has lowrank; then  # the low-rank gates' up projections inside the KDA decode
     timeout 240 python3 -m pytest -p no:cacheprovider tests/executor/test_cuda_graphs.py \
       -k no_triton --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
   fi
-fi
-if has onetok; then  # one-token decode launches folded (ONE_TOKEN) and per-tile v (KdaConfig.tile_v), [V, K] pools
-  timeout 150 python3 -m pytest -p no:cacheprovider -n 8 tests/ops/test_triton_kda_decode.py \
-    tests/ops/test_triton_kda_norm_epilogue.py tests/ops/test_triton_kda_low_rank.py -k "cuda or gpu" -rfE \
-    --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-300 | tail -6
-  for nrm in "" "--norm"; do
-    timeout 200 python3 benchmarks/kda_decode_sweep_h200.py --shapes "${ONETOK_SHAPES:-96:64,32:64,96:16,32:16}" \
-      --v-first --no-fla $nrm --only "${ONETOK_ONLY:-bv16-chunked-w4-s4,bv8-chunked-w4-s4,bv32-chunked-w4-s3,-tv}" \
-      --out "$OUT/kda_decode_sweep_h200_onetok${nrm:+_norm}.json" 2>&1 \
-      | tee "$OUT/kda_sweep_onetok${nrm:+_norm}.log" | grep -A5 "best per shape"
-  done
-  cfgs="1:regs:0;1:regs:0:table:TOKENSPEED_KDA_ONE_TOKEN=0"
-  for label in ${ONETOK_LABELS:-bv16-chunked-w4-s4-tv}; do
-    cfgs="$cfgs;1:regs:0:table:TOKENSPEED_KDA_DECODE=$label"
-  done
-  timeout 240 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy \
-    --pdl-ab "${ONETOK_BATCHES:-1,4,16,64}" --pdl-configs "$cfgs" --out "$OUT" 2>&1 | grep "PDL A/B"
 fi
 if has rtests; then
   timeout 180 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py \

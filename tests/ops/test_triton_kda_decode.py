@@ -444,8 +444,7 @@ def test_launch_config_table_and_validation():
            ({"num_stages": 0}, "num_stages"), ({"config": KdaConfig(16, num_stages=9)}, "num_stages"),
            ({"config": KdaConfig(16, max_regs=60)}, "max_regs"),
            ({"config": KdaConfig(16, preload=True)}, "preload"),
-           ({"config": KdaConfig(16, chunked=True, num_stages=1, preload=True)}, "preload"),
-           ({"config": KdaConfig(16, tile_v=True)}, "tile_v")]
+           ({"config": KdaConfig(16, chunked=True, num_stages=1, preload=True)}, "preload")]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
             kda_decode(**inp, lower_bound=-5.0, scale=1.0, **kw)
@@ -583,51 +582,6 @@ def test_state_v_first_matches_kv_layout_interp(opts, update):
     assert torch.equal(vk["conv_state"], kv["conv_state"])
     if not update:
         assert torch.equal(steps_vk.transpose(-1, -2).nan_to_num(7.0), steps_kv.nan_to_num(7.0))
-
-
-def check_one_token_forms(H: int, D: int, cfg, dtype: torch.dtype, device: str, norm: bool) -> None:
-    """A one-token decode launch with `cfg`, with and without `max_seq_tokens=1` (ONE_TOKEN: the token loop folded,
-    the end-of-token barrier dropped) and with and without `tile_v` (each tile convolves its own v): outputs and
-    both pools bit-identical; a padding row and idle (NaN) slots included."""
-    inp = make([1, 1, 1, 1], H, D, dtype, device, slots=[4, -1, 1, 6])
-    poison_idle(inp)
-    kw = {"state_v_first": True}
-    if norm:
-        g = torch.Generator(device="cpu").manual_seed(3)
-        kw.update(norm_gate=torch.randn(4, H, D, generator=g).to(device, dtype),
-                  norm_weight=torch.randn(D, generator=g).to(device))
-    runs = []
-    for c, bound in ((cfg, None), (cfg, 1), (cfg._replace(tile_v=True), 1), (cfg._replace(tile_v=True), None)):
-        a = transposed_pool(inp)
-        runs.append((run_fused(a, -5.0, D ** -0.5, config=c, max_seq_tokens=bound, **kw), a))
-    o0, a0 = runs[0]
-    for o, a in runs[1:]:
-        assert torch.equal(o, o0)
-        assert torch.equal(a["state"].nan_to_num(7.0), a0["state"].nan_to_num(7.0))
-        assert torch.equal(a["conv_state"].nan_to_num(7.0), a0["conv_state"].nan_to_num(7.0))
-
-
-@cpu_interp
-@pytest.mark.parametrize("D,BV,stages,preload", [(32, 8, 2, False), (48, 16, 3, False), (32, 16, 2, True),
-                                                 (32, 8, 1, False)])
-@pytest.mark.parametrize("norm", [False, True])
-def test_one_token_and_tile_v_forms_are_bit_identical_interp(D, BV, stages, preload, norm):
-    from tokenspeed.ops.triton.kda_config import KdaConfig, config_from_label
-
-    cfg = KdaConfig(BV, chunked=True, num_stages=stages, preload=preload)
-    tv = cfg._replace(tile_v=True)
-    assert tv.label.endswith("-tv") and config_from_label(tv.label) == tv
-    check_one_token_forms(2, D, cfg, torch.float32, "cpu", norm)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("H,BV,stages", [(32, 16, 4), (96, 32, 3), (12, 8, 4)])
-@pytest.mark.parametrize("norm", [False, True])
-def test_one_token_and_tile_v_forms_gpu(H, BV, stages, norm):
-    from tokenspeed.ops.triton.kda_config import KdaConfig
-
-    check_one_token_forms(H, 128, KdaConfig(BV, chunked=True, num_stages=stages), torch.bfloat16, "cuda", norm)
 
 
 @cpu_interp

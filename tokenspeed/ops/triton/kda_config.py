@@ -40,8 +40,6 @@ class KdaConfig(NamedTuple):
     preload (chunked decode, num_stages > 1): the head's first V tile loaded into registers before the q / k / gate
     work (and before the PDL wait), so it streams in while the program computes its token inputs instead of after;
     the other tiles go through the pipelined loop as before.
-    tile_v (chunked decode): each V tile convolves its own v slice in the tile loop (as the replay does) instead
-    of the head's v being staged in the output row, behind a barrier, and read back per tile.
     window (split only; for several tokens per sequence: verify, replay, prompt tails): the conv window and weights
     carried in registers through the token loop and each next token's inputs loaded one token ahead, before this
     token's recurrence (`_split_window_tokens`); the plain loop's arithmetic (equal in the interpreter; on the
@@ -70,7 +68,6 @@ class KdaConfig(NamedTuple):
     prefetch_tiles: int = 0
     max_regs: int | None = None
     preload: bool = False
-    tile_v: bool = False
 
     @property
     def label(self) -> str:
@@ -80,7 +77,7 @@ class KdaConfig(NamedTuple):
         return s + ("-hints" if self.hints else "") + (f"-pf{self.prefetch_tiles or ''}" if self.prefetch_state else "") + (
             "-pl" if self.preload else "") + (
             "-win" if self.window else "") + ("-wy" if self.wy else "") + ("-kp" if self.keys_pass else "") + (
-            f"-r{self.max_regs}" if self.max_regs else "") + ("-tv" if self.tile_v else "")
+            f"-r{self.max_regs}" if self.max_regs else "")
 
 
 def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:
@@ -137,8 +134,7 @@ REPLAY_WY_BLOCK_V = 32
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
 MULTI_ENV = "TOKENSPEED_KDA_VERIFY"  # the same for launches of several tokens per sequence (verify, replay, tails)
-_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf(\d*))?(-pl)?(-win)?(-wy)?(-kp)?"
-                    r"(?:-r(\d+))?(-tv)?")
+_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf(\d*))?(-pl)?(-win)?(-wy)?(-kp)?(?:-r(\d+))?")
 
 
 def config_from_label(label: str) -> KdaConfig:
@@ -146,11 +142,11 @@ def config_from_label(label: str) -> KdaConfig:
     m = _LABEL.fullmatch(label.strip())
     if m is None:
         raise ValueError(f"{label!r} is not a KDA decode config label such as bv32-split-w4 or bv32-chunked-w4-s3")
-    bv, sched, warps, stages, hints, pf, pf_tiles, pl, win, wy, kp, regs, tv = m.groups()
+    bv, sched, warps, stages, hints, pf, pf_tiles, pl, win, wy, kp, regs = m.groups()
     return KdaConfig(int(bv), chunked=sched == "chunked", num_warps=int(warps),
                      num_stages=int(stages) if stages else None, hints=bool(hints), prefetch_state=bool(pf),
                      window=bool(win), wy=bool(wy), keys_pass=bool(kp), prefetch_tiles=int(pf_tiles or 0),
-                     max_regs=int(regs) if regs else None, preload=bool(pl), tile_v=bool(tv))
+                     max_regs=int(regs) if regs else None, preload=bool(pl))
 
 
 def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:

@@ -11,8 +11,6 @@ benchmarks/kda_decode_sweep_h200.py).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 from torch import Tensor
@@ -33,7 +31,6 @@ from tokenspeed.ops.triton.kda_replay_wy import launch_replay_wy
 from tokenspeed.ops.triton.kda_verify_keys import launch_keys_pass
 from tokenspeed.ops.triton.kda_verify_wy import MAX_WINDOW, launch_wy, wy_shape_unsupported, wy_unsupported
 
-ONE_TOKEN_ENV = "TOKENSPEED_KDA_ONE_TOKEN"  # "0": no ONE_TOKEN folding (read per call: whole-step A/B timing)
 _COUNTERS: dict[torch.device, Tensor] = {}
 _RETIRED: list[Tensor] = []  # outgrown counter buffers, kept alive: graphs captured earlier still address them
 
@@ -113,9 +110,6 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
     if cfg.window and cfg.chunked:
         raise ValueError("KdaConfig(window=True) is for the split schedule (chunked=False)")
     opts["WINDOW"] = cfg.window
-    if cfg.tile_v and not cfg.chunked:
-        raise ValueError("KdaConfig(tile_v=True) is for the chunked schedule (chunked=True)")
-    opts["TILE_V"] = cfg.tile_v
     opts["WY"] = cfg.wy  # popped by the launches: the WY verify schedule is another kernel
     opts["KP"] = cfg.keys_pass  # (its two-launch form)
     return opts
@@ -286,8 +280,6 @@ def kda_decode(
         HAS_LENS=seq_lens is not None, MULTI_LAYER=False, STORE_OUT=True, NORM=norm,
         NORM_ROWS=norm_rows(T, N) if norm else 1, PDL=pdl.enabled(qkv.device, "kda"),
         V_FIRST=bool(state_v_first), LOW_RANK_F=lr_f is not None, LOW_RANK_G=lr_g is not None, RANK=rank,
-        ONE_TOKEN=bool(update_state and max_seq_tokens == 1 and T == N and seq_lens is None
-                       and os.environ.get(ONE_TOKEN_ENV, "1") != "0"),
         RC=min(32, next_pow2(max(rank, 1))), NCH=triton.cdiv(next_pow2(max(rank, 1)), 32),
         **opts, **pdl.launch_kwargs(qkv.device, "kda"),
     )

@@ -27,16 +27,11 @@ same roundings (the conv output is rounded to the io dtype, as the reference's c
   read from and written back to the pool; after each token the head's conv state is shifted in place, so the next
   token again reads its window as token 0 (compile-time tap masks) and nothing is live across the q / k work but
   one tile. v is computed for the whole head with q / k and staged in o[t, h] (rounded to o's dtype, as the
-  reference rounds it); each tile reads its slice back and overwrites it with o (TILE_V: each tile convolves its
-  v slice instead, as the replay does, so there is no staging store, barrier or read-back). 125 registers at BV 32 (128 with
+  reference rounds it); each tile reads its slice back and overwrites it with o. 125 registers at BV 32 (128 with
   Triton 3.6; 4 CTAs), 95 at BV 16 (120), 72 at BV 8 (87); no V-split counter, no recomputed q / k conv. Several
   tokens pass the state between tokens through the pool (one read and write per token; the default keeps such
   launches on split, or for verify the WY kernel of `kda_verify_wy.py`). The replay (no outputs) convolves v per tile instead. Verify (update_state False): tile by
   tile, each carried through all tokens in registers, the next tile prefetched into registers.
-
-ONE_TOKEN (host: a decode launch of exactly one token per sequence, T == N, `max_seq_tokens=1`): the token loops
-run one trip, folded at compile time, and the chunked loop's end-of-token barrier and next-token preload are
-dropped (the o / gate stores are ordered for the norm epilogue by the conv-state barrier before it).
 
 `update_state=True` (decode): conv_state[s] and state[s] are advanced in place. `update_state=False` (verify):
 neither pool is written; `step_states` [T, H, K, V] fp32, if given, receives the state after every token, so
@@ -496,8 +491,6 @@ def _kda_decode_kernel(
     RANK: tl.constexpr = 0,
     RC: tl.constexpr = 1,
     NCH: tl.constexpr = 1,
-    TILE_V: tl.constexpr = False,
-    ONE_TOKEN: tl.constexpr = False,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
@@ -588,8 +581,8 @@ def _kda_decode_kernel(
 
     if HAS_LENS:  # only the first LENS[n] tokens of the sequence's rows (KDA replay of accepted drafts)
         seq_len = tl.maximum(tl.minimum(tl.load(LENS + n).to(tl.int64), seq_len), 0)
-    if LOW_RANK_F or LOW_RANK_G or ONE_TOKEN:  # one token per sequence (the host's rule): a loop of one trip,
-        n_tok = 1                               # folded away (nothing kept live across tokens)
+    if LOW_RANK_F or LOW_RANK_G:  # one token per sequence (the host's rule): a loop of one trip, folded away, so
+        n_tok = 1                 # nothing is kept live across tokens (the up weights die after their use)
     else:
         n_tok = seq_len
 
@@ -652,9 +645,9 @@ def _kda_decode_kernel(
                                               Bt, stride_bt, stride_bh, DT, h, t, 0, cq, ck, ok, mk, lk, rate,
                                               lower_bound, scale, D, EVEN_K, HAS_LB, STORE_OUT, OUT_TY,
                                               wf0, wf1, wf2, wf3, LOW_RANK_F, RANK, RC, NCH)
-            if STORE_OUT and not TILE_V:
+            if STORE_OUT:
                 # v for the whole head with q / k, staged in o[t, h] (it is rounded to o's dtype anyway): the tile
-                # loop reads its slice back and overwrites it with o, instead of a v conv per tile (TILE_V)
+                # loop reads its slice back and overwrites it with o, instead of a v conv per tile
                 yw = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, t, 0, 2 * HD + h * D + ow, mw,
                                 ow < D, EVEN_V, OUT_TY)
                 tl.store(O + (t * H + h) * D + ow, yw.to(OUT_TY), mask=ow < D)
@@ -663,7 +656,7 @@ def _kda_decode_kernel(
                 nxt = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
             if PRELOAD:  # tile 0 from the registers loaded before the token inputs (the loop's c = 0, as written)
                 b_s = tl.where(ms, first, 0.0)
-                if STORE_OUT and not TILE_V:
+                if STORE_OUT:
                     yv = _load_lanes(O + (t * H + h) * D + ov, lv, EVEN_V).to(tl.float32)
                 else:
                     yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, t, 0, cv, mv, lv, EVEN_V, OUT_TY)
@@ -687,7 +680,7 @@ def _kda_decode_kernel(
                 else:
                     b_s = _load_state(p_s + c * vstep, lk[:, None] & lvc[None, :], EVEN_K and EVEN_V, HINTS)
                     b_s = tl.where(msc, b_s, 0.0)
-                if STORE_OUT and not TILE_V:
+                if STORE_OUT:
                     yv = _load_lanes(O + (t * H + h) * D + ovc, lvc, EVEN_V).to(tl.float32)
                 else:
                     yv = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, t, 0, cv + c * BV, mvc, lvc,
@@ -701,9 +694,8 @@ def _kda_decode_kernel(
             # this token's window reads (all threads) -> barrier -> the shifted window written -> barrier
             _store_conv_states3(QKV, stride_qkv, cs, stride_csc, stride_csw, t, 1, 2 * HD + h * D + ow, mw, cq, ck,
                                 mk)
-            if not ONE_TOKEN:  # (one token: no next one; the o / gate stores are ordered for the norm above)
-                tl.debug_barrier()  # the state and conv-state writes before the next token's reads (other threads)
-            if PRELOAD and not ONE_TOKEN:  # the next token's tile 0, as this token wrote it (none after the last)
+            tl.debug_barrier()  # the state and conv-state writes before the next token's reads (other threads)
+            if PRELOAD:  # the next token's tile 0, as this token wrote it (none after the last token)
                 more_t = (ok * 0 + i + 1) < seq_len
                 first = tl.load(p_s, mask=lk[:, None] & lv[None, :] & more_t[:, None], other=0.0)
         if NORM:  # this program wrote the whole o[t, h] rows (every tile), ordered by the barriers above
