@@ -43,9 +43,12 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     rows = json.loads(Path(args.result).read_text())["rows"]
-    fig, axes = plt.subplots(len(rows), 1, figsize=(9, 2.4 * len(rows)), squeeze=False)
+    also = [a for a in args.also.split(",") if a]
+    heights = [0.8 + 0.16 * len(bars(row, also)) for row in rows]
+    fig, axes = plt.subplots(len(rows), 1, figsize=(10, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
     for ax, row in zip(axes[:, 0], rows, strict=True):
-        data = bars(row, [a for a in args.also.split(",") if a])
+        data = bars(row, also)
         ax.barh(range(len(data)), [p for _, p in data],
                 color=["tab:blue" if lab.startswith("decode") else "tab:gray" for lab, _ in data])
         ax.set_yticks(range(len(data)))
