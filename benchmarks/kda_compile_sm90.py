@@ -71,6 +71,9 @@ def variants() -> list[tuple[str, callable]]:
                     8, chunked=True, num_stages=4, max_regs=56))),  # capped registers: more programs per SM
                 (f"decode-b32-chunked-pl-vfirst{sfx}", call(32, 1, state_v_first=True, config=kd.KdaConfig(
                     16, chunked=True, num_stages=4, preload=True))),  # the first tile before the token inputs
+                *[(f"decode-b32-chunked-bv{bv}-s{st}-ec-vfirst{sfx}", call(
+                    32, 1, state_v_first=True, config=kd.KdaConfig(bv, chunked=True, num_stages=st, early_conv=True)))
+                  for bv, st in ((8, 4), (16, 4), (32, 3))],  # the conv window shifted before the tiles
                 (f"decode-b32-chunked-pf2{sfx}", call(32, 1, config=kd.KdaConfig(
                     16, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=2))),
                 (f"decode-b1-d96{sfx}", call(1, 1, d=96)),

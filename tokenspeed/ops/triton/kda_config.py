@@ -40,6 +40,7 @@ class KdaConfig(NamedTuple):
     preload (chunked decode, num_stages > 1): the head's first V tile loaded into registers before the q / k / gate
     work (and before the PDL wait), so it streams in while the program computes its token inputs instead of after;
     the other tiles go through the pipelined loop as before.
+    early_conv (chunked decode): the head's conv window shifted before the V tiles instead of after them.
     window (split only; for several tokens per sequence: verify, replay, prompt tails): the conv window and weights
     carried in registers through the token loop and each next token's inputs loaded one token ahead, before this
     token's recurrence (`_split_window_tokens`); the plain loop's arithmetic (equal in the interpreter; on the
@@ -68,6 +69,7 @@ class KdaConfig(NamedTuple):
     prefetch_tiles: int = 0
     max_regs: int | None = None
     preload: bool = False
+    early_conv: bool = False
 
     @property
     def label(self) -> str:
@@ -77,7 +79,7 @@ class KdaConfig(NamedTuple):
         return s + ("-hints" if self.hints else "") + (f"-pf{self.prefetch_tiles or ''}" if self.prefetch_state else "") + (
             "-pl" if self.preload else "") + (
             "-win" if self.window else "") + ("-wy" if self.wy else "") + ("-kp" if self.keys_pass else "") + (
-            f"-r{self.max_regs}" if self.max_regs else "")
+            f"-r{self.max_regs}" if self.max_regs else "") + ("-ec" if self.early_conv else "")
 
 
 def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:
@@ -134,7 +136,8 @@ REPLAY_WY_BLOCK_V = 32
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
 MULTI_ENV = "TOKENSPEED_KDA_VERIFY"  # the same for launches of several tokens per sequence (verify, replay, tails)
-_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf(\d*))?(-pl)?(-win)?(-wy)?(-kp)?(?:-r(\d+))?")
+_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf(\d*))?(-pl)?(-win)?(-wy)?(-kp)?"
+                    r"(?:-r(\d+))?(-ec)?")
 
 
 def config_from_label(label: str) -> KdaConfig:
@@ -142,11 +145,11 @@ def config_from_label(label: str) -> KdaConfig:
     m = _LABEL.fullmatch(label.strip())
     if m is None:
         raise ValueError(f"{label!r} is not a KDA decode config label such as bv32-split-w4 or bv32-chunked-w4-s3")
-    bv, sched, warps, stages, hints, pf, pf_tiles, pl, win, wy, kp, regs = m.groups()
+    bv, sched, warps, stages, hints, pf, pf_tiles, pl, win, wy, kp, regs, ec = m.groups()
     return KdaConfig(int(bv), chunked=sched == "chunked", num_warps=int(warps),
                      num_stages=int(stages) if stages else None, hints=bool(hints), prefetch_state=bool(pf),
                      window=bool(win), wy=bool(wy), keys_pass=bool(kp), prefetch_tiles=int(pf_tiles or 0),
-                     max_regs=int(regs) if regs else None, preload=bool(pl))
+                     max_regs=int(regs) if regs else None, preload=bool(pl), early_conv=bool(ec))
 
 
 def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:
