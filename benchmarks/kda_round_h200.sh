@@ -228,7 +228,7 @@ if has early; then  # the chunked decode's conv window shifted before the V tile
   timeout 120 python3 -m pytest -p no:cacheprovider -n 8 tests/ops/test_triton_kda_decode.py -k "early_conv or fused_96" \
     -rfE --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-300 | tail -6
   timeout 200 python3 benchmarks/kda_decode_sweep_h200.py --shapes "${EARLY_SHAPES:-96:64,32:64,96:16}" --v-first \
-    --no-fla --only="${EARLY_ONLY:--ec,bv16-chunked-w4-s4-vfirst,bv8-chunked-w4-s4-vfirst,bv32-chunked-w4-s3-vfirst,bv32-chunked-w4-s3-r128-vfirst}" \
+    --no-fla --only="${EARLY_ONLY:--ec,bv32-chunked-w4-s3-r128}" \
     --out "$OUT/kda_decode_sweep_h200_early.json" 2>&1 | tee "$OUT/kda_sweep_early.log" | grep -A4 "best per shape"
   cfgs="1:regs:0"
   for label in ${EARLY_LABELS:-bv16-chunked-w4-s4-ec}; do
