@@ -65,15 +65,13 @@ def variants() -> list[tuple[str, callable]]:
                 (f"decode-b8-chunked-s1{sfx}", call(8, 1, num_stages=1)),
                 (f"decode-b8-chunked-vfirst{sfx}", call(8, 1, state_v_first=True)),
                 (f"decode-b32-chunked-vfirst{sfx}", call(32, 1, state_v_first=True)),  # 1024 pairs: BV 16, 4 stages
+                (f"decode-b128-chunked-vfirst{sfx}", call(128, 1, state_v_first=True)),  # 4096 pairs: BV 8, 4 stages
                 (f"decode-b32-chunked-pf4-vfirst{sfx}", call(32, 1, state_v_first=True, config=kd.KdaConfig(
                     8, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=4))),  # the first 4 tiles
                 (f"decode-b32-chunked-r56-vfirst{sfx}", call(32, 1, state_v_first=True, config=kd.KdaConfig(
                     8, chunked=True, num_stages=4, max_regs=56))),  # capped registers: more programs per SM
                 (f"decode-b32-chunked-pl-vfirst{sfx}", call(32, 1, state_v_first=True, config=kd.KdaConfig(
                     16, chunked=True, num_stages=4, preload=True))),  # the first tile before the token inputs
-                *[(f"decode-b32-chunked-bv{bv}-s{st}-ec-vfirst{sfx}", call(
-                    32, 1, state_v_first=True, config=kd.KdaConfig(bv, chunked=True, num_stages=st, early_conv=True)))
-                  for bv, st in ((8, 4), (16, 4), (32, 3))],  # the conv window shifted before the tiles
                 (f"decode-b32-chunked-pf2{sfx}", call(32, 1, config=kd.KdaConfig(
                     16, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=2))),
                 (f"decode-b1-d96{sfx}", call(1, 1, d=96)),

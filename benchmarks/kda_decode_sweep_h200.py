@@ -120,9 +120,6 @@ VARIANTS = [
     # the prefetch of the first tiles only (the whole heads of every resident program overflow L2 at 96 x 64)
     KdaConfig(8, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=4),
     KdaConfig(8, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=8),
-    # the conv window shifted before the V tiles (nothing but a barrier after them)
-    *[KdaConfig(bv, chunked=True, num_stages=st, early_conv=True, max_regs=r) for bv, st, r in (
-        (8, 4, None), (16, 4, None), (16, 3, None), (32, 3, None), (32, 3, 128))],
     KdaConfig(16, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=2),
     KdaConfig(16, chunked=True, num_stages=4, prefetch_state=True, prefetch_tiles=4),
     KdaConfig(32, chunked=True, num_stages=3, prefetch_state=True, prefetch_tiles=1),

@@ -79,8 +79,6 @@
 #   lowrank  the KDA decode with the low-rank gates' up projections in its kernel (TOKENSPEED_KDA_FUSED_GATES): its
 #           GPU tests and the KDA decode ones, the decode step A/B at batch 1..16 (default / never / always fused),
 #           the batch-1 step's CUPTI profile, the no-compile-after-start-up test
-#   early   KdaConfig.early_conv (the conv window shifted before the V tiles): its GPU tests, the sweep at
-#           EARLY_SHAPES and the decode step A/B at EARLY_BATCHES with EARLY_LABELS forced
 #   smemdiag  why the smem o_proj loses in the batch-1 step: the step profiled (CUPTI, PDL on) with the packaged table
 #           and with o_proj on smem (does the KDA decode before it get slower?), then the step A/B of o_proj smem
 #           configs, the heaviest one with its copies delayed (TOKENSPEED_GEMV_SMEM_DELAY SM clocks)
@@ -223,19 +221,6 @@ if has lowrank; then  # the low-rank gates' up projections inside the KDA decode
     timeout 240 python3 -m pytest -p no:cacheprovider tests/executor/test_cuda_graphs.py \
       -k no_triton --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
   fi
-fi
-if has early; then  # the chunked decode's conv window shifted before the V tiles (KdaConfig.early_conv)
-  timeout 120 python3 -m pytest -p no:cacheprovider -n 8 tests/ops/test_triton_kda_decode.py -k "early_conv or fused_96" \
-    -rfE --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-300 | tail -6
-  timeout 200 python3 benchmarks/kda_decode_sweep_h200.py --shapes "${EARLY_SHAPES:-96:64,32:64,96:16}" --v-first \
-    --no-fla --only="${EARLY_ONLY:--ec,bv32-chunked-w4-s3-r128}" \
-    --out "$OUT/kda_decode_sweep_h200_early.json" 2>&1 | tee "$OUT/kda_sweep_early.log" | grep -A4 "best per shape"
-  cfgs="1:regs:0"
-  for label in ${EARLY_LABELS:-bv16-chunked-w4-s4-ec}; do
-    cfgs="$cfgs;1:regs:0:table:TOKENSPEED_KDA_DECODE=$label"
-  done
-  timeout 200 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab "${EARLY_BATCHES:-16,64}" \
-    --pdl-configs "$cfgs" --out "$OUT" 2>&1 | grep "PDL A/B"
 fi
 if has rtests; then
   timeout 180 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py \

@@ -40,7 +40,6 @@ class KdaConfig(NamedTuple):
     preload (chunked decode, num_stages > 1): the head's first V tile loaded into registers before the q / k / gate
     work (and before the PDL wait), so it streams in while the program computes its token inputs instead of after;
     the other tiles go through the pipelined loop as before.
-    early_conv (chunked decode): the head's conv window shifted before the V tiles instead of after them.
     window (split only; for several tokens per sequence: verify, replay, prompt tails): the conv window and weights
     carried in registers through the token loop and each next token's inputs loaded one token ahead, before this
     token's recurrence (`_split_window_tokens`); the plain loop's arithmetic (equal in the interpreter; on the
@@ -69,7 +68,6 @@ class KdaConfig(NamedTuple):
     prefetch_tiles: int = 0
     max_regs: int | None = None
     preload: bool = False
-    early_conv: bool = False
 
     @property
     def label(self) -> str:
@@ -79,7 +77,7 @@ class KdaConfig(NamedTuple):
         return s + ("-hints" if self.hints else "") + (f"-pf{self.prefetch_tiles or ''}" if self.prefetch_state else "") + (
             "-pl" if self.preload else "") + (
             "-win" if self.window else "") + ("-wy" if self.wy else "") + ("-kp" if self.keys_pass else "") + (
-            f"-r{self.max_regs}" if self.max_regs else "") + ("-ec" if self.early_conv else "")
+            f"-r{self.max_regs}" if self.max_regs else "")
 
 
 def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:
@@ -99,6 +97,7 @@ DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
     (32, KdaConfig(32)),                                 # few heads: split V over 4 programs (latency-bound)
     (64, KdaConfig(32, chunked=True, num_stages=3)),     # one program per head, pipelined tiles
     (512, KdaConfig(16, chunked=True, num_stages=4)),    # many heads: narrower tiles, one more in flight
+    (4096, KdaConfig(8, chunked=True, num_stages=4)),    # the most heads: 4 KB tiles
 )
 # From the H200 sweep (benchmarks/kda_decode_sweep_h200.py, results/kda_decode_sweep_h200.json, graph replay):
 # 32 heads x 1: split BV 32 6.06 us vs chunked 6.98; 32 x 8: chunked 9.71 us vs split BV 64 15.87 (81% of HBM);
@@ -110,6 +109,9 @@ DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
 # 80.4 vs 81.9 us, 96 x 16 63.2 vs 63.2, 96 x 64 225.4 vs 227.7 (83.7% of HBM; BV 8 / 4 stages 224.3). From 512 pairs
 # (was 1024; da2090b+, fused norm, cold L2): 32 x 16 BV 16 / 4 stages 25.3 us vs BV 32 / 3 stages 28.6 (BV 32 capped at
 # 128 registers 25.3), 32 x 8 16.6 vs 15.9 (so not lower); the batch-16 decode step 8.885 vs 8.949 ms (x1.007).
+# From 4096 pairs BV 8 / 4 stages (8350e11, the conv window shifted before the tiles, [V, K] pools, three runs at 96 x
+# 64): 221.9 / 222.9 / 220.9 us = 85.0 / 84.6 / 85.4% of HBM against BV 16 / 4 stages 223.7 / 224.3 / 222.8 us; at
+# 2048 pairs (32 x 64) BV 16 stays ahead (80.7 vs 82.6 us), so the row starts between them.
 # Not kept (no shape gained): L2 prefetch of a head's first tiles only, registers capped below 128, the first tile
 # preloaded before the token inputs (results/kda_decode_sweep_h200_{pftiles,regs,preload}_*.json).
 
@@ -136,8 +138,7 @@ REPLAY_WY_BLOCK_V = 32
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
 MULTI_ENV = "TOKENSPEED_KDA_VERIFY"  # the same for launches of several tokens per sequence (verify, replay, tails)
-_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf(\d*))?(-pl)?(-win)?(-wy)?(-kp)?"
-                    r"(?:-r(\d+))?(-ec)?")
+_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf(\d*))?(-pl)?(-win)?(-wy)?(-kp)?(?:-r(\d+))?")
 
 
 def config_from_label(label: str) -> KdaConfig:
@@ -145,11 +146,11 @@ def config_from_label(label: str) -> KdaConfig:
     m = _LABEL.fullmatch(label.strip())
     if m is None:
         raise ValueError(f"{label!r} is not a KDA decode config label such as bv32-split-w4 or bv32-chunked-w4-s3")
-    bv, sched, warps, stages, hints, pf, pf_tiles, pl, win, wy, kp, regs, ec = m.groups()
+    bv, sched, warps, stages, hints, pf, pf_tiles, pl, win, wy, kp, regs = m.groups()
     return KdaConfig(int(bv), chunked=sched == "chunked", num_warps=int(warps),
                      num_stages=int(stages) if stages else None, hints=bool(hints), prefetch_state=bool(pf),
                      window=bool(win), wy=bool(wy), keys_pass=bool(kp), prefetch_tiles=int(pf_tiles or 0),
-                     max_regs=int(regs) if regs else None, preload=bool(pl), early_conv=bool(ec))
+                     max_regs=int(regs) if regs else None, preload=bool(pl))
 
 
 def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:

@@ -110,7 +110,6 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
     if cfg.window and cfg.chunked:
         raise ValueError("KdaConfig(window=True) is for the split schedule (chunked=False)")
     opts["WINDOW"] = cfg.window
-    opts["EARLY_CONV"] = cfg.early_conv and cfg.chunked  # (the chunked decode's; split has no such ordering)
     opts["WY"] = cfg.wy  # popped by the launches: the WY verify schedule is another kernel
     opts["KP"] = cfg.keys_pass  # (its two-launch form)
     return opts

@@ -24,11 +24,12 @@ same roundings (the conv output is rounded to the io dtype, as the reference's c
 - chunked: program (0, n*H + h) walks the NC = BK / BV tiles of the head. Decode and replay (update_state):
   token by token, q / k / gate computed once, then the tiles in a `tl.range(num_stages=STAGES)` loop that Triton
   software-pipelines (STAGES - 1 tiles in flight through shared memory via cp.async while one is updated), each
-  read from and written back to the pool; after each token the head's conv state is shifted in place, so the next
+  read from and written back to the pool; each token shifts the head's conv state in place, so the next
   token again reads its window as token 0 (compile-time tap masks) and nothing is live across the q / k work but
   one tile. v is computed for the whole head with q / k and staged in o[t, h] (rounded to o's dtype, as the
-  reference rounds it); each tile reads its slice back and overwrites it with o. EARLY_CONV: the head's conv window
-  is shifted right after that staging (the shift's barrier publishes it), so nothing but a barrier follows the tiles. 125 registers at BV 32 (128 with
+  reference rounds it); each tile reads its slice back and overwrites it with o. The head's conv window is shifted
+  right after that staging (the shift's barrier publishes it), so nothing but a barrier follows the tiles (the
+  replay, which convolves v per tile, shifts it after them). 125 registers at BV 32 (128 with
   Triton 3.6; 4 CTAs), 95 at BV 16 (120), 72 at BV 8 (87); no V-split counter, no recomputed q / k conv. Several
   tokens pass the state between tokens through the pool (one read and write per token; the default keeps such
   launches on split, or for verify the WY kernel of `kda_verify_wy.py`). The replay (no outputs) convolves v per tile instead. Verify (update_state False): tile by
@@ -492,7 +493,6 @@ def _kda_decode_kernel(
     RANK: tl.constexpr = 0,
     RC: tl.constexpr = 1,
     NCH: tl.constexpr = 1,
-    EARLY_CONV: tl.constexpr = False,
 ):
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1)
@@ -653,11 +653,11 @@ def _kda_decode_kernel(
                 yw = _conv_silu(QKV, stride_qkv, cs, stride_csc, stride_csw, CW, t, 0, 2 * HD + h * D + ow, mw,
                                 ow < D, EVEN_V, OUT_TY)
                 tl.store(O + (t * H + h) * D + ow, yw.to(OUT_TY), mask=ow < D)
-                if EARLY_CONV:  # the window shifted now (its barrier also publishes the staged v), not after the tiles
-                    _store_conv_states3(QKV, stride_qkv, cs, stride_csc, stride_csw, t, 1, 2 * HD + h * D + ow, mw, cq,
-                                        ck, mk)
-                else:
-                    tl.debug_barrier()  # visible to the threads that read it back
+                # the head's conv window shifted now, before the tiles (which read no conv state here): its barrier
+                # also publishes the staged v to the threads that read it back, and nothing but the end-of-token
+                # barrier follows the last tile (1.0-1.4 points of HBM at 96 heads x 64, H200: docs/kernels.md)
+                _store_conv_states3(QKV, stride_qkv, cs, stride_csc, stride_csw, t, 1, 2 * HD + h * D + ow, mw, cq, ck,
+                                    mk)
             if STAGES == 1:  # no Triton pipelining: the next tile prefetched into registers by hand
                 nxt = _load_state(p_s, lk[:, None] & lv[None, :], EVEN_K and EVEN_V, HINTS)
             if PRELOAD:  # tile 0 from the registers loaded before the token inputs (the loop's c = 0, as written)
@@ -697,8 +697,8 @@ def _kda_decode_kernel(
                 _store_state(p_s + c * vstep, b_s, msc, HINTS)
             if LOW_RANK_G:  # ordered before the norm epilogue's reads by the barriers below
                 _store_gate(GA, stride_ga, wg0, wg1, wg2, wg3, G, stride_gt, stride_gh, t, h, gl, glm, RANK, RC, NCH)
-            # this token's window reads (all threads) -> barrier -> the shifted window written -> barrier
-            if not (EARLY_CONV and STORE_OUT):
+            if not STORE_OUT:  # (the replay: its tiles convolve v from the window, so it is shifted after them)
+                # this token's window reads (all threads) -> barrier -> the shifted window written -> barrier
                 _store_conv_states3(QKV, stride_qkv, cs, stride_csc, stride_csw, t, 1, 2 * HD + h * D + ow, mw, cq,
                                     ck, mk)
             tl.debug_barrier()  # the state and conv-state writes before the next token's reads (other threads)
