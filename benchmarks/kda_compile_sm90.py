@@ -162,7 +162,8 @@ def compile_sm90(launch: Launch, sass: bool = False) -> dict:
     ptx = kernel.asm["ptx"]
     return {"shared": kernel.metadata.shared, **cubin_usage(kernel), "wait": ptx.count("griddepcontrol.wait"),
             "trigger": ptx.count("griddepcontrol.launch_dependents"), "prefetch": ptx.count("prefetch.global.L2"),
-            "bulk": ptx.count("cp.async.bulk.prefetch.L2"), "tma": ptx.count("cp.async.bulk.tensor"), "sass": sass_hash(kernel) if sass else None,
+            "bulk": ptx.count("cp.async.bulk.prefetch.L2"), "tma": ptx.count("cp.async.bulk.tensor"),
+            "sass": sass_hash(kernel) if sass else None,
             "cvt": kernel.asm["ttgir"].count("ttg.convert_layout")}
 
 

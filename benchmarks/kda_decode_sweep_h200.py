@@ -333,69 +333,62 @@ def copy_ceiling(state_bytes: int, dev: str, calls: int, reps: int, cold: bool) 
     return v
 
 
-def pattern_ceilings(inp: dict, H: int, D: int, dev: str, calls: int, reps: int, cold: bool,
-                     state_bytes: int) -> list[dict]:
-    """The decode's state bytes moved in place by `state_copy_kernels.state_rmw`, one program per (sequence, head)
-    like the chunked decode: with its [K, 32] column tiles, and with 16 KB contiguous tiles (no arithmetic)."""
-    from state_copy_kernels import state_rmw, state_rmw_tma
+def pattern_kernels(H: int, D: int, slots: torch.Tensor) -> list[tuple[str, callable]]:
+    """(label, fn(pool)) of the copy kernels that move the decode's state bytes (`state_copy_kernels`): the in-place
+    walks of [K, 32] column tiles and of contiguous tiles (and into a second pool), shorter walks and dependent
+    loads first, the decode's tile loop part by part (`mini_decode`), TMA walks."""
+    from state_copy_kernels import mini_decode, state_rmw, state_rmw_tma
 
-    rows = []
-    cases = ((False, False, "rmw [K, 32] tiles (Triton)"), (True, False, "rmw contiguous tiles (Triton)"),
-             (True, True, "contiguous tiles to a second pool (Triton)"))
-    for contiguous, other, label in cases:
-        v = {"label": label}
-        try:
-            pool, slots = inp["state"].clone(), inp["state_indices"]
-            out = torch.empty_like(pool) if other else None
-            v.update(measure(lambda p=pool, s=slots, c=contiguous, o=out: state_rmw(p, s, H, D, min(32, D), c, out=o),
-                             dev, calls, reps, cold, state_bytes))
-        except Exception as e:  # noqa: BLE001 - reported, not fatal
-            v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        rows.append(v)
-    shapes = ((32, 2, 3, 4, 0), (32, 1, 3, 4, 0), (16, 2, 4, 4, 0), (16, 1, 4, 4, 0), (64, 1, 3, 8, 0),
-              (128, 1, 1, 8, 0), (32, 0, 3, 4, 1), (32, 0, 3, 4, 2), (16, 0, 4, 4, 1))
-    for bv, tpp, stages, warps, pre in shapes:  # shorter walks (more, shorter programs); dependent loads first
-        v = {"label": f"rmw contiguous tiles bv{bv} s{stages} w{warps}, {tpp or 128 // bv} tiles a program"
-                      + (f", {pre} dependent loads first" if pre else "") + " (Triton)"}
-        try:
-            pool, slots = inp["state"].clone(), inp["state_indices"]
-            v.update(measure(lambda p=pool, s=slots, b=bv, t=tpp, g=stages, w=warps, r=pre: state_rmw(
-                p, s, H, D, b, True, g, tiles_per_program=t, pre_loads=r, num_warps=w), dev, calls, reps, cold,
-                state_bytes))
-        except Exception as e:  # noqa: BLE001 - reported, not fatal
-            v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        rows.append(v)
-    from state_copy_kernels import mini_decode
+    bv0 = min(32, D)
+    second: dict[str, torch.Tensor] = {}
 
+    def to_second_pool(p: torch.Tensor) -> None:  # the second pool made by the first (untimed) call, then reused
+        state_rmw(p, slots, H, D, bv0, True, out=second.setdefault("pool", torch.empty_like(p)))
+
+    out = [("rmw [K, 32] tiles (Triton)", lambda p: state_rmw(p, slots, H, D, bv0, False)),
+           ("rmw contiguous tiles (Triton)", lambda p: state_rmw(p, slots, H, D, bv0, True)),
+           ("contiguous tiles to a second pool (Triton)", to_second_pool)]
+    walks = ((32, 2, 3, 4, 0), (32, 1, 3, 4, 0), (16, 2, 4, 4, 0), (16, 1, 4, 4, 0), (64, 1, 3, 8, 0),
+             (128, 1, 1, 8, 0), (32, 0, 3, 4, 1), (32, 0, 3, 4, 2), (16, 0, 4, 4, 1))
+    for bv, tpp, stages, warps, pre in walks:  # shorter walks (more, shorter programs); dependent loads first
+        label = (f"rmw contiguous tiles bv{bv} s{stages} w{warps}, {tpp or 128 // bv} tiles a program"
+                 + (f", {pre} dependent loads first" if pre else "") + " (Triton)")
+        out.append((label, lambda p, b=bv, t=tpp, g=stages, w=warps, r=pre: state_rmw(
+            p, slots, H, D, b, True, g, tiles_per_program=t, pre_loads=r, num_warps=w)))
     parts = ((False, 0, False, 0), (True, 0, False, 0), (True, 0, True, 0), (True, 1, True, 0), (True, 2, True, 0),
              (True, 1, True, 1), (True, 2, True, 1))
     for bv, stages in ((16, 4), (32, 3)):  # the decode's tile loop with its parts added one by one
         for math, yv, ost, pre in parts:
-            v = {"label": f"mini decode bv{bv} s{stages}: math {int(math)} v {('-', 'staged', 'regs')[yv]} "
-                          f"o {int(ost)} pre {pre} (Triton)"}
-            try:
-                pool, slots = inp["state"].clone(), inp["state_indices"]
-                v.update(measure(lambda p=pool, s=slots, b=bv, g=stages, m=math, y=yv, o=ost, r=pre: mini_decode(
-                    p, s, H, D, b, g, m, y, o, r), dev, calls, reps, cold, state_bytes))
-            except Exception as e:  # noqa: BLE001 - reported, not fatal
-                v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            rows.append(v)
+            label = (f"mini decode bv{bv} s{stages}: math {int(math)} v {('-', 'staged', 'regs')[yv]} o {int(ost)} "
+                     f"pre {pre} (Triton)")
+            out.append((label, lambda p, b=bv, g=stages, m=math, y=yv, o=ost, r=pre: mini_decode(
+                p, slots, H, D, b, g, m, y, o, r)))
     for bv, tma, stages in ((32, 1, 3), (32, 2, 3), (16, 1, 4), (8, 1, 4), (8, 2, 4)):
-        v = {"label": f"rmw contiguous tiles, TMA loads{' + stores' if tma == 2 else ''} bv{bv} s{stages} (Triton)"}
+        label = f"rmw contiguous tiles, TMA loads{' + stores' if tma == 2 else ''} bv{bv} s{stages} (Triton)"
+        out.append((label, lambda p, b=bv, m=tma, g=stages: state_rmw_tma(p, slots, H, D, b, m, g)))
+    return out
+
+
+def pattern_ceilings(inp: dict, H: int, D: int, dev: str, calls: int, reps: int, cold: bool,
+                     state_bytes: int) -> list[dict]:
+    """Every `pattern_kernels` kernel, each on a fresh copy of the pool, and torch's in-place `mul_` of the same
+    bytes, timed as the decode is; a kernel that fails is reported, not fatal."""
+    rows = []
+    kernels = pattern_kernels(H, D, inp["state_indices"])
+    kernels.append(("in-place mul_ of the same bytes (torch)", None))  # torch's elementwise RMW: in place
+    for label, fn in kernels:
+        v = {"label": label}
         try:
-            pool, slots = inp["state"].clone(), inp["state_indices"]
-            v.update(measure(lambda p=pool, s=slots, b=bv, m=tma, g=stages: state_rmw_tma(p, s, H, D, b, m, g),
-                             dev, calls, reps, cold, state_bytes))
+            if fn is None:
+                buf = torch.empty(state_bytes // 8, dtype=torch.float32, device=dev).uniform_()
+                thunk = lambda b=buf: b.mul_(1.0)  # noqa: E731
+            else:
+                pool = inp["state"].clone()
+                thunk = lambda f=fn, p=pool: f(p)  # noqa: E731
+            v.update(measure(thunk, dev, calls, reps, cold, state_bytes))
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(v)
-    v = {"label": "in-place mul_ of the same bytes (torch)"}  # torch's elementwise RMW: in place at torch's rate
-    try:
-        buf = torch.empty(state_bytes // 8, dtype=torch.float32, device=dev).uniform_()
-        v.update(measure(lambda b=buf: b.mul_(1.0), dev, calls, reps, cold, state_bytes))
-    except Exception as e:  # noqa: BLE001 - reported, not fatal
-        v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    rows.append(v)
     return rows
 
 

@@ -9,9 +9,10 @@ chunked decode does:
 - contiguous True: the same bytes per tile as one contiguous block of D * block_v values (what a V-tile-major
   layout of the pool would give).
 If the first runs near torch's copy, the pattern is not what caps the decode; if only the second does, the
-layout is. `state_rmw_tma` walks the contiguous tiles through a host TMA descriptor (`KdaConfig.tma`'s loads),
-written back by plain stores (tma 1) or TMA stores (tma 2). `out` (a second pool of the same shape): the tiles are read from `state` and written to `out` instead of
-in place (a ping-pong pool's pattern): does writing over the bytes just read cost by itself?
+layout is. `out` (a second pool of the same shape): the tiles are read from `state` and written to `out` instead of
+in place (a ping-pong pool's pattern): does writing over the bytes just read cost by itself? `state_rmw_tma` walks
+the contiguous tiles through a host TMA descriptor (the loads of the TMA decode tried at c230e20), written back by
+plain stores (tma 1) or TMA stores (tma 2); `mini_decode` is the chunked decode's tile loop part by part.
 """
 
 from __future__ import annotations
