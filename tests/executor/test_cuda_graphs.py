@@ -260,7 +260,8 @@ def test_no_triton_kernel_compiles_after_start_up_gpu(tmp_path, spec: dict) -> N
     beside new prompts or new turns of 1 to 70 tokens (eager mixed steps of 2 to 71 tokens) compile or load no
     Triton kernel, so no request stalls on a compile mid-serve; with n-gram speculation the decodes are verify
     windows (both passed on the H200 in the 2026-12-02 `kda_round_h200.sh lowrank` round). A failure names each
-    late variant, the step that asked for it and how its specialisation differs from the start-up variants of the same kernel."""
+    late variant, the step that asked for it and how its specialisation differs from the start-up variants of the
+    same kernel."""
     from tokenspeed.executor import compile_watch
 
     path = str(write_tiny_checkpoint(tmp_path / "tiny-kimi-linear", "tiny-kimi-linear", dtype=torch.bfloat16,
