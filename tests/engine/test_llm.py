@@ -96,7 +96,8 @@ class _Recording:
 def test_start_up_warm_up_touches_no_request_state(solo, num_drafts: int) -> None:
     """The GPU start-up warm-up (prefill forwards, then mixed decode + tail steps on a cached history, and a tail on
     a long history, all on the scratch page and slot 0, run here on the CPU; the mixed steps commit as serving's
-    do; with speculation the same steps again as verifications with their replay) writes only the scratch page (the one past the pool) and KDA slot 0, leaves no recorded verification
+    do; with speculation the same steps again as verifications with their replay, and the shorter windows) writes
+    only the scratch page (the one past the pool) and KDA slot 0, leaves no recorded verification
     behind, and changes no request's tokens."""
     model, prompts, params, expected = solo
     llm = _llm(model)
@@ -116,8 +117,10 @@ def test_start_up_warm_up_touches_no_request_state(solo, num_drafts: int) -> Non
     # the mixed steps and the long tail commit (the kernel variants of serving's steps); with drafts each mixed step
     # also runs as a verification, its one-token rows as windows
     windows = [([1 + num_drafts, 5], True), ([1 + num_drafts] * 3 + [12], True)] if num_drafts else []
+    # then each shorter window (no graph: eager), alone and beside a full one
+    short = [(q, True) for w in range(2, 1 + num_drafts) for q in ([w], [1 + num_drafts, w])]
     assert steps == [([70], False), ([9], False), ([1], False), ([1, 5], False), *windows[:1],
-                     ([1, 1, 1, 12], False), *windows[1:], ([20], False)]
+                     ([1, 1, 1, 12], False), *windows[1:], *short, ([20], False)]
     assert not buffers.replay
     for old, new in zip(before[: len(buffers.mla_latent)], buffers.mla_latent, strict=True):
         assert torch.equal(old[:scratch], new[:scratch]) and not torch.equal(old[scratch], new[scratch])

@@ -107,7 +107,9 @@ class ModelRunner:
         writes only the scratch page (every page of its table) and KDA slot 0, whose state every sequence that
         takes it later zeroes or restores first (the values the warm-up leaves there are never read). With
         `num_drafts` (speculation), each mixed step runs again as a verification, its one-token rows as windows of
-        1 + num_drafts tokens, followed by the KDA state replay (the eager verify kernels). Each (tail, history) of
+        1 + num_drafts tokens, followed by the KDA state replay (the eager verify kernels), and verifications of
+        each shorter window (2 .. num_drafts tokens: a request whose context or budget leaves fewer drafts), alone
+        and beside a full window, which have no graph. Each (tail, history) of
         `long_tails` runs one sequence taking `tail` new tokens on a `history`-token history (the scratch page
         throughout): the kernel classes of a turn on a long history (MLA's split attention, `docs/gpu.md`)."""
         page_size = self.buffers.page_size
@@ -120,6 +122,9 @@ class ModelRunner:
             if num_drafts:
                 self._warm_up_mixed([1 + num_drafts if q == 1 else q for q in qlens],
                                     [i for i, q in enumerate(qlens) if q != 1])
+        for w in range(2, 1 + num_drafts):  # the shorter windows near the end of a context: no graph, eager
+            self._warm_up_mixed([w], [])
+            self._warm_up_mixed([1 + num_drafts, w], [])
         for tail, history in long_tails:
             self._warm_up_mixed([tail], history=history)
         if self.device.type == "cuda":
