@@ -283,6 +283,34 @@ def test_no_triton_kernel_compiles_after_start_up_gpu(tmp_path, spec: dict) -> N
     assert not late, "Triton kernels compiled after start-up:\n" + "\n".join(late)
 
 
+@needs_cuda
+def test_no_compile_at_the_end_of_a_context_gpu(tmp_path) -> None:
+    """With n-gram speculation, requests that run into max_model_len verify shorter windows at their last steps
+    (fewer drafts fit: no graph, an eager verification, alone or beside a full window): the start-up warm-up has
+    compiled those kernels, so none compiles then (written without a device run: not yet run on a GPU)."""
+    from tokenspeed.executor import compile_watch
+
+    path = str(write_tiny_checkpoint(tmp_path / "tiny-kimi-linear", "tiny-kimi-linear", dtype=torch.bfloat16,
+                                     seed=3))
+    torch.cuda.empty_cache()
+    llm = None
+    try:
+        llm = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=8, num_pages=GPU_PAGES, max_model_len=48,
+                  speculative_algorithm="ngram", speculative_num_steps=3)
+        assert compile_watch.watch_compiles()
+        before = compile_watch.compiled_variants()
+        vocab = llm.engine.vocab_size
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        prompts = [[(100 + 7 * (i % 5) + r) % vocab for i in range(24 + 3 * r)] for r in range(3)]  # repeats
+        outs = llm.generate(prompts, params)
+        late = [f"{name} {diff or variant}" for name, variant, diff in compile_watch.new_variants(before)]
+    finally:
+        if llm is not None:
+            _release(llm)
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)  # each ran into max_model_len
+    assert not late, "Triton kernels compiled after start-up:\n" + "\n".join(late)
+
+
 def _mixed_step(llm: LLM, decoding: int, new: int, history: int) -> None:
     """`decoding` requests reach their decode phase, then a request of `new` prompt tokens joins them (after a
     first turn of `history` tokens that left its prefix in the cache, if any); run until all finish."""
