@@ -79,6 +79,8 @@
 #   lowrank  the KDA decode with the low-rank gates' up projections in its kernel (TOKENSPEED_KDA_FUSED_GATES): its
 #           GPU tests and the KDA decode ones, the decode step A/B at batch 1..16 (default / never / always fused),
 #           the batch-1 step's CUPTI profile, the no-compile-after-start-up test
+#   check   the checks left open on 2026-12-02: the no-compile GPU tests (incl. the end-of-context one, never run on
+#           a GPU), the KDA GPU tests at the final kernel, and the 96 x 64 / 32 x 64 sweep at the new table row
 #   smemdiag  why the smem o_proj loses in the batch-1 step: the step profiled (CUPTI, PDL on) with the packaged table
 #           and with o_proj on smem (does the KDA decode before it get slower?), then the step A/B of o_proj smem
 #           configs, the heaviest one with its copies delayed (TOKENSPEED_GEMV_SMEM_DELAY SM clocks)
@@ -221,6 +223,16 @@ if has lowrank; then  # the low-rank gates' up projections inside the KDA decode
     timeout 240 python3 -m pytest -p no:cacheprovider tests/executor/test_cuda_graphs.py \
       -k no_triton --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
   fi
+fi
+if has check; then  # the checks left open on 2026-12-02: the GPU tests the last changes touch, then 96 x 64 again
+  timeout 240 python3 -m pytest -p no:cacheprovider tests/executor/test_cuda_graphs.py \
+    -k "no_triton or end_of_a_context" -rfE --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
+  timeout 150 python3 -m pytest -p no:cacheprovider -n 8 tests/ops/test_triton_kda_decode.py \
+    tests/ops/test_triton_kda_norm_epilogue.py tests/ops/test_triton_kda_replay.py -k "cuda or gpu" -rfE \
+    --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-300 | tail -6
+  timeout 150 python3 benchmarks/kda_decode_sweep_h200.py --shapes 96:64,32:64 --v-first --no-fla --reps 100 \
+    --only=bv16-chunked-w4-s4 --out "$OUT/kda_decode_sweep_h200_check.json" 2>&1 \
+    | tee "$OUT/kda_sweep_check.log" | grep -E "^== |  D  |best per|H= "
 fi
 if has rtests; then
   timeout 180 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py \
