@@ -1,10 +1,11 @@
 """Plot the FFN-junction-in-the-projection measurements (H200, kimi-linear-48b-a3b shapes): from
 `junction_gemv_h200.py`'s result, unfused / fused per-call time of each (T, N) pair (experts + junction +
-projection), both LOOKAHEAD settings; from `step_profile_h200.py --pdl-ab`'s, the unfused decode step
+projection; 1d2e0ba: x tiles built in the K loop, both LOOKAHEAD settings; 8c7bd73: the junction in the GEMV's
+prologue); from `step_profile_h200.py --pdl-ab`'s, the unfused decode step
 (TOKENSPEED_MOE_JUNCTION_GEMV=0) over each fused setting's step in the same interleaved run. > 1: the fusion wins.
 
-    python benchmarks/junction_plot.py benchmarks/results/junction_gemv_h200_1d2e0ba.json \
-        benchmarks/results/step_profile_h200_1d2e0ba_junction_ab.json --out benchmarks/results/junction_h200_1d2e0ba.png
+    python benchmarks/junction_plot.py benchmarks/results/junction_gemv_h200_{1d2e0ba,8c7bd73}.json \
+        benchmarks/results/step_profile_h200_{1d2e0ba,8c7bd73}_junction_ab.json --out benchmarks/results/junction_h200.png
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ def ratios(path: Path) -> list[tuple[str, float]]:
     commit = d["env"].get("commit", "?")
     out = []
     for r in d.get("rows", []):  # junction_gemv_h200.py
-        for key, what in (("fused_us", "lookahead 1"), ("fused_lookahead0_us", "lookahead 0")):
-            out.append((f"{commit} op T{r['T']} N{r['N']} {what}", r["unfused_us"] / r[key]))
+        for key, what in (("fused_us", "lookahead 1" if "fused_lookahead0_us" in r else "prologue"),
+                          ("fused_lookahead0_us", "lookahead 0")):
+            if key in r:
+                out.append((f"{commit} op T{r['T']} N{r['N']} {what}", r["unfused_us"] / r[key]))
     for ab in d.get("pdl_ab", []):  # step_profile_h200.py --pdl-ab
         cfgs = ab["configs"]
         ref = next(r["step_ms"] for name, r in cfgs.items() if name.endswith(UNFUSED))
         for name, r in cfgs.items():
             if not name.endswith(UNFUSED):
-                what = "lookahead 0" if "LOOKAHEAD=0" in name else "lookahead 1 (default)"
+                what = "lookahead 0" if "LOOKAHEAD=0" in name else "fused (default)"
                 out.append((f"{commit} step b{ab['batch']} {what}", ref / r["step_ms"]))
     return out
 
