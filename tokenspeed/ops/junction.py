@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 JUNCTION_GEMV_ENV = "TOKENSPEED_MOE_JUNCTION_GEMV"  # "0": never fuse `project` (A/B timing); else the default
+LOOKAHEAD_ENV = "TOKENSPEED_JUNCTION_LOOKAHEAD"  # "0" / "1": the kernel's LOOKAHEAD (A/B timing); default 1
 
 
 class PendingNorm:
@@ -69,33 +70,29 @@ class PendingNorm:
 
     def fusable(self, weight: Tensor) -> bool:
         """Whether `project(weight)` runs the fused GEMV: not resolved yet, TOKENSPEED_MOE_JUNCTION_GEMV (read per
-        call) not "0", the kernel takes the tensors (`gemv_junction.unusable_reason`) and the routing table runs
-        the plain projection on the tensor-core GEMV (`gemv_junction.junction_config`). Host-only."""
-        return self._fused_config(weight) is not None
-
-    def _fused_config(self, weight: Tensor):
+        call) not "0", and the kernel takes the tensors (`gemv_junction.unusable_reason`). Host-only."""
         if self._normed is not None or os.environ.get(JUNCTION_GEMV_ENV, "1").strip() == "0":
-            return None
+            return False
+        from tokenspeed.ops.triton import gemv_junction
+
+        return gemv_junction.unusable_reason(self.buf, self.topk_weights, self.top_k, self.residual,
+                                             self.norm_weight, weight) is None
+
+    def project(self, weight: Tensor) -> Tensor:
+        """normed @ weight^T ([T, N], weight's dtype) for weight [N, D]: the fused GEMV where `fusable`, with the
+        routing table's tiles for this shape (`gemv_junction.junction_config`); else `ops.linear(resolve(), w)`.
+        The fused result equals the unfused one up to rounding (`tokenspeed.ops.triton.gemv_junction`)."""
+        from tokenspeed import ops
+
+        if not self.fusable(weight):
+            return ops.linear(self.resolve(), weight)
         from tokenspeed.ops import dispatch
         from tokenspeed.ops.triton import gemv_junction
 
-        if gemv_junction.unusable_reason(self.buf, self.topk_weights, self.top_k, self.residual, self.norm_weight,
-                                         weight) is not None:
-            return None
         T, D = self.residual.shape
         N = weight.shape[0]
-        return gemv_junction.junction_config(T, N, D, dispatch.linear_route(T, N, D, weight.dtype),
-                                             weight.element_size(), weight.device)
-
-    def project(self, weight: Tensor) -> Tensor:
-        """normed @ weight^T ([T, N], weight's dtype) for weight [N, D]: the fused GEMV where `fusable` (the plain
-        projection's GEMV configuration, applied to the junction's normed rows); else `ops.linear(resolve(), w)`."""
-        cfg = self._fused_config(weight)
-        if cfg is None:
-            from tokenspeed import ops
-
-            return ops.linear(self.resolve(), weight)
-        from tokenspeed.ops.triton import gemv_junction
-
-        return gemv_junction.junction_gemv(self.buf, self.topk_weights, self.top_k, self.residual, self.norm_weight,
-                                           self.eps, weight, self.summed, cfg)
+        cfg = gemv_junction.junction_config(T, N, D, dispatch.linear_route(T, N, D, weight.dtype))
+        lookahead = os.environ.get(LOOKAHEAD_ENV, "1").strip() != "0"
+        return gemv_junction.junction_gemv(self.buf, self.topk_weights, self.top_k, self.residual,
+                                           self.norm_weight, self.eps, weight, self.summed, lookahead=int(lookahead),
+                                           **cfg)

@@ -3,23 +3,27 @@
 The unfused chain at the end of a hidden-space MoE layer is down (the per-pair buffer) -> `combine_add_rms_norm`
 (f = cast(sum_j w_j * buf_j), summed = cast(residual + f), normed = rms_norm(summed)) -> the next layer's input
 projection y = normed @ W^T (KDA's merged in_proj, MLA's merged q / kv_a). At batch 1 the middle launch moves
-~50 KB and costs ~3 us, most of it launch and dependency latency. `junction_gemv` folds it into the projection's
-tensor-core GEMV (`gemv._gemv_dot_kernel`, same tiles, split-K and fused reduction as the routing table gives the
-plain projection):
+~50 KB and costs ~3 us, most of it launch and dependency latency. `junction_gemv` folds it into the projection:
 
-1. prologue, after the PDL wait: every program computes the junction for the whole rows, with the expressions,
-   roundings and one-row tiles of `moe_combine._combine_norm_kernel` (so normed is that kernel's, bit for bit,
-   where the reduction layout matches: the same BLOCK_D and warps), and writes normed into its own scratch rows
-   (L2; ~5 KB a row); the program (0, 0) also stores summed, the new residual stream;
-2. a CTA barrier, then the GEMV's K loop over its K range with x read from that scratch.
+    y[m] = inv[m] * (W @ cast(norm_weight * summed[m]))    inv[m] = rsqrt(mean(summed[m]^2) + eps)
 
-The prologue reads the buffer and the residual from L2 (the down launch just wrote them) once per program
-instead of once per K step: the K loop is the plain GEMV's, and only the prologue's latency (the whole row's
-loads, one reduction) sits before it. (A first form built each K step's x tile from the buffer inside the loop
-and lost: ~0.8 us a step on every weight tile's critical path; benchmarks/README.md, 1d2e0ba.)
+RMSNorm is a per-row scale, so it commutes with the product: every program builds its x tiles from the buffer
+and the residual as it walks K (one [M, BLOCK_K] tile of summed per step, from L2: the buffer was just written),
+accumulates the row's sum of squares beside the product, and scales its fp32 accumulator by inv once, at the end.
+The programs of the first column tile (pid_n == 0) store summed, the new residual stream, with the combine's
+exact expressions and roundings (bit for bit `combine_add_rms_norm`'s summed). y differs from the unfused
+rms_norm -> GEMV only by rounding: one bf16 rounding of norm_weight * summed instead of two (summed * inv, then
+the gain), and the fp32 summation orders; the tests bound it by the bf16 tolerance.
 
-PDL (`tokenspeed.ops.triton.pdl`): the first weight tile is read before the wait ("regs"; weights are never
-written by a kernel); the buffer, the routing weights and the residual only after it.
+One program owns BLOCK_N rows of W and the whole K range (no split-K: each program needs the full row's sum of
+squares). It runs the tensor-core GEMV's loop (`gemv._gemv_dot_kernel`: W tile [BLOCK_N, BLOCK_K] @ x^T with x
+padded to 16 rows; here the BLOCK_MC = next_pow2(M) computed rows repeated to 16 by a broadcast, so the buffer is
+read once per row, not once per padded row). LOOKAHEAD = 1 loads the next step's summed tile before the current
+step's product (the buffer's L2 round trip hidden behind a weight tile); 0 leaves the order to the compiler.
+
+PDL (`tokenspeed.ops.triton.pdl`): the first weight tile is read before the wait ("regs", weights are never
+written by a kernel); the buffer, the routing weights and the residual only after it (the residual was written
+by the layer's `moe_gate`, three launches back, but nothing is gained by reading it early).
 """
 
 from __future__ import annotations
@@ -28,75 +32,108 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from tokenspeed.ops.triton import gemv as _gemv
-from tokenspeed.ops.triton.gemv import _epilogue, _load_k_step, _load_tile, _mma, _pre_wait, _tiles
+from tokenspeed.ops.triton import pdl
+from tokenspeed.ops.triton.gemv import _load_tile, _mma
 
 MAX_M = 4
 DOT_M = 16  # rows of x the MMA takes (the tensor-core GEMV's padding)
 
 
 @triton.jit
-def _junction_rows(Buf, TopkW, Res, NormW, S, X, M, K, eps, stride_buf, stride_res, store_rows,
-                   TOP_K: tl.constexpr, BLOCK_MC: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows 0..M-1 of the junction, each as one [1, BLOCK_D] tile (BLOCK_D >= K), expression for expression
-    `_combine_norm_kernel` without `add`: S[m] = cast(Res[m] + cast(sum_j w_j buf_j)) (rows < store_rows stored),
-    X[m] = cast(norm_weight * cast(S[m] * inv)) (X: contiguous [M, K] rows, this program's scratch)."""
-    cols = tl.arange(0, BLOCK_D)[None, :]
-    cmask = cols < K
-    nw = tl.load(NormW + tl.arange(0, BLOCK_D), mask=tl.arange(0, BLOCK_D) < K, other=0.0).to(tl.float32)
-    for m in tl.static_range(BLOCK_MC):
-        r = tl.minimum(m, M - 1).to(tl.int64)
-        res = tl.load(Res + r * stride_res + cols, mask=cmask, other=0.0)
-        acc = tl.zeros([1, BLOCK_D], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            wj = tl.load(TopkW + r * TOP_K + j)
-            acc += wj * tl.load(Buf + (r * TOP_K + j) * stride_buf + cols, mask=cmask, other=0.0).to(tl.float32)
-        f = acc.to(S.dtype.element_ty)  # the FFN output as the unfused combine rounds it
-        x = (res.to(tl.float32) + f.to(tl.float32)).to(S.dtype.element_ty)
-        tl.store(S + r * K + cols, x, mask=cols < tl.where(m < store_rows, K, 0))
-        x = x.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)
-        normed = (x * inv[:, None]).to(S.dtype.element_ty).to(tl.float32)
-        tl.store(X + m * K + cols, (nw[None, :] * normed).to(X.dtype.element_ty), mask=cols < tl.where(m < M, K, 0))
+def _summed_tile(Buf, TopkW, Res, rows, k0, offs_k, K, stride_buf, stride_res,
+                 TOP_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """summed [BLOCK_MC, BLOCK_K] in Res's dtype for columns k0 + offs_k: cast(res + cast(sum_j w_j * buf_j)),
+    the expressions of `moe_combine._combine_norm_kernel` in its order (columns >= K are 0 unless EVEN_K)."""
+    cols = k0 + offs_k
+    if EVEN_K:
+        res = tl.load(Res + rows[:, None] * stride_res + cols[None, :])
+    else:
+        res = tl.load(Res + rows[:, None] * stride_res + cols[None, :], mask=(cols < K)[None, :], other=0.0)
+    f = tl.zeros([rows.shape[0], offs_k.shape[0]], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        wj = tl.load(TopkW + rows * TOP_K + j)
+        ptrs = Buf + (rows * TOP_K + j)[:, None] * stride_buf + cols[None, :]
+        if EVEN_K:
+            b = tl.load(ptrs)
+        else:
+            b = tl.load(ptrs, mask=(cols < K)[None, :], other=0.0)
+        f += wj[:, None] * b.to(tl.float32)
+    f = f.to(Res.dtype.element_ty)  # the FFN output as the unfused combine rounds it
+    return (res.to(tl.float32) + f.to(tl.float32)).to(Res.dtype.element_ty)
+
+
+@triton.jit
+def _junction_step(acc, ss, w, s, NormW, S, offs_mc, store_rows, k0, offs_k, K,
+                   BLOCK_M: tl.constexpr, BLOCK_MC: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    """One K step: store the summed tile s's first store_rows rows (M, or 0 for no store), add its squares to ss [BLOCK_MC] and
+    acc [BLOCK_N, BLOCK_M] += w @ cast(norm_weight * s)^T, s's rows repeated to BLOCK_M."""
+    cols = k0 + offs_k
+    kmask = cols < K
+    tl.store(S + offs_mc[:, None] * K + cols[None, :], s, mask=(offs_mc[:, None] < store_rows) & kmask[None, :])
+    sf = s.to(tl.float32)
+    ss += tl.sum(sf * sf, axis=1)
+    if EVEN_K:
+        nw = tl.load(NormW + cols).to(tl.float32)
+    else:
+        nw = tl.load(NormW + cols, mask=kmask, other=0.0).to(tl.float32)
+    xc = (nw[None, :] * sf).to(s.dtype)
+    x = tl.reshape(tl.broadcast_to(xc[None, :, :], [BLOCK_M // BLOCK_MC, BLOCK_MC, offs_k.shape[0]]),
+                   [BLOCK_M, offs_k.shape[0]])
+    return _mma(w, x, acc, IEEE), ss
 
 
 @triton.jit(do_not_specialize_on_alignment=["M"])
 def _gemv_junction_kernel(
-    Buf, TopkW, Res, NormW, S, Xs, W, Out, Y, Sem,
-    M, N, K, k_split, eps, stride_buf, stride_res, stride_wn, stride_os, stride_om,
+    Buf, TopkW, Res, NormW, W, Y, S,
+    M, N, K, eps, stride_buf, stride_res, stride_wn,
     TOP_K: tl.constexpr,
     BLOCK_MC: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
-    REDUCE_SPLITS: tl.constexpr,
+    LOOKAHEAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    program = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    X = Xs + program.to(tl.int64) * M * K  # this program's scratch rows [M, K]
-    pid_s, offs_m, offs_n, offs_k, k_lo, k_hi, w_ptrs, x_ptrs = _tiles(
-        X, W, M, N, K, k_split, K, 1, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
-    w_first = _load_tile(w_ptrs, k_lo, offs_k, K, EVEN_K)  # the first W tile before the wait
-    _pre_wait(W, offs_n, N, stride_wn, k_lo, k_hi, 0, "regs", PDL)
-    store_rows = tl.where(program == 0, M, 0)  # one program stores summed
-    _junction_rows(Buf, TopkW, Res, NormW, S, X, M, K, eps, stride_buf, stride_res, store_rows, TOP_K, BLOCK_MC,
-                   BLOCK_D)
-    tl.debug_barrier()  # the scratch rows are written (by this CTA) before any thread reads them
+    pid_n = tl.program_id(0)
+    offs_mc = tl.arange(0, BLOCK_MC)
+    rows = tl.minimum(offs_mc, M - 1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = W + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    w = _load_tile(w_ptrs, 0, offs_k, K, EVEN_K)  # the first weight tile, before the wait
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    store_rows = tl.where(pid_n == 0, M, 0)  # the first column tile stores summed
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    x = _load_tile(x_ptrs, k_lo, offs_k, K, EVEN_K)
-    acc = _mma(w_first, x, acc, IEEE)
-    w_ptrs += BLOCK_K
-    x_ptrs += BLOCK_K
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # the plain GEMV's loop, software-pipelined
-        w, x = _load_k_step(w_ptrs, x_ptrs, k0, offs_k, K, EVEN_K)
-        acc = _mma(w, x, acc, IEEE)
+    ss = tl.zeros([BLOCK_MC], dtype=tl.float32)
+    s = _summed_tile(Buf, TopkW, Res, rows, 0, offs_k, K, stride_buf, stride_res, TOP_K, EVEN_K)
+    if LOOKAHEAD:
+        s_next = _summed_tile(Buf, TopkW, Res, rows, tl.minimum(BLOCK_K, K - 1), offs_k, K, stride_buf,
+                              stride_res, TOP_K, False)
+    acc, ss = _junction_step(acc, ss, w, s, NormW, S, offs_mc, store_rows, 0, offs_k, K, BLOCK_M, BLOCK_MC,
+                             EVEN_K, IEEE)
+    for k0 in range(BLOCK_K, K, BLOCK_K):  # the rest, software-pipelined on the weight tiles
         w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    _epilogue(acc, Out, Y, Sem, M, N, pid_s, offs_m, offs_n, stride_os, stride_om, True, REDUCE_SPLITS)
+        w = _load_tile(w_ptrs, k0, offs_k, K, EVEN_K)
+        if LOOKAHEAD:
+            s = s_next
+            s_next = _summed_tile(Buf, TopkW, Res, rows, tl.minimum(k0 + BLOCK_K, K - 1), offs_k, K, stride_buf,
+                                  stride_res, TOP_K, False)
+        else:
+            s = _summed_tile(Buf, TopkW, Res, rows, k0, offs_k, K, stride_buf, stride_res, TOP_K, EVEN_K)
+        acc, ss = _junction_step(acc, ss, w, s, NormW, S, offs_mc, store_rows, k0, offs_k, K, BLOCK_M, BLOCK_MC,
+                                 EVEN_K, IEEE)
+    inv = tl.rsqrt(ss / K + eps)
+    inv = tl.reshape(tl.broadcast_to(inv[None, :], [BLOCK_M // BLOCK_MC, BLOCK_MC]), [BLOCK_M])
+    y = acc * inv[None, :]
+    offs_m = tl.arange(0, BLOCK_M)
+    mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    tl.store(Y + offs_m[None, :] * N + offs_n[:, None], y.to(Y.dtype.element_ty), mask=mask)
 
 
 def unusable_reason(buf: Tensor, topk_weights: Tensor, top_k: int, residual: Tensor, norm_weight: Tensor,
@@ -121,57 +158,40 @@ def unusable_reason(buf: Tensor, topk_weights: Tensor, top_k: int, residual: Ten
     return None
 
 
-def junction_config(M: int, N: int, K: int, route: dict | None, elt_size: int, device: torch.device
-                    ) -> _gemv.GemvConfig | None:
-    """The fused launch's GEMV configuration: the routing table's entry for the plain projection (route:
-    `ops.dispatch.linear_route`'s dict) when it is the tensor-core kind, completed by `gemv.resolve_config`;
-    None when the table takes another kind or torch for this shape (then the junction is not fused)."""
-    if not route or route.get("kind") != "dot":
-        return None
-    fields = {k: route[k] for k in ("block_n", "block_k", "split_k", "num_warps", "num_stages", "reduce")
-              if k in route}
-    return _gemv.resolve_config(M, N, K, elt_size, device, kind="dot", prefetch="regs", **fields)
+def junction_config(M: int, N: int, K: int, route: dict | None) -> dict[str, int]:
+    """Tiles for the fused launch: the routing table's tensor-core GEMV entry for (M, N, K) where it has one
+    (route: `ops.dispatch.linear_route`'s dict), its split-K folded into narrower column tiles (the same number
+    of programs, each over the whole K); else [64 x 128] tiles, 4 warps, 4 stages (the GEMV's default)."""
+    if route and route.get("kind") == "dot":
+        split = max(1, int(route.get("split_k", 1)))
+        return {"block_n": max(16, int(route["block_n"]) // split), "block_k": int(route["block_k"]),
+                "num_warps": int(route["num_warps"]), "num_stages": int(route["num_stages"])}
+    return {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
 
 
 def junction_gemv(buf: Tensor, topk_weights: Tensor, top_k: int, residual: Tensor, norm_weight: Tensor, eps: float,
-                  weight: Tensor, summed: Tensor, cfg: _gemv.GemvConfig | None = None) -> Tensor:
+                  weight: Tensor, summed: Tensor, *, block_n: int = 64, block_k: int = 128, num_warps: int = 4,
+                  num_stages: int = 4, lookahead: int = 1) -> Tensor:
     """y [T, N] = rms_norm(summed, norm_weight, eps) @ weight^T with summed = cast(residual + cast(sum_j
     topk_weights[t * k + j] * buf[t * k + j])) written into `summed` ([T, D] contiguous, residual's dtype; bit for
     bit `combine_add_rms_norm`'s). buf [T * k, D] (the experts' per-pair buffer), topk_weights fp32 [T * k],
-    residual [T, D], norm_weight [D], weight [N, D]; 1 <= T <= MAX_M. cfg: a tensor-core `GemvConfig` (default:
-    `gemv.default_config`). y is a new contiguous tensor in weight's dtype: the plain GEMV of that cfg applied to
-    the junction's normed rows (see the module docstring). Mutates `summed` only. ValueError where
-    `unusable_reason` says why."""
+    residual [T, D], norm_weight [D], weight [N, D]; 1 <= T <= MAX_M. y is a new contiguous tensor in weight's
+    dtype, equal to the unfused rms_norm -> linear up to rounding (see the module docstring). Mutates `summed`
+    only. ValueError where `unusable_reason` says why."""
     why = unusable_reason(buf, topk_weights, top_k, residual, norm_weight, weight)
     if why is not None:
         raise ValueError(f"junction_gemv: {why}")
     T, D = residual.shape
     if summed.shape != (T, D) or summed.dtype != residual.dtype or not summed.is_contiguous():
         raise ValueError(f"summed must be a contiguous [{T}, {D}] {residual.dtype} tensor")
-    N, dev = weight.shape[0], weight.device
-    cfg = cfg or _gemv.default_config(T, N, D, weight.element_size(), _gemv._num_sms(dev))
-    if cfg.kind != "dot":
-        raise ValueError(f"junction_gemv needs the tensor-core GEMV kind; got {cfg.kind!r}")
-    y = torch.empty(T, N, dtype=weight.dtype, device=dev)
-    split, k_split = _gemv.effective_split(D, cfg)
-    n_tiles = triton.cdiv(N, cfg.block_n)
-    sem = _gemv.semaphores(dev) if split > 1 and cfg.reduce == "fused" else None
-    if sem is not None and n_tiles > sem.numel():
-        sem = None
-    stride_s = _gemv._split_stride(T, N) if split > 1 else 0
-    dst = y if split == 1 else torch.empty(split, stride_s, dtype=torch.float32, device=dev)
-    scratch = torch.empty(n_tiles * split, T, D, dtype=weight.dtype, device=dev)
-    num_sms, pdl_on = _gemv._num_sms_pdl(dev)
-    block_d = triton.next_power_of_2(D)
-    _gemv_junction_kernel[(n_tiles, split)](
-        buf, topk_weights, residual, norm_weight, summed, scratch, weight, dst, y, dst if sem is None else sem,
-        T, N, D, k_split, float(eps), buf.stride(0), residual.stride(0), weight.stride(0), stride_s, N,
-        TOP_K=top_k, BLOCK_MC=triton.next_power_of_2(T), BLOCK_D=block_d, BLOCK_M=max(DOT_M, triton.next_power_of_2(T)),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=D % cfg.block_k == 0, IEEE=weight.dtype == torch.float32,
-        REDUCE_SPLITS=1 if sem is None else split, PDL=pdl_on, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    N = weight.shape[0]
+    y = torch.empty(T, N, dtype=weight.dtype, device=weight.device)
+    pdl_on = pdl.enabled(weight.device, "gemv")
+    block_mc = triton.next_power_of_2(T)
+    _gemv_junction_kernel[(triton.cdiv(N, block_n),)](
+        buf, topk_weights, residual, norm_weight, weight, y, summed, T, N, D, float(eps), buf.stride(0),
+        residual.stride(0), weight.stride(0), TOP_K=top_k, BLOCK_MC=block_mc, BLOCK_M=max(DOT_M, block_mc),
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=D % block_k == 0, IEEE=weight.dtype == torch.float32,
+        LOOKAHEAD=int(lookahead), PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl_on else {}))
-    if split > 1 and sem is None:  # the two-launch reduction
-        _gemv._splitk_reduce_kernel[(triton.cdiv(T * N, 1024),)](
-            dst, y, T * N, stride_s, SPLIT_K=split, BLOCK=1024, PDL=pdl_on, num_warps=4,
-            **({"launch_pdl": True} if pdl_on else {}))
     return y
