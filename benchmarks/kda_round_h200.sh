@@ -84,11 +84,6 @@
 #   smemdiag  why the smem o_proj loses in the batch-1 step: the step profiled (CUPTI, PDL on) with the packaged table
 #           and with o_proj on smem (does the KDA decode before it get slower?), then the step A/B of o_proj smem
 #           configs, the heaviest one with its copies delayed (TOKENSPEED_GEMV_SMEM_DELAY SM clocks)
-#   junction  a MoE layer's FFN junction fused into the next layer's first projection (ops.PendingNorm,
-#           gemv_junction): its GPU tests and the MoE junction ones, junction_gemv_h200.py (fused vs unfused, T 1 / 2 /
-#           4), the decode step A/B at batch 1 / 2 / 4 (default vs TOKENSPEED_MOE_JUNCTION_GEMV=0 vs
-#           TOKENSPEED_JUNCTION_LOOKAHEAD=0), then the CUDA-graph tests (graphs == eager == CPU, nothing compiled
-#           after start-up)
 #   rtests  the routing part's GPU tests alone (the simulation in a CUDA graph, the real out-of-memory step)
 #   Run from the repository root with carry
 #   [".whl"] (the working tree plus a copy under .gpu/ passed the device's 64 MiB carry limit)
@@ -238,18 +233,6 @@ if has check; then  # the checks left open on 2026-12-02: the GPU tests the last
   timeout 150 python3 benchmarks/kda_decode_sweep_h200.py --shapes 96:64,32:64 --v-first --no-fla --reps 100 \
     --only=bv16-chunked-w4-s4 --out "$OUT/kda_decode_sweep_h200_check.json" 2>&1 \
     | tee "$OUT/kda_sweep_check.log" | grep -E "^== |  D  |best per|H= "
-fi
-if has junction; then  # the FFN junction inside the next projection's GEMV: tests, the op pair, the step
-  timeout 200 python3 -m pytest -p no:cacheprovider -n 4 tests/ops/test_triton_gemv_junction.py \
-    tests/ops/test_triton_moe_junction.py -m gpu -rfE --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-300 \
-    | tail -8
-  timeout 200 python3 benchmarks/junction_gemv_h200.py --out "$OUT/junction_gemv_h200.json" 2>&1 \
-    | grep -E "^T=|Error|error" | cut -c1-300
-  timeout 300 python3 benchmarks/step_profile_h200.py --skip decode,prefill,policy --pdl-ab "${JUNCTION_BATCHES:-1,2,4}" \
-    --pdl-configs "1:regs:0;1:regs:0:table:TOKENSPEED_MOE_JUNCTION_GEMV=0;1:regs:0:table:TOKENSPEED_JUNCTION_LOOKAHEAD=0" \
-    --out "$OUT" 2>&1 | grep -E "PDL A/B|Error|error" | cut -c1-400
-  timeout 280 python3 -m pytest -p no:cacheprovider tests/executor/test_cuda_graphs.py \
-    -k "graphs_equal or no_triton or end_of_a_context" -rfE --tb=short 2>&1 | grep -E "^E  |passed|failed" | cut -c1-400
 fi
 if has rtests; then
   timeout 180 python3 -m pytest -p no:cacheprovider tests/ops/test_moe_simulate_routing.py \
