@@ -94,12 +94,8 @@ class Linear(nn.Module):
         self.weight = weight((out_features, in_features), dtype, device, sources=sources, shard_dim=shard_dim,
                              split_sizes=split_sizes, sources_scope_up=1)
 
-    def forward(self, x: Tensor | ops.PendingNorm) -> Tensor:
-        """x [..., in] -> [..., out]: F.linear, or the Triton GEMV where the routing table picks it. A pending
-        MoE junction (`ops.PendingNorm`, [T, in]) is projected with the junction fused into the GEMV."""
-        if isinstance(x, ops.PendingNorm):
-            return x.project(self.weight)
-        return ops.linear(x, self.weight)
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.linear(x, self.weight)  # F.linear, or the Triton GEMV where the routing table picks it
 
 
 class Part(NamedTuple):

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from tokenspeed.ops import dispatch as _dispatch
-from tokenspeed.ops.junction import JUNCTION_GEMV_ENV, PendingNorm
 from tokenspeed.ops.kda_layers import KdaLayerTable, KdaLayerTensors
 from tokenspeed.ops.reference import activation as _ref_act
 from tokenspeed.ops.reference import attn_res as _ref_attn_res
@@ -222,29 +221,6 @@ def moe_experts(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Ten
                                    norm_weight=norm_weight, norm_eps=norm_eps, prefetch_expert=prefetch_expert)
     out = kernels.moe_experts(x, w1, w3, w2, topk_weights, topk_ids, act, add=add, prefetch_expert=prefetch_expert)
     return add_rms_norm(out, residual, norm_weight, norm_eps)
-
-
-def moe_junction_deferrable(x: Tensor, w1: Tensor, act: Activation, residual: Tensor) -> bool:
-    """Whether `moe_experts_pending` may run for these tensors: the Triton experts path (`use_triton`, the kernels'
-    region), at most `gemv_junction.MAX_M` rows and TOKENSPEED_MOE_JUNCTION_GEMV (read per call) not "0".
-    Host-only (no sync)."""
-    if os.environ.get(JUNCTION_GEMV_ENV, "1").strip() == "0":
-        return False
-    return _dispatch.use_triton(x, w1, residual) and _dispatch.moe_experts_supported(x, w1, act) \
-        and 1 <= x.shape[0] <= _dispatch.kernels("gemv_junction").MAX_M and residual.shape == x.shape
-
-
-def moe_experts_pending(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-                        act: Activation, residual: Tensor, norm_weight: Tensor, norm_eps: float = 1e-6, *,
-                        prefetch_expert: int | None = None) -> PendingNorm:
-    """`moe_experts(..., residual=, norm_weight=, norm_eps=)` with its junction pending (`tokenspeed.ops.junction`):
-    returns a `PendingNorm` whose `resolve()` is that call's normed (and whose `summed` its summed) and whose
-    `project(weight)` is normed @ weight^T with the junction fused into the GEMV. Only where
-    `moe_junction_deferrable`; ValueError elsewhere."""
-    if not moe_junction_deferrable(x, w1, act, residual):
-        raise ValueError("moe_experts_pending: not deferrable here (see ops.moe_junction_deferrable)")
-    return _dispatch.kernels("moe_experts").moe_experts_pending(
-        x, w1, w3, w2, topk_weights, topk_ids, act, residual, norm_weight, norm_eps, prefetch_expert=prefetch_expert)
 
 
 def moe_gate_kernel_usable(attn_out: Tensor, residual: Tensor, norm_weight: Tensor, router_weight: Tensor,
@@ -635,7 +611,6 @@ __all__ = [
     "Activation",
     "KdaLayerTable",
     "KdaLayerTensors",
-    "PendingNorm",
     "add_rms_norm",
     "apply_rope",
     "attn_res_mix",
@@ -663,8 +638,6 @@ __all__ = [
     "mla_norm_store_latent",
     "mla_store_latent",
     "moe_experts",
-    "moe_experts_pending",
-    "moe_junction_deferrable",
     "moe_route",
     "moe_simulate_routing",
     "rms_norm",

@@ -76,34 +76,20 @@ class DecoderLayer(nn.Module):
         query = depth_query(self.mlp_res_norm, self.mlp_res_proj)
         stream.add(self.ffn(mix_and_norm(stream, query, self.eps, self.post_attention_layernorm)))
 
-    def forward_plain(self, hidden: Tensor, normed: Tensor | ops.PendingNorm, batch: ForwardBatch,
-                      cache: CacheBuffers, next_norm: RMSNorm, defer: bool = False
-                      ) -> tuple[Tensor, Tensor | ops.PendingNorm]:
+    def forward_plain(self, hidden: Tensor, normed: Tensor, batch: ForwardBatch, cache: CacheBuffers,
+                      next_norm: RMSNorm) -> tuple[Tensor, Tensor]:
         """Pre-norm residual with each add fused into the norm after it. hidden: the stream h entering the layer
         [T, hidden]; normed: input_layernorm(h) (the caller fused it with the add that made h); next_norm: the norm
         that reads this layer's output (the next layer's input norm, or the final norm). Returns (h'', x):
         h' = h + Attn(normed), h'' = h' + FFN(post_attention_layernorm(h')) the layer's output stream and
         x = next_norm(h''), each add and the norm after it one `ops.add_rms_norm` (a MoE on one rank: the second
         one inside the experts' combine; the first one with the router in `ops.moe_gate` where
-        `SparseMoE.gate_fusable`). normed may be a pending junction of the layer before (`ops.PendingNorm`,
-        see `takes_pending_input`). defer: the next layer takes a pending x (`SparseMoE.forward_junctions`).
-        Nothing is mutated but the cache."""
+        `SparseMoE.gate_fusable`). Nothing is mutated but the cache."""
         post = self.post_attention_layernorm
-        if isinstance(normed, ops.PendingNorm) and not self.takes_pending_input():
-            normed = normed.resolve()
         attn_out = self.self_attn(normed, batch, cache)
         if hasattr(self, "block_sparse_moe"):  # both junctions (and, when fusable, the routing) in the MoE block
-            x, hidden = self.block_sparse_moe.forward_junctions(attn_out, hidden, post, next_norm, defer)
+            x, hidden = self.block_sparse_moe.forward_junctions(attn_out, hidden, post, next_norm)
         else:
             x, hidden = ops.add_rms_norm(attn_out, hidden, post.weight, post.eps)
             x, hidden = ops.add_rms_norm(self.mlp(x), hidden, next_norm.weight, next_norm.eps)
         return hidden, x
-
-    def takes_pending_input(self) -> bool:
-        """Whether this layer's attention reads its normed input only through its first projection (a `Linear`,
-        which fuses a pending junction into its GEMV): KDA (in_proj), and MLA with the merged q / kv_a projection
-        and no output gate (which would read the input a second time)."""
-        attn = self.self_attn
-        if isinstance(attn, KDAAttention):
-            return True
-        return hasattr(attn, "q_kv_a_proj") and not hasattr(attn, "g_proj")

@@ -67,8 +67,7 @@ class KimiModel(nn.Module):
             hidden, x = embeddings, first_norm(embeddings)
             for i, layer in enumerate(self.layers):
                 norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-                defer = i + 1 < len(self.layers) and self.layers[i + 1].takes_pending_input()
-                hidden, x = layer.forward_plain(hidden, x, batch, cache, norm, defer)  # h += Attn, FFN; next norm
+                hidden, x = layer.forward_plain(hidden, x, batch, cache, norm)  # h += Attn, FFN; next input norm
                 for slot in wanted.get(i, ()):
                     captured[slot] = hidden
             out = x

@@ -164,16 +164,14 @@ class SparseMoE(nn.Module):
             attn_out, residual, post_norm.weight, self.gate.weight, self._bias(), c.num_experts_per_token,
             c.moe_router_activation_func)
 
-    def forward_junctions(self, attn_out: Tensor, residual: Tensor, post_norm: RMSNorm, norm: RMSNorm,
-                          defer: bool = False) -> tuple[Tensor | ops.PendingNorm, Tensor]:
+    def forward_junctions(self, attn_out: Tensor, residual: Tensor, post_norm: RMSNorm, norm: RMSNorm
+                          ) -> tuple[Tensor, Tensor]:
         """Both junctions of a pre-norm MoE layer around its FFN: h' = residual + attn_out, x = post_norm(h'),
         h'' = h' + self(x); returns (norm(h''), h'') (new tensors, nothing mutated), exactly
         `self.forward_add_norm(*ops.add_rms_norm(attn_out, residual, post_norm.weight, post_norm.eps), norm)` up
         to the fp32 summation order of the router logits. When `gate_fusable`: `ops.moe_gate` (the first junction,
         the router GEMV and the routing in one launch), then the experts with the second junction in their
-        combine; otherwise that composition. defer (the caller's promise that norm(h'') is read only by the next
-        layer's input projection or through `resolve()`): where `junction_deferrable`, norm(h'') comes back as an
-        `ops.PendingNorm` and h'' is its `summed`, written when the next layer projects it."""
+        combine; otherwise that composition."""
         if not self.gate_fusable(attn_out, residual, post_norm):
             x, h = ops.add_rms_norm(attn_out, residual, post_norm.weight, post_norm.eps)
             return self.forward_add_norm(x, h, norm)
@@ -182,19 +180,7 @@ class SparseMoE(nn.Module):
             attn_out, residual, post_norm.weight, post_norm.eps, self.gate.weight, self._bias(),
             c.num_experts_per_token, scoring=c.moe_router_activation_func, renormalize=c.moe_renormalize,
             routed_scaling_factor=c.routed_scaling_factor, shared_expert_id=self._shared_id())
-        weights, ids = self._simulated(weights, ids)
-        if defer and self.junction_deferrable(x, h):
-            pending = ops.moe_experts_pending(x, self.w1, self.w3, self.w2, weights, ids, self.act, h, norm.weight,
-                                              norm.eps, prefetch_expert=self._shared_id())
-            return pending, pending.summed
-        return self._experts_add_norm(x, h, weights, ids, norm)
-
-    def junction_deferrable(self, x: Tensor, residual: Tensor) -> bool:
-        """Whether `forward_junctions(..., defer=True)` leaves the junction after the FFN pending: one rank, the
-        hidden-space MoE with its shared expert folded in (no separate `add`), and `ops.moe_junction_deferrable`
-        (CUDA or forced Triton, decode-sized batches, TOKENSPEED_MOE_JUNCTION_GEMV not "0"). Host-only."""
-        return self.latent is None and self.parallel.tp_size == 1 and not hasattr(self, "shared_experts") \
-            and ops.moe_junction_deferrable(x, self.w1, self.act, residual)
+        return self._experts_add_norm(x, h, *self._simulated(weights, ids), norm)
 
     def forward_add_norm(self, x: Tensor, residual: Tensor, norm: RMSNorm) -> tuple[Tensor, Tensor]:
         """The FFN and the pre-norm junction after it: (norm(residual + y), residual + y), y = forward(x) (new

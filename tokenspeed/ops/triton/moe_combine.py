@@ -117,22 +117,17 @@ def norm_num_warps(block_d: int) -> int:
 
 
 def combine_add_rms_norm(buf: Tensor, topk_weights: Tensor, top_k: int, residual: Tensor, norm_weight: Tensor,
-                         norm_eps: float, add: Tensor | None = None, summed: Tensor | None = None
-                         ) -> tuple[Tensor, Tensor]:
+                         norm_eps: float, add: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(normed, summed), both new [T, D] tensors in residual.dtype: f = `combine(buf, topk_weights, top_k,
     residual.dtype, add)`, summed = cast(residual + f), normed = rms_norm(summed, norm_weight, norm_eps) (the
     rounding of `add_rms_norm`), in one launch of one program per row. residual: [T, D] (unit column stride,
     else copied); norm_weight: [D]; add as in `combine`. Only reads residual, add and the weights. Reads P * D *
-    elt + 2 (3 with add) * T * D * elt, writes 2 * T * D * elt. summed, if given (a contiguous [T, D] tensor of
-    residual.dtype), receives the sum instead of a new tensor (and is returned)."""
+    elt + 2 (3 with add) * T * D * elt, writes 2 * T * D * elt."""
     P, D = buf.shape
     T = P // top_k
     dtype = residual.dtype
     normed = torch.empty(T, D, dtype=dtype, device=buf.device)
-    if summed is None:
-        summed = torch.empty(T, D, dtype=dtype, device=buf.device)
-    elif summed.shape != (T, D) or summed.dtype != dtype or not summed.is_contiguous():
-        raise ValueError(f"summed must be a contiguous [{T}, {D}] {dtype} tensor")
+    summed = torch.empty(T, D, dtype=dtype, device=buf.device)
     residual, add = _unit_cols(residual), _unit_cols(add)
     block_d = next_pow2(D)
     _combine_norm_kernel[(T,)](

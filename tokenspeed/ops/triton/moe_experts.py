@@ -96,7 +96,6 @@ from tokenspeed.ops.reference.activation import Activation
 from tokenspeed.ops.reference.moe import check_add, check_norm
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton.moe_align import align
-from tokenspeed.ops.junction import PendingNorm
 from tokenspeed.ops.triton.moe_combine import _unit_cols, combine, combine_add_rms_norm
 from tokenspeed.ops.triton.moe_config import (  # noqa: F401 - re-exported
     DIRECT_MAX_TOKENS,
@@ -706,29 +705,16 @@ def moe_experts(
     _check_args(x, w1, w3, w2, topk_weights, topk_ids, act, add)
     check_norm(residual, norm_weight, x, w2.shape[1])
     T, D = x.shape
-    DI = w1.shape[1]
+    E, DI, _ = w1.shape
     k = topk_ids.shape[1]
     P = T * k
     if P == 0 or D == 0 or DI == 0:  # no launch at all (an empty gate_up grid would break down's PDL reasoning)
         return _empty_call(x, D, add, residual, norm_weight, norm_eps)
-    add, residual = _unit_cols(add), _unit_cols(residual)  # before the first launch: the combine reads them pre-wait
-    buf, tw = _pair_buffer(x, w1, w3, w2, topk_weights, topk_ids, act, prefetch_expert, config)
-    if residual is not None:
-        return combine_add_rms_norm(buf, tw, k, residual, norm_weight, norm_eps, add)
-    return combine(buf, tw, k, x.dtype, add)
-
-
-def _pair_buffer(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-                 act: Activation, prefetch_expert: int | None, config: ExpertsConfig | None) -> tuple[Tensor, Tensor]:
-    """(buf [T * k, D], tw fp32 [T * k] contiguous): the experts' per-pair outputs (gate_up and down, direct or
-    aligned) and the routing weights the combine sums them with. Arguments checked by the caller; P, D, I > 0."""
-    T, D = x.shape
-    E, DI, _ = w1.shape
-    k = topk_ids.shape[1]
     cfg = config or default_config(T, k, E, D, DI, x.element_size())
     _check_config(cfg)
     if x.stride(1) != 1:
         x = x.contiguous()
+    add, residual = _unit_cols(add), _unit_cols(residual)  # before the first launch: the combine reads them pre-wait
     tw = topk_weights.reshape(-1)
     if tw.dtype != torch.float32:
         tw = tw.float()
@@ -737,23 +723,11 @@ def _pair_buffer(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Te
     if T <= cfg.direct_max_tokens:
         pair_ids = topk_ids.reshape(-1).contiguous()
         h = gate_up_direct(x, w1, w3, pair_ids, k, act, cfg, prefetch_expert)
-        return down_direct(h, w2, pair_ids, cfg), tw
-    sorted_pair_ids, block_expert = align(topk_ids, E, cfg.block_m)
-    h = gate_up(x, w1, w3, sorted_pair_ids, block_expert, k, act, cfg, prefetch_expert=prefetch_expert)
-    return down(h, w2, sorted_pair_ids, block_expert, T * k, cfg), tw
-
-
-def moe_experts_pending(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-                        act: Activation, residual: Tensor, norm_weight: Tensor, norm_eps: float = 1e-6, *,
-                        prefetch_expert: int | None = None, config: ExpertsConfig | None = None) -> PendingNorm:
-    """`moe_experts(..., residual=, norm_weight=)` with the junction left to its consumer: the experts' gate_up and
-    down launches, and a `PendingNorm` whose `project(weight)` fuses the combine, the add and the norm into the
-    next projection (`gemv_junction`) and whose `resolve()` runs `combine_add_rms_norm` (the same normed and
-    summed as this op's fused junction). No `add`. Nothing given is mutated; `pending.summed` is allocated here."""
-    _check_args(x, w1, w3, w2, topk_weights, topk_ids, act, None)
-    check_norm(residual, norm_weight, x, w2.shape[1])
-    if x.shape[0] == 0 or x.shape[1] == 0 or w1.shape[1] == 0 or topk_ids.shape[1] == 0:
-        raise ValueError("moe_experts_pending needs at least one pair and nonzero widths")
-    residual = _unit_cols(residual)
-    buf, tw = _pair_buffer(x, w1, w3, w2, topk_weights, topk_ids, act, prefetch_expert, config)
-    return PendingNorm(buf, tw, topk_ids.shape[1], residual, norm_weight, float(norm_eps))
+        buf = down_direct(h, w2, pair_ids, cfg)
+    else:
+        sorted_pair_ids, block_expert = align(topk_ids, E, cfg.block_m)
+        h = gate_up(x, w1, w3, sorted_pair_ids, block_expert, k, act, cfg, prefetch_expert=prefetch_expert)
+        buf = down(h, w2, sorted_pair_ids, block_expert, P, cfg)
+    if residual is not None:
+        return combine_add_rms_norm(buf, tw, k, residual, norm_weight, norm_eps, add)
+    return combine(buf, tw, k, x.dtype, add)
