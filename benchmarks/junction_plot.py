@@ -1,8 +1,9 @@
 """Plot the FFN-junction-in-the-projection measurements (H200, kimi-linear-48b-a3b shapes): from
-`junction_gemv_h200.py`'s result (the script is in git at 1d2e0ba / 8c7bd73 with the kernel it timed), unfused / fused per-call time of each (T, N) pair (experts + junction +
-projection; 1d2e0ba: x tiles built in the K loop, both LOOKAHEAD settings; 8c7bd73: the junction in the GEMV's
-prologue); from `step_profile_h200.py --pdl-ab`'s, the unfused decode step
-(TOKENSPEED_MOE_JUNCTION_GEMV=0) over each fused setting's step in the same interleaved run. > 1: the fusion wins.
+`junction_gemv_h200.py`'s result (the script is in git at 1d2e0ba / 8c7bd73 with the kernel it timed), unfused /
+fused per-call time of each (T, N) pair (experts + junction + projection; 1d2e0ba: x tiles built in the K loop,
+both LOOKAHEAD settings; 8c7bd73: the junction in the GEMV's prologue); from `step_profile_h200.py --pdl-ab`'s, the
+unfused decode step (TOKENSPEED_MOE_JUNCTION_GEMV=0) over each fused setting's step in the same interleaved run. >
+1: the fusion wins.
 
     python benchmarks/junction_plot.py benchmarks/results/junction_gemv_h200_{1d2e0ba,8c7bd73}.json \
         benchmarks/results/step_profile_h200_{1d2e0ba,8c7bd73}_junction_ab.json --out benchmarks/results/junction_h200.png
