@@ -27,16 +27,27 @@ from tokenspeed.ops.triton import mla_decode as k_mla
 from tokenspeed.ops.triton import mla_gluon
 
 
+WS_KNOBS = ("WS_FP8", "WS_MIN_SEQS", "WS_MAXNREG")
+
+
 def gluon_decode(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
-                 on: bool, wide: bool = True) -> torch.Tensor:
+                 on: bool, wide: bool = True, ws: bool | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """`mla_decode` (split + combine, each path's default split count) with its Gluon split kernel on or off (and
-    its 64-row tiles on or off); q [N, Q, H, 576] bf16."""
-    prev = mla_gluon.ENABLED, mla_gluon.WIDE_ROWS
+    its 64-row tiles on or off; ws: the warp-specialized fp8 kernel forced on (at any batch, with `maxnreg`) or
+    off, None: the defaults); q [N, Q, H, 576] bf16."""
+    prev = mla_gluon.ENABLED, mla_gluon.WIDE_ROWS, {k: getattr(mla_gluon, k) for k in WS_KNOBS if hasattr(mla_gluon, k)}
     mla_gluon.ENABLED, mla_gluon.WIDE_ROWS = on, wide
+    if ws is not None:  # (a tree before the warp-specialized kernel ignores these)
+        mla_gluon.WS_FP8, mla_gluon.WS_MIN_SEQS, mla_gluon.WS_MAXNREG = ws, 1, maxnreg
     try:
         return k_mla.mla_decode(q, cache, table, kv_lens, scale, V)
     finally:
-        mla_gluon.ENABLED, mla_gluon.WIDE_ROWS = prev
+        mla_gluon.ENABLED, mla_gluon.WIDE_ROWS = prev[:2]
+        for k in WS_KNOBS:
+            if k in prev[2]:
+                setattr(mla_gluon, k, prev[2][k])
+            elif hasattr(mla_gluon, k):
+                delattr(mla_gluon, k)
 
 
 CASES = [(f"b{b}_{c // 1024}k", [c] * b) for c in (4096, 32768) for b in (1, 4, 16, 64)]
@@ -60,11 +71,15 @@ COMPILE_VARIANTS = {
     "decode H32, page 16": {"page": 16}, "verify Q4 H32, 64 rows, page 16": {"qn": 4, "block_h": 64, "page": 16},
     "decode H32, fp8 cache": {"fp8": True}, "verify Q4 H32, 64 rows, fp8 cache": {"qn": 4, "block_h": 64, "fp8": True},
     "decode H16, fp8, page 16": {"heads": 16, "block_h": 16, "fp8": True, "page": 16},
+    "decode H32, fp8, warp-specialized": {"fp8": True, "ws": True},
+    "decode H32, fp8, page 16, warp-specialized": {"fp8": True, "page": 16, "ws": True},
+    "decode H12, fp8, page 16, warp-specialized": {"heads": 12, "block_h": 16, "fp8": True, "page": 16, "ws": True},
+    "verify Q4 H32, fp8, page 16, warp-specialized": {"qn": 4, "fp8": True, "page": 16, "ws": True},
 }
 
 
 def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False, use_pdl: bool = True, qn: int = 1,
-                 block_h: int = 32, page: int = PAGE, fp8: bool = False) -> dict:
+                 block_h: int = 32, page: int = PAGE, fp8: bool = False, ws: bool = False) -> dict:
     """Compile the Gluon split kernel for sm_90 without a GPU (`sm90_compile`'s target and Triton's own ptxas /
     cuobjdump): shared memory, registers, spill stack and main-loop instructions / spill reloads."""
     from sm90_compile import TARGET, cubin_usage, loop_usage
@@ -75,7 +90,8 @@ def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False,
             "PART": "*fp32", "LSE": "*fp32"}
     strides = ("stride_qn", "stride_qj", "stride_qh", "stride_rn", "stride_rj", "stride_rh", "stride_cp")
     consts = {"QN": qn, "H": heads, "PAGE": page, "DV": V, "ROW": DL, "BLOCK_H": block_h, "BLOCK_N": mla_gluon.BLOCK_N,
-              "BLOCK_SEQ": block_seq, "ALL_PARTIAL": all_partial, "KV_BYTES": 1 if fp8 else 2, "PDL": use_pdl}
+              "BLOCK_SEQ": block_seq, "ALL_PARTIAL": all_partial, "KV_BYTES": 1 if fp8 else 2, "WS": ws,
+              "WS_REGS": mla_gluon.WS_PRODUCER_REGS, "PDL": use_pdl}
     sig = {**ptrs, **dict.fromkeys(strides, "i64"), "stride_pt": "i64", "N": "i32", "MAX_SPLITS": "i32", "min_chunk": "i32",
            "sm_scale_log2": "fp32", "kv_scale": "fp32", **dict.fromkeys(consts, "constexpr")}
     sig = {name: sig[name] for name in fn.arg_names}
@@ -95,6 +111,12 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="an fp8 e4m3 cache (turns mla_gluon.FP8_CACHE on)")
     ap.add_argument("--page", type=int, default=PAGE,
                     help="cache page size; not a multiple of 64 turns mla_gluon.SMALL_PAGES on (a page per key row)")
+    ap.add_argument("--ws-ab", action="store_true",
+                    help="with --fp8: time the warp-specialized fp8 path against the one-warpgroup one and against "
+                         "the same case over a bf16 cache, and check the two fp8 paths bit for bit")
+    ap.add_argument("--ws-maxnreg", type=int, default=0,
+                    help="with --ws-ab: also time the warp-specialized kernel launched with this maxnreg")
+    ap.add_argument("--no-triton", action="store_true", help="skip the Triton kernel's timing (slow over fp8)")
     args = ap.parse_args()
     if args.compile_sm90:
         report = {}
@@ -128,18 +150,33 @@ def main() -> None:
         row["max_rel_err_vs_triton"] = rel(got, want)
         nbytes = sum(lens) * DL * cache.element_size()
         args_ = (q, cache, table, kv, scale)
-        forms = [("triton", lambda a=args_: gluon_decode(*a, False)), ("gluon", lambda a=args_: gluon_decode(*a, True))]
+        forms = [] if args.no_triton else [("triton", lambda a=args_: gluon_decode(*a, False))]
+        forms.append(("gluon", lambda a=args_: gluon_decode(*a, True)))
         if qn * heads > 32:  # the 64-row tiles against 32-row ones
             forms.append(("gluon32", lambda a=args_: gluon_decode(*a, True, False)))
+        if args.fp8 and args.ws_ab:
+            one = gluon_decode(q, cache, table, kv, scale, True, ws=False)
+            two = gluon_decode(q, cache, table, kv, scale, True, ws=True)
+            row["ws_bit_equal"] = bool(torch.equal(two, one))
+            row["ws_max_rel_err"] = rel(two, one)
+            cache16 = cache.to(torch.bfloat16)  # the same values (fp8 -> bf16 is exact), twice the bytes
+            row["bf16_max_rel_err"] = rel(gluon_decode(q, cache16, table, kv, scale, True), got)
+            forms.append(("gluon_ws", lambda a=args_: gluon_decode(*a, True, ws=True)))
+            if args.ws_maxnreg:
+                forms.append((f"gluon_ws{args.ws_maxnreg}",
+                              lambda a=args_: gluon_decode(*a, True, ws=True, maxnreg=args.ws_maxnreg)))
+            forms.append(("gluon_1wg", lambda a=args_: gluon_decode(*a, True, ws=False)))
+            forms.append(("gluon_bf16", lambda a=(q, cache16, table, kv, scale): gluon_decode(*a, True)))
         for form, fn in forms:
             t = graph_us(fn, n=20)
             row[f"{form}_us"] = t
-            row[f"{form}_hbm"] = nbytes / (t * 1e-6) / HBM if math.isfinite(t) and t > 0 else None
+            nb = sum(lens) * DL * 2 if form == "gluon_bf16" else nbytes
+            row[f"{form}_hbm"] = nb / (t * 1e-6) / HBM if math.isfinite(t) and t > 0 else None
         rows.append(row)
-        print(f"{name:22s} err {row['max_rel_err_vs_triton']:.2e}  triton {row['triton_us']:8.2f} us "
-              f"({100 * (row['triton_hbm'] or 0):4.1f}%)  gluon {row['gluon_us']:8.2f} us "
-              f"({100 * (row['gluon_hbm'] or 0):4.1f}%)"
-              + (f"  gluon 32-row tiles {row['gluon32_us']:8.2f} us" if "gluon32_us" in row else ""), flush=True)
+        print(f"{name:22s} err {row['max_rel_err_vs_triton']:.2e}  "
+              + "  ".join(f"{form} {row[form + '_us']:8.2f} us ({100 * (row[form + '_hbm'] or 0):4.1f}%)"
+                          for form, _ in forms)
+              + (f"  ws bit-equal {row['ws_bit_equal']}" if "ws_bit_equal" in row else ""), flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": os.environ.get("BENCH_COMMIT", "unknown"), "date": time.strftime("%Y-%m-%d"), "page": args.page,
             "cache_dtype": str(cache_dtype),

@@ -4,8 +4,9 @@
 # parity, Gluon == Triton, UNIFORM_PLAN bit-equality, CUDA graphs), the model's CUDA-graph tests, the decode sweep
 # with the Gluon kernel off then on. Expects $OUT; logs each part there (at most 8 files come back).
 # "pages" / "fp8": the Gluon kernel over page-16 caches (mla_gluon.SMALL_PAGES) / fp8 caches (FP8_CACHE), their GPU
-# tests and timing.
-#   bash benchmarks/mla_round_h200.sh "gluon pages fp8 plan loops tests models decode"      (any subset)
+# tests and timing. "ws": the warp-specialized fp8 path (mla_gluon.WS_FP8): every Gluon GPU test, then the fp8 cases
+# at page 16 and 64 against the one-warpgroup fp8 path and the same cases over a bf16 cache, and bf16 at page 16.
+#   bash benchmarks/mla_round_h200.sh "gluon pages fp8 ws plan loops tests models decode"      (any subset)
 set -u
 parts=" ${1:-gluon plan loops tests} "
 source benchmarks/gpu_env.sh
@@ -30,6 +31,16 @@ if has fp8; then  # mla_gluon.FP8_CACHE (fp8 tiles staged to bf16 in shared memo
   tail -4 "$OUT/gpu_tests_fp8.log"
   timeout 150 python3 benchmarks/mla_gluon_h200.py --fp8 --cases b64,b16,mixed,b1_4k \
     --out "$OUT/mla_gluon_h200_fp8.json" 2>&1 | tee "$OUT/mla_gluon_fp8.log" | tail -12
+fi
+if has ws; then
+  timeout -s INT ${WS_TIMEOUT:-200} python3 -m pytest $XDIST -rfEp --tb=short -p no:cacheprovider \
+    tests/ops/test_triton_mla_gluon.py > "$OUT/gpu_tests_ws.log" 2>&1
+  tail -6 "$OUT/gpu_tests_ws.log"
+  for page in 16 64; do
+    timeout 150 python3 benchmarks/mla_gluon_h200.py --fp8 --ws-ab --no-triton --page $page \
+      --cases ${WS_CASES:-b64,b16,b4_32k,mixed,b1_4k,k3tp8_b64,verify4_b1} --out "$OUT/mla_gluon_h200_ws_page$page.json" \
+      2>&1 | tee "$OUT/mla_gluon_ws_page$page.log" | tail -12
+  done
 fi
 if has plan; then
   for u in "" --uniform-plan; do

@@ -37,6 +37,19 @@ def test_switch_env_and_errors(monkeypatch):
         mla_gluon.enabled()
 
 
+def test_ws_switch_env_and_errors(monkeypatch):
+    """The warp-specialized fp8 path: WS_FP8 unless TOKENSPEED_MLA_GLUON_WS says otherwise."""
+    monkeypatch.delenv(mla_gluon.WS_ENV, raising=False)
+    assert mla_gluon.ws_fp8() is mla_gluon.WS_FP8
+    monkeypatch.setenv(mla_gluon.WS_ENV, "0")
+    assert not mla_gluon.ws_fp8()
+    monkeypatch.setenv(mla_gluon.WS_ENV, "1")
+    assert mla_gluon.ws_fp8()
+    monkeypatch.setenv(mla_gluon.WS_ENV, "on")
+    with pytest.raises(ValueError, match="TOKENSPEED_MLA_GLUON_WS must be 0 or 1"):
+        mla_gluon.ws_fp8()
+
+
 def test_not_usable_off_cuda():
     """CPU tensors (the interpreter's) never take the Gluon kernel, whatever the shapes."""
     inp = make([300, 64], 1, 32, 576, 64, torch.bfloat16, torch.bfloat16, "cpu")
@@ -148,6 +161,58 @@ def test_fp8_cache_gpu(monkeypatch, page_size, Q, H):
         check(kv_lens, Q, H, **REAL, page_size=page_size, q_dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn,
               device="cuda", tol=2e-2, kv_scale=0.25)
     assert spy.calls == 2
+
+
+def _poison_unused_rows(inp: dict) -> None:
+    """Every fp8 cache row that no sequence's [0, kv_len) maps to set to e4m3's NaN (0x7f): a kernel that reads
+    one into a dot turns its outputs NaN (`make` zeroes them for fp8 caches)."""
+    cache, table = inp["cache"], inp["page_table"]
+    page = cache.shape[1]
+    used = torch.zeros(cache.shape[0] * page, dtype=torch.bool, device=cache.device)
+    for n, k in enumerate(inp["kv_lens"].tolist()):
+        if k > 0:
+            pos = torch.arange(k, device=cache.device)
+            used[table[n, pos // page].long() * page + pos % page] = True
+    flat = cache.view(torch.uint8).view(-1, cache.shape[-1])
+    flat[~used] = 0x7F
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_hopper_gluon
+@pytest.mark.parametrize("page_size", [64, 16, 48])
+@pytest.mark.parametrize("Q, H", [(1, 32), (1, 12), (4, 32), (2, 12)])
+@pytest.mark.parametrize("maxnreg", [None, 168])
+def test_fp8_warp_specialized_equals_one_warpgroup_gpu(monkeypatch, page_size, Q, H, maxnreg):
+    """WS_FP8 (forced at every batch size; maxnreg 168: registers handed between the partitions): the producer
+    warpgroup's conversion into two staging buffers gives the dots the same bf16 tiles as the one-warpgroup path,
+    so outputs are bit-equal (16- and 32-row tiles; Q 4 x 32 heads from 16 sequences takes
+    64-row tiles, the one-warpgroup path on both sides), over ragged ends (NaN cache rows past them must not be
+    read), padding sequences, one and many splits, kv_scale and the W_UV combine; and within the fp8 tolerance of
+    the reference."""
+    monkeypatch.setattr(mla_gluon, "FP8_CACHE", True)
+    monkeypatch.setattr(mla_gluon, "SMALL_PAGES", True)
+    monkeypatch.setattr(mla_gluon, "WS_MIN_SEQS", 1)  # at every batch size here
+    monkeypatch.setattr(mla_gluon, "WS_MAXNREG", maxnreg)
+    scale = 576 ** -0.5
+    for kv_lens, ms in (([8192, 1024, 0, 300, 65, 1], None), (MIXED * 4, None), ([4097, 100], 1), ([20000], 40)):
+        inp = make(kv_lens, Q, H, REAL["Dl"], page_size, torch.bfloat16, torch.float8_e4m3fn, "cuda",
+                   kv_scale=0.25, seed=page_size + H + len(kv_lens))
+        _poison_unused_rows(inp)
+        w_uv = torch.randn(H, 128, 512, dtype=torch.bfloat16, device="cuda") / 16
+        for kw in ({}, {"w_uv": w_uv}):
+            outs = []
+            for ws in (False, True):
+                monkeypatch.setattr(mla_gluon, "WS_FP8", ws)
+                spy = _Spy(monkeypatch)
+                outs.append(mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512,
+                                           0.25, max_splits=ms, **kw))
+                assert spy.calls == 1
+            assert torch.equal(outs[0], outs[1])
+            assert not outs[1].isnan().any()
+        plain = mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, 0.25,
+                               max_splits=ms)
+        assert rel_err(plain, reference(inp, scale, 512, 0.25)) < 2e-2
 
 
 @pytest.mark.gpu

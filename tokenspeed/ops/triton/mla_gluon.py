@@ -15,6 +15,13 @@ scalars go through a lane-0 shuffle (`mla_split_plan._warp_uniform`) so the loop
 H200, split + combine: batch 64 / 32K 616 us (91.8% of HBM) against 1089 us for the Triton kernel; 16 mixed
 histories 124 vs 193 us (docs/kernels.md).
 
+fp8 (e4m3) caches: the dots read bf16 tiles, converted from fp8 in shared memory. With 16- or 32-row tiles in
+batches of WS_MIN_SEQS sequences or more the kernel is warp-specialized: a producer warpgroup copies each tile's
+five chunks into a shared-memory ring (every thread reads back only its own 16-byte pieces, so no barrier between
+copy and read), converts them and fills one of two bf16 staging buffers, while the kernel's own warpgroup runs the
+dots and the softmax; a `full` and an `empty` mbarrier a buffer hand the tiles over. Otherwise one warpgroup
+converts each tile between its copy and its dots. Both give the same bits.
+
 Contract (per program of the grid (ceil(QN * H / BLOCK_H), MAX_SPLITS, N); row r = j * H + h of a sequence is
 query token j's head h, which sees keys up to kv_len - QN + j): reads Q [N, QN, H, DV] and QR [N, QN, H, DR]
 (bf16, unit last stride), the cache [pages, PAGE, DV + DR] (bf16 or fp8, contiguous rows), the page table (int32) and
@@ -41,6 +48,7 @@ try:  # Gluon's API changes between Triton releases: `usable` is False outside T
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
+        mbarrier,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -77,9 +85,25 @@ SMALL_PAGES = True
 # fp8 (e4m3) caches: the tiles are copied as fp8 (half the bytes) and converted to bf16 (exact) in shared memory
 # before the dots (fp8 wgmma cannot take the value tile transposed); kv_scale on the scores and the output as in
 # the Triton kernel. H200, page 16, against the Triton kernel's fp8 path (results/mla_gluon_h200_fp8_7f43a1b.json,
-# within fp8 tolerance): batch 64 / 32K 2323 -> 1210 us, batch 16 / 32K 590 -> 308, mixed 444 -> 217. Still twice
-# the bf16 kernel's time for half the bytes: the conversion pass, not the copies, bounds it.
+# within fp8 tolerance): batch 64 / 32K 2323 -> 1210 us, batch 16 / 32K 590 -> 308, mixed 444 -> 217. That was
+# twice the bf16 kernel's time for half the bytes: the conversion ran f16 -> bf16 one element at a time on the
+# quarter-rate F2F unit (`_fp8_to_bf16` now goes through fp32 on full-rate instructions), and it sat on the dots'
+# critical path (now a producer warpgroup's work, WS_FP8). Same run, page 16 (benchmarks/README.md): batch 64 / 32K
+# 1241 us before, 897 with the conversion alone, 737 warp-specialized (the bf16 cache 677); 16 mixed histories
+# 221 / 163 / 132 (bf16 131).
 FP8_CACHE = True
+# fp8 caches with 16- or 32-row tiles, warp-specialized (`_fp8_producer` / `_fp8_consumer`): a second warpgroup loads
+# each fp8 tile into registers (the next one's loads in flight while it converts the current one) and stores it as
+# bf16 into one of two staging buffers, so the conversion leaves the critical path of the warpgroup that runs the
+# dots and the softmax (two mbarriers a buffer: full / empty). Same dots on the same bf16 tiles: bit for bit the
+# single-warpgroup fp8 path. TOKENSPEED_MLA_GLUON_WS ("0" / "1") overrides it at each call.
+WS_FP8 = True
+WS_ENV = "TOKENSPEED_MLA_GLUON_WS"
+WS_PRODUCER_REGS = 192  # registers a thread of the producer warpgroup (the tile goes through a shared-memory ring)
+WS_MAXNREG: int | None = None  # the kernel's maxnreg when warp-specialized (None: Triton's default, no reallocation)
+# Batches of fewer sequences keep the one-warpgroup kernel: its splits are short (the grid is one wave of split
+# slots, so a split holds about sum(kv_lens) / 132 keys), where the warp-specialized kernel costs more than it hides.
+WS_MIN_SEQS = 16
 
 
 def enabled() -> bool:
@@ -88,6 +112,14 @@ def enabled() -> bool:
     if v not in ("", "0", "1"):
         raise ValueError(f"{ENV} must be 0 or 1; got {v!r}")
     return v == "1" if v else ENABLED
+
+
+def ws_fp8() -> bool:
+    """WS_FP8, or TOKENSPEED_MLA_GLUON_WS when set. Raises ValueError on a value other than 0 / 1."""
+    v = os.environ.get(WS_ENV, "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"{WS_ENV} must be 0 or 1; got {v!r}")
+    return v == "1" if v else WS_FP8
 
 
 def default_block_h(q_rows: int, num_seqs: int) -> int:
@@ -121,13 +153,16 @@ def launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Te
     """The split grid (ceil(Q * H / block_h), max_splits, N) over validated arguments (`usable` True; shapes as
     `mla_decode._launch` allocates them). pdl_kwargs: `pdl.kernel_kwargs` ({"PDL": bool[, "launch_pdl": True]})."""
     N, QN, H = q.shape[:3]
+    ws = cache.element_size() == 1 and block_h <= 32 and N >= WS_MIN_SEQS and ws_fp8()
+    if ws and WS_MAXNREG:
+        pdl_kwargs = {**pdl_kwargs, "maxnreg": WS_MAXNREG}
     _mla_split_gluon_kernel[(triton.cdiv(QN * H, block_h), max_splits, N)](
         q, q.stride(0), q.stride(1), q.stride(2), qr, qr.stride(0), qr.stride(1), qr.stride(2),
         cache, cache.stride(0), page_table, page_table.stride(0), kv_lens,
         out, part, lse, N, max_splits, min_chunk, sm_scale_log2, kv_scale,
         QN=QN, H=H, PAGE=cache.shape[1], DV=DV, ROW=DV + DR, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_SEQ=block_seq,
-        ALL_PARTIAL=all_partial, KV_BYTES=cache.element_size(), num_warps=4 * triton.cdiv(block_h, 32),
-        **pdl_kwargs)
+        ALL_PARTIAL=all_partial, KV_BYTES=cache.element_size(), WS=ws, WS_REGS=WS_PRODUCER_REGS,
+        num_warps=4 * triton.cdiv(block_h, 32), **pdl_kwargs)
 
 
 if gluon is not None:
@@ -205,12 +240,47 @@ if gluon is not None:
         return n, kv_len, count, start, chunk, p - start
 
     @gluon.jit
+    def _fp8_to_bf16(x):
+        """e4m3 -> bf16, exact, through fp32: on sm_90 two e4m3 -> f16x2 unpacks a pair, HADD2.F32 widens each
+        half and F2FP packs two fp32 into bf16x2, all full-rate ALU work; the direct cast (f16 -> bf16 per element
+        on F2F.BF16.F16, a quarter-rate unit) took 288 of them per thread and tile."""
+        return x.to(gl.float32).to(gl.bfloat16)
+
+    @gluon.jit
     def _stage_bf16(src_kv, src_kr, dst_kv, dst_kr, DV: gl.constexpr, LC: gl.constexpr, LCR: gl.constexpr):
         """An fp8 key tile (src_kv [BLOCK_N, DV], src_kr [BLOCK_N, DR] in shared memory) converted to bf16 (exact)
         into dst_kv / dst_kr, 128 columns at a time (64 fp8 values a thread in flight at 4 warps)."""
         for c in gl.static_range(DV // 128):
-            dst_kv.slice(c * 128, 128, dim=1).store(src_kv.slice(c * 128, 128, dim=1).load(LC).to(gl.bfloat16))
-        dst_kr.store(src_kr.load(LCR).to(gl.bfloat16))
+            dst_kv.slice(c * 128, 128, dim=1).store(_fp8_to_bf16(src_kv.slice(c * 128, 128, dim=1).load(LC)))
+        dst_kr.store(_fp8_to_bf16(src_kr.load(LCR)))
+
+    @gluon.jit
+    def _tile_dots(kv_s, kr_s, qv_s, qr_s, p_s, acc_t, m_i, l_i, k0, hi, lim, sm_scale_log2, BLOCK_H: gl.constexpr,
+                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MMA: gl.constexpr):
+        """One key tile (kv_s [BLOCK_N, DV] / kr_s [BLOCK_N, DR] bf16 in shared memory, keys k0 ..) into the online
+        softmax: the scores S^T = K Q^T (wgmma, keys-major), p through p_s, acc_t += V^T P^T. Returns (acc_t, m_i,
+        l_i); the tile's buffers and p_s are free once it returns (both wgmma waited)."""
+        st = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, MMA)
+        st = warpgroup_mma(kv_s, qv_s.permute((1, 0)), st, is_async=True)
+        st = warpgroup_mma(kr_s, qr_s.permute((1, 0)), st, is_async=True)
+        st = warpgroup_mma_wait(0, deps=[st])
+        pos = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+        if CAUSAL:
+            seen = (pos < hi)[:, None] & (pos[:, None] <= lim[None, :])
+        else:
+            seen = (pos < hi)[:, None]
+        st = gl.where(seen, st * sm_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(st, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        pt = gl.exp2(st - m_safe[None, :])
+        l_i = l_i * alpha + gl.sum(pt, axis=0)
+        p_s.store(pt.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's rows of p before the warpgroup's wgmma reads them
+        acc_t = warpgroup_mma(kv_s.permute((1, 0)), p_s, acc_t * alpha[None, :], is_async=True)
+        acc_t = warpgroup_mma_wait(0, deps=[acc_t])
+        return acc_t, m_new, l_i
 
     @gluon.jit
     def _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, st_kv, st_kr, p_s, CACHE, stride_cp, pt_row, lo, hi, lim,
@@ -247,28 +317,89 @@ if gluon is not None:
             else:
                 kv_s = kv_bufs.index(i % 2)
                 kr_s = kr_bufs.index(i % 2)
-            st = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, MMA)
-            st = warpgroup_mma(kv_s, qv_s.permute((1, 0)), st, is_async=True)
-            st = warpgroup_mma(kr_s, qr_s.permute((1, 0)), st, is_async=True)
-            st = warpgroup_mma_wait(0, deps=[st])
-            pos = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-            if CAUSAL:
-                seen = (pos < hi)[:, None] & (pos[:, None] <= lim[None, :])
-            else:
-                seen = (pos < hi)[:, None]
-            st = gl.where(seen, st * sm_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(st, axis=0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            pt = gl.exp2(st - m_safe[None, :])
-            l_i = l_i * alpha + gl.sum(pt, axis=0)
-            m_i = m_new
-            p_s.store(pt.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()  # every warp's rows of p before the warpgroup's wgmma reads them
-            acc_t = warpgroup_mma(kv_s.permute((1, 0)), p_s, acc_t * alpha[None, :], is_async=True)
-            acc_t = warpgroup_mma_wait(0, deps=[acc_t])
+            acc_t, m_i, l_i = _tile_dots(kv_s, kr_s, qv_s, qr_s, p_s, acc_t, m_i, l_i, k0, hi, lim, sm_scale_log2,
+                                         BLOCK_H, BLOCK_N, CAUSAL, MMA)
             gl.thread_barrier()  # every warp is done with buffer i % 2 before iteration i + 1 refills it
+        return acc_t, m_i, l_i
+
+    @gluon.jit
+    def _issue_fp8_chunk(ring, c: gl.constexpr, CACHE, pages, stride_cp, k0, hi, PAGE: gl.constexpr,
+                         DV: gl.constexpr, ROW: gl.constexpr, BLOCK_N: gl.constexpr, LP: gl.constexpr,
+                         LPR: gl.constexpr):
+        """cp.async of chunk c of keys k0 .. k0 + BLOCK_N - 1 (c < 4: latent columns 128 c .. 128 c + 127 into
+        ring slot c; c = 4: the rope columns into `ring`'s last slot view) with rows from hi on zero-filled, not
+        read; one commit group. Every thread copies the 16-byte pieces it later reads itself (layout LP / LPR)."""
+        p_kv, p_kr = pages
+        if c < 4:
+            r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LP))
+            cols = c * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LP))
+            if PAGE % BLOCK_N == 0:
+                rows = CACHE + p_kv * stride_cp + (k0 % PAGE) * ROW + r * ROW
+            else:
+                rows = CACHE + p_kv * stride_cp + ((k0 + r) % PAGE) * ROW
+            cp.async_copy_global_to_shared(ring.index(c), rows[:, None] + cols[None, :], mask=(k0 + r < hi)[:, None])
+        else:
+            rr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LPR))
+            cr = DV + gl.arange(0, ROW - DV, layout=gl.SliceLayout(0, LPR))
+            if PAGE % BLOCK_N == 0:
+                rows_r = CACHE + p_kr * stride_cp + (k0 % PAGE) * ROW + rr * ROW
+            else:
+                rows_r = CACHE + p_kr * stride_cp + ((k0 + rr) % PAGE) * ROW
+            cp.async_copy_global_to_shared(ring.index(4).slice(0, ROW - DV, dim=1), rows_r[:, None] + cr[None, :],
+                                           mask=(k0 + rr < hi)[:, None])
+        cp.commit_group()
+
+    @gluon.jit
+    def _fp8_producer(CACHE, stride_cp, pt_row, lo, hi, st_kv, st_kr, ring, full, empty, PAGE: gl.constexpr,
+                      DV: gl.constexpr, ROW: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The worker partition (4 warps): for each key tile i of lo .. hi - 1, wait until staging buffer i % 2 is
+        empty, convert the tile (fp8 in `ring`, five chunks: the latent's four 128-column slices and the rope
+        part) to bf16 (exact) into it and arrive on its `full` barrier. A chunk's slot is refilled with tile
+        i + 1's chunk right after its conversion, so the whole next tile is in flight while this partition waits;
+        each thread reads only the bytes it copied (no barrier between copies and reads), pages one tile ahead."""
+        gl.static_assert(DV == 512, "the producer converts the latent as four 128-column chunks")
+        LP: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])   # [BLOCK_N, 128] fp8 chunks
+        LPR: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [BLOCK_N, DR]
+        pages = _tile_pages(pt_row, lo, hi, PAGE, BLOCK_N, LP, LPR)
+        for c in gl.static_range(5):
+            _issue_fp8_chunk(ring, c, CACHE, pages, stride_cp, lo, hi, PAGE, DV, ROW, BLOCK_N, LP, LPR)
+        pages = _tile_pages(pt_row, lo + BLOCK_N, hi, PAGE, BLOCK_N, LP, LPR)
+        for i in range((hi - lo + BLOCK_N - 1) // BLOCK_N):
+            nxt = lo + (i + 1) * BLOCK_N  # past hi every copy is masked off: zero-fill, no traffic
+            b = i % 2
+            mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)  # barriers start with phase 1 complete
+            for c in gl.static_range(5):
+                cp.wait_group(4)  # chunk c of tile i (the four later groups are younger)
+                if c < 4:
+                    v = ring.index(c).load(LP)
+                    st_kv.index(b).slice(c * 128, 128, dim=1).store(_fp8_to_bf16(v))
+                else:
+                    v = ring.index(4).slice(0, ROW - DV, dim=1).load(LPR)
+                    st_kr.index(b).store(_fp8_to_bf16(v))
+                # issued after the store that consumed v, so the slot's old bytes were read
+                _issue_fp8_chunk(ring, c, CACHE, pages, stride_cp, nxt, hi, PAGE, DV, ROW, BLOCK_N, LP, LPR)
+            pages = _tile_pages(pt_row, nxt + BLOCK_N, hi, PAGE, BLOCK_N, LP, LPR)
+            fence_async_shared()  # the generic stores, before the consumer's wgmma (async proxy) reads them
+            gl.thread_barrier()  # every producer thread's stores before the single arrive
+            mbarrier.arrive(full.index(b), count=1)
+        cp.wait_group(0)  # the masked copies past the end, before the partition exits
+
+    @gluon.jit
+    def _fp8_consumer(qv_s, qr_s, st_kv, st_kr, p_s, full, empty, lo, hi, lim, sm_scale_log2,
+                      BLOCK_H: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                      MMA: gl.constexpr):
+        """The default partition (the kernel's warpgroup): `_flash_tiles`' online softmax over the bf16 tiles the
+        producer stages, buffer i % 2 for tile i, handed back through its `empty` barrier once both dots are done."""
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
+        l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, MMA))
+        acc_t = gl.zeros([DV, BLOCK_H], gl.float32, MMA)
+        for i in range((hi - lo + BLOCK_N - 1) // BLOCK_N):
+            b = i % 2
+            mbarrier.wait(full.index(b), (i // 2) & 1)
+            acc_t, m_i, l_i = _tile_dots(st_kv.index(b), st_kr.index(b), qv_s, qr_s, p_s, acc_t, m_i, l_i,
+                                         lo + i * BLOCK_N, hi, lim, sm_scale_log2, BLOCK_H, BLOCK_N, CAUSAL, MMA)
+            gl.thread_barrier()  # every warp's wgmma done with buffer b (and p_s) before it is handed back
+            mbarrier.arrive(empty.index(b), count=1)
         return acc_t, m_i, l_i
 
     @gluon.jit
@@ -316,7 +447,7 @@ if gluon is not None:
         N, MAX_SPLITS, min_chunk, sm_scale_log2, kv_scale,
         QN: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr, DV: gl.constexpr, ROW: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SEQ: gl.constexpr, ALL_PARTIAL: gl.constexpr,
-        KV_BYTES: gl.constexpr, PDL: gl.constexpr,
+        KV_BYTES: gl.constexpr, WS: gl.constexpr, WS_REGS: gl.constexpr, PDL: gl.constexpr,
     ):
         DR: gl.constexpr = ROW - DV
         QH: gl.constexpr = QN * H
@@ -339,6 +470,7 @@ if gluon is not None:
         SH8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         SH8R: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DR, element_bitwidth=8, rank=2)
         SH_P: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BLOCK_H, element_bitwidth=16, rank=2)
+        RING: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])  # WS: the producer's own 16-byte pieces
         LOUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, NW], [0, 1])    # [DV, BLOCK_H] fp32, d fastest
 
         row0 = gl.program_id(0) * BLOCK_H
@@ -361,7 +493,12 @@ if gluon is not None:
             q_r = _load_queries(QR, stride_rn, stride_rj, stride_rh, n, row0, QH, H, DR, BLOCK_H, EVEN, LQ)
             qv_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DV], SH, q_v)
             qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], SH, q_r)
-            if FP8:  # fp8 copy buffers, and one bf16 tile the dots read
+            if WS:  # two bf16 staging buffers the producer partition fills, and its fp8 ring (five chunk slots)
+                kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DV], SH)
+                kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], SH)
+                st_kv = gl.allocate_shared_memory(CACHE.dtype.element_ty, [5, BLOCK_N, 128], RING)
+                st_kr = kr_bufs  # unused
+            elif FP8:  # fp8 copy buffers, and one bf16 tile the dots read
                 kv_bufs = gl.allocate_shared_memory(CACHE.dtype.element_ty, [2, BLOCK_N, DV], SH8)
                 kr_bufs = gl.allocate_shared_memory(CACHE.dtype.element_ty, [2, BLOCK_N, DR], SH8R)
                 st_kv = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, DV], SH)
@@ -376,9 +513,23 @@ if gluon is not None:
             gl.thread_barrier()  # ... from every warp
             # the last key row r = j * H + h sees (verify: token j of QN sees the keys up to its own position)
             lim = kv_len - QN + (row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MMA))) // H
-            acc_t, m_i, l_i = _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, st_kv, st_kr, p_s, CACHE, stride_cp,
-                                           PT + n * stride_pt, lo, hi, lim, sm_scale_log2, BLOCK_H, PAGE, DV, ROW,
-                                           BLOCK_N, QN > 1, FP8, LKV, LKR, LC, LCR, MMA)
+            if WS:
+                full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+                empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+                for b in gl.static_range(2):
+                    mbarrier.init(full.index(b), count=1)
+                    mbarrier.init(empty.index(b), count=1)
+                gl.thread_barrier()  # the barriers' initialisation before either partition uses them
+                acc_t, m_i, l_i = gl.warp_specialize([
+                    (_fp8_consumer, (qv_s, qr_s, kv_bufs, kr_bufs, p_s, full, empty, lo, hi, lim, sm_scale_log2,
+                                     BLOCK_H, DV, BLOCK_N, QN > 1, MMA)),
+                    (_fp8_producer, (CACHE, stride_cp, PT + n * stride_pt, lo, hi, kv_bufs, kr_bufs, st_kv, full,
+                                     empty, PAGE, DV, ROW, BLOCK_N)),
+                ], [4], [WS_REGS])
+            else:
+                acc_t, m_i, l_i = _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, st_kv, st_kr, p_s, CACHE, stride_cp,
+                                               PT + n * stride_pt, lo, hi, lim, sm_scale_log2, BLOCK_H, PAGE, DV,
+                                               ROW, BLOCK_N, QN > 1, FP8, LKV, LKR, LC, LCR, MMA)
             # the epilogue of `mla_flash._store_rows`: normalised rows, direct when the sequence has one split
             inv = gl.where(l_i > 0, kv_scale / gl.where(l_i > 0, l_i, 1.0), 0.0)
             o = gl.convert_layout(acc_t * inv[None, :], LOUT)
