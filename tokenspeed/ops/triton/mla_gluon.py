@@ -88,9 +88,9 @@ SMALL_PAGES = True
 # within fp8 tolerance): batch 64 / 32K 2323 -> 1210 us, batch 16 / 32K 590 -> 308, mixed 444 -> 217. That was
 # twice the bf16 kernel's time for half the bytes: the conversion ran f16 -> bf16 one element at a time on the
 # quarter-rate F2F unit (`_fp8_to_bf16` now goes through fp32 on full-rate instructions), and it sat on the dots'
-# critical path (now a producer warpgroup's work, WS_FP8). Same run, page 16 (benchmarks/README.md): batch 64 / 32K
-# 1241 us before, 897 with the conversion alone, 737 warp-specialized (the bf16 cache 677); 16 mixed histories
-# 221 / 163 / 132 (bf16 131).
+# critical path (now a producer warpgroup's work, WS_FP8). H200, page 16 (benchmarks/README.md): batch 64 / 32K
+# 1241 us before, 902 with the conversion alone, 737 warp-specialized (the bf16 cache 678); 16 mixed histories
+# 221 / 165 / 132 (bf16 131).
 FP8_CACHE = True
 # fp8 caches with 16- or 32-row tiles, warp-specialized (`_fp8_producer` / `_fp8_consumer`): a second warpgroup loads
 # each fp8 tile into registers (the next one's loads in flight while it converts the current one) and stores it as
@@ -100,9 +100,13 @@ FP8_CACHE = True
 WS_FP8 = True
 WS_ENV = "TOKENSPEED_MLA_GLUON_WS"
 WS_PRODUCER_REGS = 192  # registers a thread of the producer warpgroup (the tile goes through a shared-memory ring)
-WS_MAXNREG: int | None = None  # the kernel's maxnreg when warp-specialized (None: Triton's default, no reallocation)
-# Batches of fewer sequences keep the one-warpgroup kernel: its splits are short (the grid is one wave of split
-# slots, so a split holds about sum(kv_lens) / 132 keys), where the warp-specialized kernel costs more than it hides.
+# The kernel's maxnreg when warp-specialized (None: Triton's default, 255 for all eight warps and no reallocation).
+# 168 (the partitions then hand registers over with setmaxnreg) was slower: batch 64 / 32K 1568 vs 740 us.
+WS_MAXNREG: int | None = None
+# Batches of fewer sequences keep the one-warpgroup kernel. H200, page 16, split + combine, warp-specialized vs one
+# warpgroup (benchmarks/README.md, 9946d92): batch 1 / 4K 19.5 vs 18.7 us, 1 / 32K 64.8 vs 48.2, 1 x 64K 75.6 vs 62.2,
+# 4 / 4K 28.2 vs 26.8, 4 / 32K 65.8 vs 75.0; from 16 sequences it wins everywhere measured (16 / 4K 41.3 vs 47.1,
+# 64 / 32K 740 vs 902, 16 mixed 131 vs 165). Why it loses on one long sequence was not found.
 WS_MIN_SEQS = 16
 
 
