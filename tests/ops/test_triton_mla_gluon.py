@@ -25,29 +25,20 @@ needs_hopper_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and mla_g
                                         reason="needs an sm_90 GPU and Gluon of TRITON_VERSIONS")
 
 
-def test_switch_env_and_errors(monkeypatch):
-    monkeypatch.delenv(mla_gluon.ENV, raising=False)
-    assert mla_gluon.enabled() is mla_gluon.ENABLED
-    monkeypatch.setenv(mla_gluon.ENV, "0")
-    assert not mla_gluon.enabled()
-    monkeypatch.setenv(mla_gluon.ENV, "1")
-    assert mla_gluon.enabled()
-    monkeypatch.setenv(mla_gluon.ENV, "yes")
-    with pytest.raises(ValueError, match="TOKENSPEED_MLA_GLUON must be 0 or 1"):
-        mla_gluon.enabled()
-
-
-def test_ws_switch_env_and_errors(monkeypatch):
-    """The warp-specialized fp8 path: WS_FP8 unless TOKENSPEED_MLA_GLUON_WS says otherwise."""
-    monkeypatch.delenv(mla_gluon.WS_ENV, raising=False)
-    assert mla_gluon.ws_fp8() is mla_gluon.WS_FP8
-    monkeypatch.setenv(mla_gluon.WS_ENV, "0")
-    assert not mla_gluon.ws_fp8()
-    monkeypatch.setenv(mla_gluon.WS_ENV, "1")
-    assert mla_gluon.ws_fp8()
-    monkeypatch.setenv(mla_gluon.WS_ENV, "on")
-    with pytest.raises(ValueError, match="TOKENSPEED_MLA_GLUON_WS must be 0 or 1"):
-        mla_gluon.ws_fp8()
+@pytest.mark.parametrize("switch, env, default", [("enabled", "ENV", "ENABLED"), ("ws_fp8", "WS_ENV", "WS_FP8")])
+def test_switch_env_and_errors(monkeypatch, switch, env, default):
+    """The Gluon kernel (ENABLED / TOKENSPEED_MLA_GLUON) and its warp-specialized fp8 form (WS_FP8 /
+    TOKENSPEED_MLA_GLUON_WS): the module flag unless the variable says 0 or 1; anything else is an error."""
+    fn, name = getattr(mla_gluon, switch), getattr(mla_gluon, env)
+    monkeypatch.delenv(name, raising=False)
+    assert fn() is getattr(mla_gluon, default)
+    monkeypatch.setenv(name, "0")
+    assert not fn()
+    monkeypatch.setenv(name, "1")
+    assert fn()
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
+        fn()
 
 
 def test_not_usable_off_cuda():

@@ -110,20 +110,22 @@ WS_MAXNREG: int | None = None
 WS_MIN_SEQS = 16
 
 
+def _switch(env: str, default: bool) -> bool:
+    """The environment variable `env` ("0" / "1") when set, else `default`. Raises ValueError on another value."""
+    v = os.environ.get(env, "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"{env} must be 0 or 1; got {v!r}")
+    return v == "1" if v else default
+
+
 def enabled() -> bool:
     """ENABLED, or TOKENSPEED_MLA_GLUON when set. Raises ValueError on a value other than 0 / 1."""
-    v = os.environ.get(ENV, "").strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1; got {v!r}")
-    return v == "1" if v else ENABLED
+    return _switch(ENV, ENABLED)
 
 
 def ws_fp8() -> bool:
     """WS_FP8, or TOKENSPEED_MLA_GLUON_WS when set. Raises ValueError on a value other than 0 / 1."""
-    v = os.environ.get(WS_ENV, "").strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"{WS_ENV} must be 0 or 1; got {v!r}")
-    return v == "1" if v else WS_FP8
+    return _switch(WS_ENV, WS_FP8)
 
 
 def default_block_h(q_rows: int, num_seqs: int) -> int:
