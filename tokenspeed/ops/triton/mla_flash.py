@@ -42,12 +42,22 @@ def _kv_tile(CACHE, stride_cp, stride_cr, pt_row, k0, hi, dv, dv_ok, dr, dr_ok, 
 
 
 @triton.jit
+def _to_compute(x, CT: tl.constexpr):
+    """A cache tile in the dots' dtype CT, exact. An fp8 tile goes through fp32: on sm_90 e4m3 -> f16x2 unpacks,
+    HADD2.F32 and an F2FP pack run at full rate, where the direct e4m3 -> bf16 cast converts f16 -> bf16 one
+    element at a time on the quarter-rate F2F unit (`mla_gluon._fp8_to_bf16`, docs/kernels.md)."""
+    if x.dtype.is_fp8():
+        x = x.to(tl.float32)
+    return x.to(CT)
+
+
+@triton.jit
 def _flash_step(q_v, q_r, kv, kr, pos, hi, lim, acc, m_i, l_i, sm_scale_log2, IEEE: tl.constexpr):
     """One key tile of the online softmax: returns (acc, m_i, l_i) updated with keys pos (masked at hi and at
     each row's causal limit lim)."""
     CT = tl.float32 if IEEE else tl.bfloat16
-    kv = kv.to(CT)
-    kr = kr.to(CT)
+    kv = _to_compute(kv, CT)
+    kr = _to_compute(kr, CT)
     if IEEE:
         qk = tl.dot(q_v, tl.trans(kv), input_precision="ieee")
         qk = tl.dot(q_r, tl.trans(kr), acc=qk, input_precision="ieee")
@@ -74,8 +84,8 @@ def _flash_step_t(q_v, q_r, kv, kr, pos, hi, lim, acc_t, m_i, l_i, sm_scale_log2
     """`_flash_step` keys-major: scores [BLOCK_N, BLOCK_H] = kv q_v^T + kr q_r^T and the output acc_t
     [BLOCK_DV, BLOCK_H] += kv^T p, so BLOCK_N and BLOCK_DV are the dots' M. Returns (acc_t, m_i, l_i)."""
     CT = tl.float32 if IEEE else tl.bfloat16
-    kv = kv.to(CT)
-    kr = kr.to(CT)
+    kv = _to_compute(kv, CT)
+    kr = _to_compute(kr, CT)
     if IEEE:
         st = tl.dot(kv, tl.trans(q_v), input_precision="ieee")
         st = tl.dot(kr, tl.trans(q_r), acc=st, input_precision="ieee")
