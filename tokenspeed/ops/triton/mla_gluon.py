@@ -92,14 +92,15 @@ SMALL_PAGES = True
 # 1241 us before, 902 with the conversion alone, 737 warp-specialized (the bf16 cache 678); 16 mixed histories
 # 221 / 165 / 132 (bf16 131).
 FP8_CACHE = True
-# fp8 caches with 16- or 32-row tiles, warp-specialized (`_fp8_producer` / `_fp8_consumer`): a second warpgroup loads
-# each fp8 tile into registers (the next one's loads in flight while it converts the current one) and stores it as
-# bf16 into one of two staging buffers, so the conversion leaves the critical path of the warpgroup that runs the
-# dots and the softmax (two mbarriers a buffer: full / empty). Same dots on the same bf16 tiles: bit for bit the
-# single-warpgroup fp8 path. TOKENSPEED_MLA_GLUON_WS ("0" / "1") overrides it at each call.
+# fp8 caches with 16- or 32-row tiles, warp-specialized (`_fp8_producer` / `_fp8_consumer`): a second warpgroup copies
+# each fp8 tile into a shared-memory ring (the next tile's chunks in flight while it converts the current one) and
+# stores it as bf16 into one of two staging buffers, so the conversion leaves the critical path of the warpgroup that
+# runs the dots and the softmax (two mbarriers a buffer: full / empty). Same dots on the same bf16 tiles: bit for bit
+# the single-warpgroup fp8 path. TOKENSPEED_MLA_GLUON_WS ("0" / "1") overrides it at each call. (Holding the next
+# tile in registers instead spilled ~2 KB a thread: loop-carried fp8 values are unpacked, one element a register.)
 WS_FP8 = True
 WS_ENV = "TOKENSPEED_MLA_GLUON_WS"
-WS_PRODUCER_REGS = 192  # registers a thread of the producer warpgroup (the tile goes through a shared-memory ring)
+WS_PRODUCER_REGS = 192  # the producer warpgroup's registers a thread; applied only with WS_MAXNREG (setmaxnreg)
 # The kernel's maxnreg when warp-specialized (None: Triton's default, 255 for all eight warps and no reallocation).
 # 168 (the partitions then hand registers over with setmaxnreg) was slower: batch 64 / 32K 1568 vs 740 us.
 WS_MAXNREG: int | None = None
@@ -502,8 +503,7 @@ if gluon is not None:
             if WS:  # two bf16 staging buffers the producer partition fills, and its fp8 ring (five chunk slots)
                 kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DV], SH)
                 kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], SH)
-                st_kv = gl.allocate_shared_memory(CACHE.dtype.element_ty, [5, BLOCK_N, 128], RING)
-                st_kr = kr_bufs  # unused
+                ring = gl.allocate_shared_memory(CACHE.dtype.element_ty, [5, BLOCK_N, 128], RING)
             elif FP8:  # fp8 copy buffers, and one bf16 tile the dots read
                 kv_bufs = gl.allocate_shared_memory(CACHE.dtype.element_ty, [2, BLOCK_N, DV], SH8)
                 kr_bufs = gl.allocate_shared_memory(CACHE.dtype.element_ty, [2, BLOCK_N, DR], SH8R)
@@ -529,7 +529,7 @@ if gluon is not None:
                 acc_t, m_i, l_i = gl.warp_specialize([
                     (_fp8_consumer, (qv_s, qr_s, kv_bufs, kr_bufs, p_s, full, empty, lo, hi, lim, sm_scale_log2,
                                      BLOCK_H, DV, BLOCK_N, QN > 1, MMA)),
-                    (_fp8_producer, (CACHE, stride_cp, PT + n * stride_pt, lo, hi, kv_bufs, kr_bufs, st_kv, full,
+                    (_fp8_producer, (CACHE, stride_cp, PT + n * stride_pt, lo, hi, kv_bufs, kr_bufs, ring, full,
                                      empty, PAGE, DV, ROW, BLOCK_N)),
                 ], [4], [WS_REGS])
             else:
