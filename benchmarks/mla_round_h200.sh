@@ -5,7 +5,7 @@
 # with the Gluon kernel off then on. Expects $OUT; logs each part there (at most 8 files come back).
 # "pages" / "fp8": the Gluon kernel over page-16 caches (mla_gluon.SMALL_PAGES) / fp8 caches (FP8_CACHE), their GPU
 # tests and timing. "ws": the warp-specialized fp8 path (mla_gluon.WS_FP8): every Gluon GPU test, then the fp8 cases
-# at page 16 and 64 against the one-warpgroup fp8 path and the same cases over a bf16 cache, and bf16 at page 16.
+# at page 16 and 64 against the one-warpgroup fp8 path and against the same cases over a bf16 cache.
 #   bash benchmarks/mla_round_h200.sh "gluon pages fp8 ws plan loops tests models decode"      (any subset)
 set -u
 parts=" ${1:-gluon plan loops tests} "
