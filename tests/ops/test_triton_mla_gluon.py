@@ -41,6 +41,20 @@ def test_switch_env_and_errors(monkeypatch, switch, env, default):
         fn()
 
 
+def test_warp_specialized_only_for_fp8_row_tiles_of_one_warpgroup_from_16_sequences(monkeypatch):
+    """The warp-specialized kernel serves fp8 caches with 16- / 32-row tiles in batches of WS_MIN_SEQS sequences
+    or more (it lost below that on the H200), never a bf16 cache or 64-row tiles; TOKENSPEED_MLA_GLUON_WS=0 keeps
+    the one-warpgroup kernel everywhere."""
+    monkeypatch.delenv(mla_gluon.WS_ENV, raising=False)
+    fp8, n = torch.float8_e4m3fn, mla_gluon.WS_MIN_SEQS
+    assert mla_gluon.warp_specialized(fp8, 32, n) and mla_gluon.warp_specialized(fp8, 16, 4 * n)
+    assert not mla_gluon.warp_specialized(fp8, 32, n - 1)
+    assert not mla_gluon.warp_specialized(fp8, 64, 4 * n)
+    assert not mla_gluon.warp_specialized(torch.bfloat16, 32, 4 * n)
+    monkeypatch.setenv(mla_gluon.WS_ENV, "0")
+    assert not mla_gluon.warp_specialized(fp8, 32, 4 * n)
+
+
 def test_not_usable_off_cuda():
     """CPU tensors (the interpreter's) never take the Gluon kernel, whatever the shapes."""
     inp = make([300, 64], 1, 32, 576, 64, torch.bfloat16, torch.bfloat16, "cpu")

@@ -129,6 +129,12 @@ def ws_fp8() -> bool:
     return _switch(WS_ENV, WS_FP8)
 
 
+def warp_specialized(cache_dtype: torch.dtype, block_h: int, num_seqs: int) -> bool:
+    """Whether `launch` takes the warp-specialized fp8 kernel: an fp8 cache, 16- or 32-row tiles (one consumer
+    warpgroup), at least WS_MIN_SEQS sequences, and `ws_fp8()`."""
+    return cache_dtype == torch.float8_e4m3fn and block_h <= 32 and num_seqs >= WS_MIN_SEQS and ws_fp8()
+
+
 def default_block_h(q_rows: int, num_seqs: int) -> int:
     """Query rows per program for q_rows = Q * H rows a sequence in a batch of num_seqs: 16 or 32 when they fit,
     else 64 (WIDE_ROWS and num_seqs >= WIDE_MIN_SEQS) or 32."""
@@ -160,7 +166,7 @@ def launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Te
     """The split grid (ceil(Q * H / block_h), max_splits, N) over validated arguments (`usable` True; shapes as
     `mla_decode._launch` allocates them). pdl_kwargs: `pdl.kernel_kwargs` ({"PDL": bool[, "launch_pdl": True]})."""
     N, QN, H = q.shape[:3]
-    ws = cache.element_size() == 1 and block_h <= 32 and N >= WS_MIN_SEQS and ws_fp8()
+    ws = warp_specialized(cache.dtype, block_h, N)
     if ws and WS_MAXNREG:
         pdl_kwargs = {**pdl_kwargs, "maxnreg": WS_MAXNREG}
     _mla_split_gluon_kernel[(triton.cdiv(QN * H, block_h), max_splits, N)](
