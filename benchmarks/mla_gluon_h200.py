@@ -52,6 +52,8 @@ def gluon_decode(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, kv_l
 
 CASES = [(f"b{b}_{c // 1024}k", [c] * b) for c in (4096, 32768) for b in (1, 4, 16, 64)]
 CASES += [("mixed_b16", [65536, 16384, 4096, 1024] * 4), ("equal_1x64k", [65536]), ("ragged_ends", [4097, 100, 64, 1])]
+# around mla_gluon.WS_MIN_SEQS: 8 sequences, and 16 / 32 sequences with short histories (few keys a split)
+CASES += [("b8_4k", [4096] * 8), ("b8_32k", [32768] * 8), ("b16_1k", [1024] * 16), ("b32_1k", [1024] * 32)]
 CASES = [(name, lens, 1, H) for name, lens in CASES]
 # verify steps (4 query tokens: EAGLE3 with 3 drafts) and K3's head counts (12 a rank at TP8, 96 attention-DP)
 CASES += [("verify4_b16_32k", [32768] * 16, 4, H), ("verify4_b1_4k", [4096], 4, H),
