@@ -16,7 +16,7 @@ H200, split + combine: batch 64 / 32K 616 us (91.8% of HBM) against 1089 us for 
 histories 124 vs 193 us (docs/kernels.md).
 
 fp8 (e4m3) caches: the dots read bf16 tiles, converted from fp8 in shared memory. With 16- or 32-row tiles in
-batches of WS_MIN_SEQS sequences or more the kernel is warp-specialized: a producer warpgroup copies each tile's
+batches of WS_MIN_SEQS (8) sequences or more the kernel is warp-specialized: a producer warpgroup copies each tile's
 five chunks into a shared-memory ring (every thread reads back only its own 16-byte pieces, so no barrier between
 copy and read), converts them and fills one of two bf16 staging buffers, while the kernel's own warpgroup runs the
 dots and the softmax; a `full` and an `empty` mbarrier a buffer hand the tiles over. Otherwise one warpgroup
@@ -105,10 +105,11 @@ WS_PRODUCER_REGS = 192  # the producer warpgroup's registers a thread; applied o
 # 168 (the partitions then hand registers over with setmaxnreg) was slower: batch 64 / 32K 1568 vs 740 us.
 WS_MAXNREG: int | None = None
 # Batches of fewer sequences keep the one-warpgroup kernel. H200, page 16, split + combine, warp-specialized vs one
-# warpgroup (benchmarks/README.md, 9946d92): batch 1 / 4K 19.5 vs 18.7 us, 1 / 32K 64.8 vs 48.2, 1 x 64K 75.6 vs 62.2,
-# 4 / 4K 28.2 vs 26.8, 4 / 32K 65.8 vs 75.0; from 16 sequences it wins everywhere measured (16 / 4K 41.3 vs 47.1,
-# 64 / 32K 740 vs 902, 16 mixed 131 vs 165). Why it loses on one long sequence was not found.
-WS_MIN_SEQS = 16
+# warpgroup (benchmarks/README.md, 9946d92 and d1a8668): batch 1 / 4K 19.5 vs 18.7 us, 1 / 32K 64.8 vs 48.2, 1 x 64K
+# 75.6 vs 62.2, 4 / 4K 28.2 vs 26.8, 4 / 32K 65.8 vs 75.0; from 8 sequences it wins everywhere measured (8 / 4K 28.9 vs
+# 32.1, 8 / 32K 103.2 vs 124.9, 16 / 1K 25.2 vs 26.2, 32 / 1K 38.6 vs 40.9, 16 / 4K 41.3 vs 47.1, 64 / 32K 740 vs
+# 902, 16 mixed 131 vs 165). Why it loses on one long sequence was not found.
+WS_MIN_SEQS = 8
 
 
 def _switch(env: str, default: bool) -> bool:
