@@ -8,8 +8,9 @@ token's ids: k = 9), hidden 2304, expert intermediate 1024, bf16, SiLU, with the
 next RMSNorm) in the combine. Four layers' weights (4 x 3.6 GB) and eight calls a CUDA graph cycling over them,
 each with its own random routed ids, so every call reads its experts cold from HBM (the shared expert comes back
 every fourth call, after ~0.5 GB of other weights). Every launch is a PDL dependent of the one before, as in the
-step. Per T (tokens): the two launches (gate_up, down) and the fused launch under several tiles (block_n1 /
-block_n2) and residency caps (`moe_fused.PROGRAMS_PER_SM`), all graphs captured first and timed interleaved
+step. Per T (tokens): the two launches (gate_up, down) and the fused launch under its knobs (residency cap
+`PROGRAMS_PER_SM`, round-robin or ticket order `DYNAMIC`, W2 L2 prefetch `PREFETCH_W2`) and two other tiles
+(block_n1 / block_n2), all graphs captured first and timed interleaved
 (rounds of median replay times), per call; each variant's outputs bit for bit its two-launch counterpart's.
 Roofline: the touched experts' weight bytes (T x 9 distinct ids x 3 x 1024 x 2304 x 2 B, at most) at 4.27 TB/s.
 """
@@ -55,9 +56,12 @@ def run_calls(calls: list[dict], cfg, norm_w: torch.Tensor) -> list[torch.Tensor
     return outs
 
 
-def capture(calls, cfg, norm_w, fused: bool, cap: int):
-    """(graph, outputs) of the CALLS calls under cfg with the fused launch on / off (residency cap `cap`)."""
-    moe_fused.FUSED, moe_fused.PROGRAMS_PER_SM = fused, cap
+def capture(calls, cfg, norm_w, fused: bool, knobs: dict):
+    """(graph, outputs, residency) of the CALLS calls under cfg with the fused launch on / off and the
+    `moe_fused` module knobs (PROGRAMS_PER_SM, DYNAMIC, PREFETCH_W2) set."""
+    moe_fused.FUSED = fused
+    for name, value in {**DEFAULT_KNOBS, **knobs}.items():
+        setattr(moe_fused, name, value)
     moe_fused._resident.clear()
     warm_up(lambda: run_calls(calls, cfg, norm_w), 2)
     g = torch.cuda.CUDAGraph()
@@ -68,15 +72,28 @@ def capture(calls, cfg, norm_w, fused: bool, cap: int):
     return g, [o.clone() for o in outs], dict(moe_fused._resident)
 
 
-def variants(T: int, base, sweep: bool) -> list[tuple[str, object, bool, int]]:
-    """(label, config, fused, cap): the two launches and the fused launch; with `sweep` the tile / cap grid."""
-    out = [("two", base, False, 2), ("fused", base, True, 2), ("fused_cap3", base, True, 3)]
-    if sweep:
-        for bn1, bn2 in ((64, 64), (32, 128), (64, 128), (32, 32)):
-            c = replace(base, block_n1=bn1, block_n2=bn2)
-            out += [(f"two_n{bn1}x{bn2}", c, False, 2)]
-            out += [(f"fused_n{bn1}x{bn2}_cap{cap}", c, True, cap) for cap in (1, 2, 3)]
-        out.append(("fused_cap1", base, True, 1))
+DEFAULT_KNOBS = {"PROGRAMS_PER_SM": moe_fused.PROGRAMS_PER_SM, "DYNAMIC": moe_fused.DYNAMIC,
+                 "PREFETCH_W2": moe_fused.PREFETCH_W2}
+
+
+def variants(T: int, base, sweep: bool) -> list[tuple[str, object, bool, dict]]:
+    """(label, config, fused, knobs): the two launches and the fused launch; with `sweep` the order / residency /
+    prefetch grid and two other tile shapes."""
+    out = [("two", base, False, {}), ("fused", base, True, {}),
+           ("fused_dyn_cap3", base, True, {"DYNAMIC": True, "PROGRAMS_PER_SM": 3})]
+    if not sweep:
+        return out
+    for cap in (1, 2, 3):
+        for dyn in (False, True):
+            for pf in (False, True):
+                label = f"fused_cap{cap}" + ("_dyn" if dyn else "") + ("_pf" if pf else "")
+                if label not in ("fused_cap2", "fused_cap3_dyn"):
+                    out.append((label, base, True, {"PROGRAMS_PER_SM": cap, "DYNAMIC": dyn, "PREFETCH_W2": pf}))
+    for bn1, bn2 in ((64, 128), (16, 64)):
+        c = replace(base, block_n1=bn1, block_n2=bn2)
+        out.append((f"two_n{bn1}x{bn2}", c, False, {}))
+        out += [(f"fused_n{bn1}x{bn2}_cap{cap}_dyn", c, True, {"PROGRAMS_PER_SM": cap, "DYNAMIC": True})
+                for cap in (2, 3)]
     return out
 
 
@@ -97,10 +114,10 @@ def main() -> None:
         calls = make_calls(T, gen, weights)
         base = replace(mx.default_config(T, K_ROUTED + 1, E + 1, D, DI), direct_max_tokens=T)
         graphs, outs, refs = {}, {}, {}
-        for label, cfg, fused, cap in variants(T, base, T in sweep):
-            g, o, resident = capture(calls, cfg, norm_w, fused, cap)
+        for label, cfg, fused, knobs in variants(T, base, T in sweep):
+            g, o, resident = capture(calls, cfg, norm_w, fused, knobs)
             graphs[label], outs[label] = g, o
-            refs[label] = (cfg, fused, cap, resident)
+            refs[label] = (cfg, fused, knobs, resident)
         times = {label: [] for label in graphs}
         for _ in range(args.rounds):
             for label, g in graphs.items():
@@ -108,10 +125,10 @@ def main() -> None:
         touched = statistics.mean(len(set(c["ids"].flatten().tolist())) for c in calls)
         roof = touched * 3 * DI * D * 2 / HBM * 1e6
         for label in graphs:
-            cfg, fused, cap, resident = refs[label]
+            cfg, fused, knobs, resident = refs[label]
             two = f"two_n{cfg.block_n1}x{cfg.block_n2}" if f"two_n{cfg.block_n1}x{cfg.block_n2}" in outs else "two"
             us = statistics.median(times[label])
-            row = {"T": T, "label": label, "fused": fused, "cap": cap, "block_n1": cfg.block_n1,
+            row = {"T": T, "label": label, "fused": fused, **knobs, "block_n1": cfg.block_n1,
                    "block_n2": cfg.block_n2, "programs_per_sm": max(resident.values()) if resident else None,
                    "us_per_call": us, "rounds_us": times[label], "roofline_us": roof, "pct_hbm": 100 * roof / us,
                    "bit_equal_to_two_launches": all(torch.equal(a, b) for a, b in zip(outs[label], outs[two]))}

@@ -53,6 +53,20 @@ def test_fused_equals_two_launches_interp(T, k, E, poison_empty):
 
 
 @cpu_interp
+@pytest.mark.parametrize("T", [1, 3])
+def test_fused_ticket_order_interp(T, monkeypatch, poison_empty):
+    """The ticket-counter work order (DYNAMIC) gives the same bits, and leaves the ticket at zero."""
+    from tokenspeed.ops.triton import moe_fused
+    from tokenspeed.ops.triton.moe_experts import default_config
+
+    monkeypatch.setattr(moe_fused, "DYNAMIC", True)
+    w1, w3, w2 = make_weights(64, 48, 40, torch.float32, "cpu", seed=T)
+    x, tw, ids = routing(T, 8, 64, 48, torch.float32, "cpu", seed=T, invalid=T == 3)
+    fused, two = fused_and_two(x, w1, w3, w2, ids, SILU, default_config(T, 8, 64, 48, 40, 4))
+    assert torch.equal(fused, two)
+
+
+@cpu_interp
 @pytest.mark.parametrize("D,DI", [(33, 17), (64, 64), (200, 40)])
 @pytest.mark.parametrize("tails", [False, True])
 def test_fused_dims_and_tails_interp(D, DI, tails, poison_empty):
@@ -118,7 +132,7 @@ def test_sync_buffer_limits():
 
     assert moe_fused.sync_buffer(torch.device("cpu"), moe_fused.MAX_PAIRS + 1) is None
     buf = moe_fused.sync_buffer(torch.device("cpu"), 9)
-    assert buf.dtype == torch.int32 and buf.numel() == 1 + moe_fused.MAX_PAIRS
+    assert buf.dtype == torch.int32 and buf.numel() == 2 + moe_fused.MAX_PAIRS
     assert moe_fused.sync_buffer(torch.device("cpu"), 9) is buf  # made once a device
 
 
@@ -131,11 +145,15 @@ def _kimi(T, seed, invalid=False):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("dynamic,prefetch", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("T", [1, 2, 4])
-def test_fused_kimi_bf16_gpu(T, poison_empty):
+def test_fused_kimi_bf16_gpu(T, dynamic, prefetch, monkeypatch, poison_empty):
     from tokenspeed.ops.triton import moe_fused
     from tokenspeed.ops.triton.moe_experts import default_config
 
+    monkeypatch.setattr(moe_fused, "DYNAMIC", dynamic)
+    monkeypatch.setattr(moe_fused, "PREFETCH_W2", prefetch)
+    monkeypatch.setattr(moe_fused, "PROGRAMS_PER_SM", 3)
     w1, w3, w2, x, tw, ids = _kimi(T, T, invalid=T == 4)
     cfg = default_config(T, KIMI["k"], KIMI["E"], KIMI["D"], KIMI["I"])
     moe_fused._resident.clear()
