@@ -40,6 +40,9 @@ from tokenspeed.models.kimi.moe import ROUTING_SIMULATIONS, set_routing_simulati
 from tokenspeed.models.loader import load_model, resolve_config
 
 HBM = 4.27e12
+# The MLA latent cache's dtype in the decode sweep (--kv-cache-dtype; None: the model's dtype): set per sweep.
+KV_CACHE_DTYPE: torch.dtype | None = None
+KV_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 RESULT: dict = {"sections": {}, "errors": {}}
 
 
@@ -131,7 +134,8 @@ def byte_model(model, batch: int, ctx: int, experts: list[int] | None = None) ->
     folded = max(slots - e, 0)  # 1 with the shared expert folded in
     touched = e * (1 - (1 - k / e) ** batch) + folded if experts is None else sum(experts) / len(experts)
     kda_state = len(cfg.kda_layers) * cfg.kda_num_heads * cfg.kda_head_dim**2 * 4 * 2 * batch
-    mla_rows = len(cfg.mla_layers) * cfg.mla_latent_dim * 2 * ctx * batch
+    kv_bytes = (KV_CACHE_DTYPE or model.dtype).itemsize
+    mla_rows = len(cfg.mla_layers) * cfg.mla_latent_dim * kv_bytes * ctx * batch
     total = other + slot_bytes * touched + kda_state + mla_rows
     return {"dense_weights": other, "experts_touched": slot_bytes * touched, "kda_state_rw": kda_state,
             "mla_rows": mla_rows, "total": total}
@@ -141,9 +145,10 @@ def decode_setup(model, max_batch: int, max_ctx: int, page_size: int = 64) -> tu
     cfg = model.config
     pages_per_seq = max_ctx // page_size
     num_pages = max_batch * pages_per_seq
-    buf = CacheBuffers.allocate(cfg, num_pages + 1, page_size, max_batch + 1, model.dtype, "cuda")
+    buf = CacheBuffers.allocate(cfg, num_pages + 1, page_size, max_batch + 1, model.dtype, "cuda",
+                                kv_cache_dtype=KV_CACHE_DTYPE)
     for t in buf.mla_latent:
-        t.normal_(0, 1)
+        t.copy_(torch.randn(t.shape, device=t.device, dtype=model.dtype))  # fp8 pools have no normal_
     for t in buf.kda_recurrent:
         t.normal_(0, 0.05)
     return buf, pages_per_seq
@@ -156,7 +161,9 @@ def decode_batch(batch: int, ctx: int, pages_per_seq: int, page_size: int, q_len
 
 
 @section("decode")
-def decode_sweep(model, name: str, batches: list[int], contexts: list[int]) -> dict:
+def decode_sweep(model, name: str, batches: list[int], contexts: list[int], kv_cache_dtype: str = "auto") -> dict:
+    global KV_CACHE_DTYPE
+    KV_CACHE_DTYPE = KV_DTYPES[kv_cache_dtype]
     page_size = 64
     buf, pps = decode_setup(model, max(batches), max(contexts), page_size)
     graphs = DecodeGraphs(model, buf, max(batches), pps, scratch_page=max(batches) * pps)
@@ -171,19 +178,19 @@ def decode_sweep(model, name: str, batches: list[int], contexts: list[int]) -> d
             ms = cuda_ms(lambda: graphs.run(fb))
             bytes_ = byte_model(model, b, ctx, experts)
             roof_ms = bytes_["total"] / HBM * 1e3
-            row = {"geometry": name, "ctx": ctx, "batch": b, "step_ms": ms, "distinct_experts_mean":
+            row = {"geometry": name, "kv_cache_dtype": kv_cache_dtype, "ctx": ctx, "batch": b, "step_ms": ms, "distinct_experts_mean":
                    statistics.mean(experts) if experts else None, "tok_s": b / ms * 1e3,
                    "tok_s_per_user": 1e3 / ms, "roofline_ms": roof_ms, "fraction_of_roofline": roof_ms / ms,
                    "bytes": bytes_}
             rows.append(row)
-            log(f"{name} ctx {ctx:6d} batch {b:3d}: {ms:7.3f} ms  {row['tok_s']:8.1f} tok/s  "
+            log(f"{name} kv {kv_cache_dtype} ctx {ctx:6d} batch {b:3d}: {ms:7.3f} ms  {row['tok_s']:8.1f} tok/s  "
                 f"roofline {roof_ms:6.3f} ms  = {100 * roof_ms / ms:5.1f}%")
     fb = decode_batch(1, contexts[0], pps, page_size)
     eager_ms = cuda_ms(lambda: model(fb, buf, torch.arange(1, device="cuda")), iters=10)
     graph_ms = cuda_ms(lambda: graphs.run(fb))
     log(f"{name} batch 1 ctx {contexts[0]}: eager {eager_ms:.3f} ms vs graph {graph_ms:.3f} ms")
     torch.cuda.empty_cache()  # the graphs and buffers are freed when this frame goes
-    return {"geometry": name, "rows": rows, "capture_s": capture_s, "eager_ms_b1": eager_ms, "graph_ms_b1": graph_ms}
+    return {"geometry": name, "kv_cache_dtype": kv_cache_dtype, "rows": rows, "capture_s": capture_s, "eager_ms_b1": eager_ms, "graph_ms_b1": graph_ms}
 
 
 @section("parity")
@@ -565,7 +572,9 @@ def plot(path: str) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("decode batch")
         ax.set_ylabel("output tok/s")
-        ax.set_title(f"{run['geometry']} decode on 1x H200 (bf16, CUDA graphs)")
+        kv = run.get("kv_cache_dtype", "auto")
+        kv = "" if kv == "auto" else f", {kv} MLA cache"
+        ax.set_title(f"{run['geometry']} decode on 1x H200 (bf16{kv}, CUDA graphs)", fontsize=10)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -582,13 +591,20 @@ def main() -> None:
     ap.add_argument("--routing-simulation", default="off", choices=ROUTING_SIMULATIONS,
                     help="uniform: MoE layers route as a balanced router would (`set_routing_simulation`; random "
                          "weights concentrate tokens on few experts); the decode sweep and the prefill only")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="comma list of auto / bfloat16 / fp8: the MLA latent cache of the decode sweep, one sweep "
+                         "each in this process (fp8: e4m3, as `tokenspeed serve --kv-cache-dtype fp8` serves)")
     args = ap.parse_args()
+    kv_dtypes = args.kv_cache_dtype.split(",")
+    if any(d not in KV_DTYPES for d in kv_dtypes):
+        ap.error(f"--kv-cache-dtype: each of {', '.join(KV_DTYPES)}; got {args.kv_cache_dtype!r}")
     skip = set(args.skip.split(","))
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     RESULT["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                      "python": platform.python_version(), "commit": os.environ.get("BENCH_COMMIT", "unknown"),
                      "argv": sys.argv, "routing_simulation": args.routing_simulation,
+                     "kv_cache_dtype": args.kv_cache_dtype,
                      "date": time.strftime("%Y-%m-%d")}
     ceil = ceilings() or {}
     if "tiny" not in skip:
@@ -607,7 +623,8 @@ def main() -> None:
             if args.routing_simulation != "off":  # after the parity check, which compares the model's own outputs
                 set_routing_simulation(model, args.routing_simulation)
             if "decode" not in skip:
-                decode_sweep(model, name, batches, contexts)
+                for kv in kv_dtypes:
+                    decode_sweep(model, name, batches, contexts, kv)
             if "prefill" not in skip:
                 prefill(model, name, args.prefill_tokens, ceil.get("matmul_bf16_tflops"))
             if "transformers" not in skip and cfg.attn_res_block_size is None:
