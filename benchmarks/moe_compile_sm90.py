@@ -37,13 +37,12 @@ import torch
 import triton
 
 from tokenspeed.ops.reference.activation import Activation
-from tokenspeed.ops.triton import moe_align, moe_combine, moe_fused, moe_pdl, moe_route
+from tokenspeed.ops.triton import moe_align, moe_combine, moe_pdl, moe_route
 from tokenspeed.ops.triton import moe_experts as tk
 
 KERNELS = {tk: ("_gate_up_kernel", "_down_kernel", "_gather_x_kernel"), moe_combine: ("_combine_kernel",
            "_combine_norm_kernel"), moe_align: ("_align_kernel", "_align_count_kernel", "_align_scan_kernel",
-           "_align_scatter_kernel"), moe_route: ("_moe_route_kernel",),
-           moe_fused: ("_fused_direct_kernel",)}
+           "_align_scatter_kernel"), moe_route: ("_moe_route_kernel",)}
 KIMI = {"k": 8, "E": 256, "D": 2304, "DI": 1024}
 
 
@@ -53,19 +52,10 @@ def caught(call: Callable[[], object], pdl_on: bool) -> list[sc.Launch]:
 
 
 def experts_call(cfg: tk.ExpertsConfig | None, T: int, k: int, E: int, D: int, DI: int, add: bool = False,
-                 junction: bool = False, fused: bool = False) -> Callable[[], object]:
+                 junction: bool = False) -> Callable[[], object]:
     """moe_experts on zero bf16 CPU tensors (SiLU): plain, with `add=`, and / or with the fused junction; expert
-    E - 1 is the `prefetch_expert` hint (Kimi-Linear's folded shared expert). fused: the direct mode's one
-    persistent launch (`moe_fused`) instead of gate_up + down."""
+    E - 1 is the `prefetch_expert` hint (Kimi-Linear's folded shared expert)."""
     def call():
-        old = moe_fused.FUSED
-        moe_fused.FUSED = fused
-        try:
-            inner()
-        finally:
-            moe_fused.FUSED = old
-
-    def inner():
         dt = torch.bfloat16
         x, w1, w2 = torch.zeros(T, D, dtype=dt), torch.zeros(E, DI, D, dtype=dt), torch.zeros(E, D, DI, dtype=dt)
         ids = torch.randint(0, E, (T, k))
@@ -130,8 +120,6 @@ def decode_variants() -> list[tuple[str, Callable[[], object]]]:
                     (f"T{T}_{mode}_add", experts_call(c, T, k, E, D, DI, add=True)),
                     (f"T{T}_{mode}_junction", experts_call(c, T, k, E, D, DI, junction=True)),
                     (f"T{T}_{mode}_add_junction", experts_call(c, T, k, E, D, DI, add=True, junction=True))]
-            if mode == "direct":
-                out.append((f"T{T}_direct_fused", experts_call(c, T, k, E, D, DI, junction=True, fused=True)))
         out.append((f"T{T}_route", route_call(T)))
     return out
 

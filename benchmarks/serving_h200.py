@@ -43,6 +43,8 @@ HBM = 4.27e12
 # The MLA latent cache's dtype in the decode sweep (--kv-cache-dtype; None: the model's dtype): set per sweep.
 KV_CACHE_DTYPE: torch.dtype | None = None
 KV_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+# Tokens per MLA cache page in the decode sweep (--decode-page-size; `tokenspeed serve` defaults to 16).
+DECODE_PAGE_SIZE = 64
 RESULT: dict = {"sections": {}, "errors": {}}
 
 
@@ -164,7 +166,7 @@ def decode_batch(batch: int, ctx: int, pages_per_seq: int, page_size: int, q_len
 def decode_sweep(model, name: str, batches: list[int], contexts: list[int], kv_cache_dtype: str = "auto") -> dict:
     global KV_CACHE_DTYPE
     KV_CACHE_DTYPE = KV_DTYPES[kv_cache_dtype]
-    page_size = 64
+    page_size = DECODE_PAGE_SIZE
     buf, pps = decode_setup(model, max(batches), max(contexts), page_size)
     graphs = DecodeGraphs(model, buf, max(batches), pps, scratch_page=max(batches) * pps)
     t = time.perf_counter()
@@ -178,12 +180,12 @@ def decode_sweep(model, name: str, batches: list[int], contexts: list[int], kv_c
             ms = cuda_ms(lambda: graphs.run(fb))
             bytes_ = byte_model(model, b, ctx, experts)
             roof_ms = bytes_["total"] / HBM * 1e3
-            row = {"geometry": name, "kv_cache_dtype": kv_cache_dtype, "ctx": ctx, "batch": b, "step_ms": ms, "distinct_experts_mean":
+            row = {"geometry": name, "kv_cache_dtype": kv_cache_dtype, "page_size": page_size, "ctx": ctx, "batch": b, "step_ms": ms, "distinct_experts_mean":
                    statistics.mean(experts) if experts else None, "tok_s": b / ms * 1e3,
                    "tok_s_per_user": 1e3 / ms, "roofline_ms": roof_ms, "fraction_of_roofline": roof_ms / ms,
                    "bytes": bytes_}
             rows.append(row)
-            log(f"{name} kv {kv_cache_dtype} ctx {ctx:6d} batch {b:3d}: {ms:7.3f} ms  {row['tok_s']:8.1f} tok/s  "
+            log(f"{name} kv {kv_cache_dtype} page {page_size} ctx {ctx:6d} batch {b:3d}: {ms:7.3f} ms  {row['tok_s']:8.1f} tok/s  "
                 f"roofline {roof_ms:6.3f} ms  = {100 * roof_ms / ms:5.1f}%")
     fb = decode_batch(1, contexts[0], pps, page_size)
     eager_ms = cuda_ms(lambda: model(fb, buf, torch.arange(1, device="cuda")), iters=10)
@@ -594,7 +596,10 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="comma list of auto / bfloat16 / fp8: the MLA latent cache of the decode sweep, one sweep "
                          "each in this process (fp8: e4m3, as `tokenspeed serve --kv-cache-dtype fp8` serves)")
+    ap.add_argument("--decode-page-size", type=int, default=DECODE_PAGE_SIZE,
+                    help="tokens per MLA cache page in the decode sweep (64: the earlier runs; the server uses 16)")
     args = ap.parse_args()
+    globals()["DECODE_PAGE_SIZE"] = args.decode_page_size
     kv_dtypes = args.kv_cache_dtype.split(",")
     if any(d not in KV_DTYPES for d in kv_dtypes):
         ap.error(f"--kv-cache-dtype: each of {', '.join(KV_DTYPES)}; got {args.kv_cache_dtype!r}")

@@ -322,15 +322,6 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _load_h(ptrs, mask, H_CG: tl.constexpr):
-    """A masked h tile load (zeros where masked); H_CG: through L2 only."""
-    if H_CG:
-        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
 def _down_rows(
     H, W2, Buf, SortedPair, row0, e, pid_n,
     P, D, DI, E,
@@ -344,7 +335,6 @@ def _down_rows(
     DIRECT: tl.constexpr = False,
     PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
-    H_CG: tl.constexpr = False,
 ):
     """Buffer rows of the pairs at sorted rows row0 .. row0 + BLOCK_M, N tile pid_n (zeros for the invalid bucket).
     DIRECT (pointer loads): row0 is the pair and tile row 0 its only valid row; h row row0 is read (the other tile
@@ -385,14 +375,14 @@ def _down_rows(
             for kk in range(tl.cdiv(DI, BLOCK_K)):
                 if EVEN_K:
                     if DIRECT:
-                        a = _load_h(h_ptrs, mvalid[:, None], H_CG)
+                        a = tl.load(h_ptrs, mask=mvalid[:, None], other=0.0)
                     else:
                         a = tl.load(h_ptrs)
                     b = tl.load(w_ptrs)
                 else:
                     kmask = offs_k < DI - kk * BLOCK_K
                     if DIRECT:
-                        a = _load_h(h_ptrs, mvalid[:, None] & kmask[None, :], H_CG)
+                        a = tl.load(h_ptrs, mask=mvalid[:, None] & kmask[None, :], other=0.0)
                     else:
                         a = tl.load(h_ptrs, mask=kmask[None, :], other=0.0)
                     b = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
@@ -656,20 +646,6 @@ def down_direct(h: Tensor, w2: Tensor, pair_ids: Tensor, cfg: ExpertsConfig) -> 
     return buf
 
 
-def _direct_buffer(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, pair_ids: Tensor, top_k: int, act: Activation,
-                   cfg: ExpertsConfig, prefetch_expert: int | None) -> Tensor:
-    """The direct mode's per-pair buffer: one persistent launch (`moe_fused`) when `fused_on()`, else (or when
-    it cannot run) gate_up then down; the same bits either way."""
-    from tokenspeed.ops.triton import moe_fused
-
-    if moe_fused.fused_on():
-        buf = moe_fused.experts_direct_fused(x, w1, w3, w2, pair_ids, top_k, act, cfg)
-        if buf is not None:
-            return buf
-    h = gate_up_direct(x, w1, w3, pair_ids, top_k, act, cfg, prefetch_expert)
-    return down_direct(h, w2, pair_ids, cfg)
-
-
 def _check_args(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
                 act: Activation, add: Tensor | None) -> None:
     """ValueError unless the shapes, dtypes and activation fit `moe_experts`' contract."""
@@ -746,7 +722,8 @@ def moe_experts(
         tw = tw.contiguous()
     if T <= cfg.direct_max_tokens:
         pair_ids = topk_ids.reshape(-1).contiguous()
-        buf = _direct_buffer(x, w1, w3, w2, pair_ids, k, act, cfg, prefetch_expert)
+        h = gate_up_direct(x, w1, w3, pair_ids, k, act, cfg, prefetch_expert)
+        buf = down_direct(h, w2, pair_ids, cfg)
     else:
         sorted_pair_ids, block_expert = align(topk_ids, E, cfg.block_m)
         h = gate_up(x, w1, w3, sorted_pair_ids, block_expert, k, act, cfg, prefetch_expert=prefetch_expert)
