@@ -5,7 +5,8 @@ H200: split + combine against the cache-read floor, across split counts, and whe
 
 Kimi-Linear's MLA (32 heads, latent 512 + rope 64), page 16 (the server's), bf16 and fp8 caches. For each history
 length and each split budget (`mla_decode.default_max_splits(..., waves=w)`: w x 132 programs; the default is
-DEFAULT_WAVES), `mla_decode` (split + combine, the Gluon split kernel where it applies) timed as
+DEFAULT_WAVES) and each combine tiling (TOKENSPEED_MLA_COMBINE_MAX_S 16, the former 16-slot blocks, and the
+default `combine_tiles`), `mla_decode` (split + combine, the Gluon split kernel where it applies) timed as
 `mla_decode_h200.graph_us` does (a CUDA graph of 20 calls, each after an L2-clearing memset, memsets subtracted),
 outputs compared with the default budget's; then one eager call per length under torch.profiler (CUPTI): each
 kernel's device time. Floor: the cache rows read once at 4.27 TB/s (the fp32 partials, 2 x splits x 32 x 516 x 4
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import os
 
 import torch
 from graph_timing import write_result
@@ -48,7 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/mla_b1_long_h200.json")
     ap.add_argument("--contexts", default="32768,65536,131072")
-    ap.add_argument("--waves", default="0.25,0.5,1,2,4")
+    ap.add_argument("--waves", default="0.5,1,2")
     ap.add_argument("--dtypes", default="bf16,fp8")
     args = ap.parse_args()
     mla_gluon.SMALL_PAGES = True
@@ -62,21 +64,24 @@ def main() -> None:
             default = k_mla.default_max_splits(1, H)
             want = k_mla.mla_decode(q, cache, table, kv, scale, V)
             floor_us = ctx * DL * cache.element_size() / HBM * 1e6
-            for w in [float(x) for x in args.waves.split(",")]:
+            for w, cap in [(float(x), c) for x in args.waves.split(",") for c in (16, k_mla.COMBINE_MAX_BLOCK_S)]:
                 ms = k_mla.default_max_splits(1, H, waves=w)
 
                 def fn(ms=ms):
                     return k_mla.mla_decode(q, cache, table, kv, scale, V, max_splits=ms)
 
+                os.environ[k_mla.COMBINE_ENV] = str(cap)
                 got = fn()
                 us = graph_us(fn, n=20)
+                os.environ.pop(k_mla.COMBINE_ENV)
                 chunks, splits = k_mla.plan_splits([ctx], ms, block_n=mla_gluon.BLOCK_N)
-                row = {"dtype": dt, "ctx": ctx, "waves": w, "max_splits": ms, "splits": splits[0], "chunk": chunks[0],
+                row = {"dtype": dt, "ctx": ctx, "waves": w, "combine_max_s": cap,
+                       "combine_tiles": k_mla.combine_tiles(ms, V) if cap > 16 else (16, 128), "max_splits": ms, "splits": splits[0], "chunk": chunks[0],
                        "us": us, "floor_us": floor_us, "pct_hbm": 100 * floor_us / us,
                        "partials_mb": 2 * splits[0] * H * (V + 4) * 4 / 1e6, "rel_err_vs_default": rel(got, want),
                        "default": ms == default}
                 rows.append(row)
-                print(f"{dt} ctx {ctx:6d} waves {w:4.2f} splits {splits[0]:4d} x {chunks[0]:5d}: {us:7.2f} us  "
+                print(f"{dt} ctx {ctx:6d} combine<= {cap:3d} waves {w:4.2f} splits {splits[0]:4d} x {chunks[0]:5d}: {us:7.2f} us  "
                       f"floor {floor_us:6.2f} ({row['pct_hbm']:4.1f}%)  err {row['rel_err_vs_default']:.1e}"
                       + ("  (default)" if row["default"] else ""), flush=True)
             kt = kernel_times(lambda: k_mla.mla_decode(q, cache, table, kv, scale, V))

@@ -359,7 +359,8 @@ def main() -> None:
     ap.add_argument("--beside", type=int, default=0, help="decoding sequences beside the profiled prefill tail")
     ap.add_argument("--skip", default="", help="comma list of: decode, prefill, policy")
     ap.add_argument("--host", action="store_true", help="cProfile one eager batch-1 decode forward")
-    ap.add_argument("--pdl-ab", default="", help="comma list of batches for the PDL / prefetch A/B at 4K (none: skip)")
+    ap.add_argument("--pdl-ab", default="", help="comma list of batches for the PDL / prefetch A/B (none: skip)")
+    ap.add_argument("--pdl-ctx", default="4096", help="comma list of contexts for the A/B (each with every batch)")
     ap.add_argument("--pdl-configs", default="0:regs:1;1:regs:1;1:regs:0;1:none:1;1:l2:1;-mla:regs:1;-mla,-kda:regs:1",
                     help="';' list of pdl:gemv_prefetch:l2[:table|gemv] settings for --pdl-ab (the first is the reference)")
     args = ap.parse_args()
@@ -375,7 +376,8 @@ def main() -> None:
             res["host"] = host_profile(model, 1, 4096)
         if args.pdl_ab:
             configs = args.pdl_configs.split(";")
-            res["pdl_ab"] = [pdl_ab(model, int(b), 4096, configs) for b in args.pdl_ab.split(",")]
+            res["pdl_ab"] = [pdl_ab(model, int(b), ctx, configs) for ctx in map(int, args.pdl_ctx.split(","))
+                             for b in args.pdl_ab.split(",")]
         if "prefill" not in skip:
             res["prefill"] = prefill_profile(model, args.history, [int(t) for t in args.tails.split(",")],
                                              args.beside)

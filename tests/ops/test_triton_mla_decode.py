@@ -159,6 +159,49 @@ def test_interp_all_padding_and_defaults(balanced):
 
 
 @cpu_interp
+@pytest.mark.parametrize("max_splits", [40, 132])
+def test_interp_combine_many_splits_one_tile(max_splits, monkeypatch):
+    """A sequence split into more slots than the former 16-slot combine block (batch 1 over a long history): the
+    one-tile combine (`combine_tiles`: BLOCK_S 64 / 256, narrower columns) against the reference, and against
+    the 16-slot tiling (COMBINE_MAX_BLOCK_S = 16) within fp32 rounding."""
+    from tokenspeed.ops.triton import mla_decode as mod
+
+    kw = {"max_splits": max_splits, "BLOCK_N": 16, "min_chunk": 16}
+    check([16 * max_splits - 5], 1, 4, 40, 32, 16, torch.float32, torch.float32, "cpu", 1e-5, **kw)
+    inp = make([16 * max_splits - 5], 1, 4, 40, 16, torch.float32, torch.float32, "cpu", seed=3)
+    one_tile = run(inp, 0.2, 32, **kw)
+    monkeypatch.setattr(mod, "COMBINE_MAX_BLOCK_S", 16)
+    assert mod.combine_tiles(max_splits, 32) == (16, 32)
+    assert rel_err(one_tile, run(inp, 0.2, 32, **kw)) < 1e-6
+
+
+def test_combine_tiles():
+    from tokenspeed.ops.triton.mla_decode import COMBINE_TILE_ELEMS, combine_tiles
+
+    assert combine_tiles(2, 512) == (16, 128)  # up to 16 slots: the former tiling
+    assert combine_tiles(16, 512) == (16, 128)
+    assert combine_tiles(33, 512) == (64, 64)
+    assert combine_tiles(128, 512) == (128, 32)
+    assert combine_tiles(132, 512) == (256, 16)  # batch 1 at one wave of 132 programs
+    assert combine_tiles(1024, 512) == (256, 16)  # capped: a loop of 256-slot tiles
+    assert combine_tiles(64, 24) == (64, 32)  # never wider than the value width's power of two
+    for ms in (3, 17, 100, 300):
+        bs, bv = combine_tiles(ms, 512)
+        assert bs * bv <= max(COMBINE_TILE_ELEMS, 16 * 128) and bs >= min(ms, 256)
+
+
+def test_combine_tiles_env(monkeypatch):
+    from tokenspeed.ops.triton.mla_decode import combine_tiles
+
+    monkeypatch.setenv("TOKENSPEED_MLA_COMBINE_MAX_S", "16")
+    assert combine_tiles(132, 512) == (16, 128)
+    for bad in ("12", "8", "x"):
+        monkeypatch.setenv("TOKENSPEED_MLA_COMBINE_MAX_S", bad)
+        with pytest.raises(ValueError, match="TOKENSPEED_MLA_COMBINE_MAX_S"):
+            combine_tiles(132, 512)
+
+
+@cpu_interp
 def test_interp_long_sequence_takes_more_than_max_splits():
     """Balanced plan: one long history among short ones gets more splits than max_splits (flat work list)."""
     from tokenspeed.ops.triton.mla_decode import plan_splits

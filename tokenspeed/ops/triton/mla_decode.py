@@ -131,6 +131,7 @@ to time if the fused combine turns out slow at long contexts.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -397,6 +398,28 @@ def _mla_combine_kernel(
         tl.store(O + (n * QH + r) * DV + dv, out.to(O.dtype.element_ty), mask=dv_ok)
 
 
+# Split slots the uniform combine reads in one tile at most (all of a sequence's at one wave of 132 programs and
+# one sequence), and the fp32 elements of its [BLOCK_S, BLOCK_VC] partial tile.
+# TOKENSPEED_MLA_COMBINE_MAX_S overrides the first at each call (16: the former tiling, for A/B runs).
+COMBINE_MAX_BLOCK_S = 256
+COMBINE_TILE_ELEMS = 4096
+COMBINE_ENV = "TOKENSPEED_MLA_COMBINE_MAX_S"
+
+
+def combine_tiles(max_splits: int, v_dim: int) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_VC) of the uniform combine for max_splits split slots a sequence: every slot in one tile
+    (BLOCK_S = next_pow2(max_splits), 16 to COMBINE_MAX_BLOCK_S), so the LSE max and the weighted sum each take one
+    dependent round trip to L2 instead of one a 16-slot block (batch 1 at one wave: 8 + 8 at 128 splits), with
+    BLOCK_VC narrowed to keep the tile at COMBINE_TILE_ELEMS (16 to 128 columns; more programs, each with less).
+    Up to 16 slots (from 9 sequences at one wave) this is the former fixed 16 x 128 tiling."""
+    cap = os.environ.get(COMBINE_ENV, "").strip()
+    if cap and (not cap.isdigit() or int(cap) < 16 or int(cap) & (int(cap) - 1)):
+        raise ValueError(f"{COMBINE_ENV} must be a power of two >= 16; got {cap!r}")
+    block_s = max(16, min(next_pow2(max_splits), int(cap) if cap else COMBINE_MAX_BLOCK_S))
+    block_vc = max(16, min(next_pow2(v_dim), 128, COMBINE_TILE_ELEMS // block_s))
+    return block_s, block_vc
+
+
 def default_block_h(q_rows: int) -> int:
     """16 or 32 rows per program (tl.dot needs >= 16): the fewer padded rows, ties to 32 (fewer KV re-reads)."""
     waste = {b: triton.cdiv(q_rows, b) * b - q_rows for b in (32, 16)}
@@ -586,12 +609,12 @@ def _launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: T
         _uv._combine_uv(w_uv, kv_lens, kv_lens, out, part, lse, N * QN, N, ms, min_chunk, 0, QN, v_dim, bh,
                         block_seq, block_n, bool(balanced), False)
     elif ms > 1:
-        block_vc = min(next_pow2(v_dim), 128)
+        block_s, block_vc = combine_tiles(ms, v_dim)
         _mla_combine_kernel[(triton.cdiv(v_dim, block_vc), qh, N)](
             kv_lens, out, part, lse,
             N, ms, min_chunk,
             kv_lens, 0,
-            QH=qh, DV=v_dim, BLOCK_VC=block_vc, BLOCK_S=16, BLOCK_SEQ=block_seq, BLOCK_N=block_n,
+            QH=qh, DV=v_dim, BLOCK_VC=block_vc, BLOCK_S=block_s, BLOCK_SEQ=block_seq, BLOCK_N=block_n,
             BALANCED=bool(balanced), PDL=use_pdl,
             num_warps=4, **launch,
         )
