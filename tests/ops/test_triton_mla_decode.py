@@ -164,7 +164,7 @@ def test_interp_combine_many_splits_one_tile(max_splits, monkeypatch):
     """A sequence split into more slots than the former 16-slot combine block (batch 1 over a long history): the
     one-tile combine (`combine_tiles`: BLOCK_S 64 / 256, narrower columns) against the reference, and against
     the 16-slot tiling (COMBINE_MAX_BLOCK_S = 16) within fp32 rounding."""
-    from tokenspeed.ops.triton import mla_decode as mod
+    from tokenspeed.ops.triton import mla_combine as mod
 
     kw = {"max_splits": max_splits, "BLOCK_N": 16, "min_chunk": 16}
     check([16 * max_splits - 5], 1, 4, 40, 32, 16, torch.float32, torch.float32, "cpu", 1e-5, **kw)

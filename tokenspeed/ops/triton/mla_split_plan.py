@@ -1,8 +1,8 @@
 """The device-side split plan of `mla_decode` (the work each split program serves), shared by its kernels.
 
-`tokenspeed.ops.triton.mla_decode`'s split and combine kernels and `tokenspeed.ops.triton.mla_combine_uv`'s W_UV
-combine recompute the same plan in every program from device values only (kv_lens, cu_seqlens: no host
-synchronisation), so a split kernel's partials are found again by whichever combine follows it:
+`tokenspeed.ops.triton.mla_decode`'s split kernel, `tokenspeed.ops.triton.mla_combine`'s combine and
+`tokenspeed.ops.triton.mla_combine_uv`'s W_UV combine recompute the same plan in every program from device values
+only (kv_lens, cu_seqlens: no host synchronisation), so a split kernel's partials are found again by whichever combine follows it:
 
 * `_plan_balanced`: the balanced uniform-batch plan (chunk, splits per sequence, their slot starts);
 * `_uniform_chunk`: the uniform plan's split length of one sequence (balanced=False);
