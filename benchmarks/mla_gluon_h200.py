@@ -52,6 +52,7 @@ def gluon_decode(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, kv_l
 
 CASES = [(f"b{b}_{c // 1024}k", [c] * b) for c in (4096, 32768) for b in (1, 4, 16, 64)]
 CASES += [("mixed_b16", [65536, 16384, 4096, 1024] * 4), ("equal_1x64k", [65536]), ("ragged_ends", [4097, 100, 64, 1])]
+CASES += [("b1_128k", [131072]), ("b16_64k", [65536] * 16)]  # the agentic histories
 # around mla_gluon.WS_MIN_SEQS: 8 sequences, and 16 / 32 sequences with short histories (few keys a split)
 CASES += [("b8_4k", [4096] * 8), ("b8_32k", [32768] * 8), ("b16_1k", [1024] * 16), ("b32_1k", [1024] * 32)]
 CASES = [(name, lens, 1, H) for name, lens in CASES]
@@ -78,10 +79,12 @@ COMPILE_VARIANTS = {
     "decode H12, fp8, page 16, warp-specialized": {"heads": 12, "block_h": 16, "fp8": True, "page": 16, "ws": True},
     "verify Q4 H32, fp8, page 16, warp-specialized": {"qn": 4, "fp8": True, "page": 16, "ws": True},
 }
+# ... and each of those with the softmax sum kept per key lane (`mla_gluon.LAZY_SUM`)
+COMPILE_VARIANTS.update({f"{name}, lazy sum": {**kw, "lazy": True} for name, kw in list(COMPILE_VARIANTS.items())})
 
 
 def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False, use_pdl: bool = True, qn: int = 1,
-                 block_h: int = 32, page: int = PAGE, fp8: bool = False, ws: bool = False) -> dict:
+                 block_h: int = 32, page: int = PAGE, fp8: bool = False, ws: bool = False, lazy: bool = False) -> dict:
     """Compile the Gluon split kernel for sm_90 without a GPU (`sm90_compile`'s target and Triton's own ptxas /
     cuobjdump): shared memory, registers, spill stack and main-loop instructions / spill reloads."""
     from sm90_compile import TARGET, cubin_usage, loop_usage
@@ -93,7 +96,7 @@ def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False,
     strides = ("stride_qn", "stride_qj", "stride_qh", "stride_rn", "stride_rj", "stride_rh", "stride_cp")
     consts = {"QN": qn, "H": heads, "PAGE": page, "DV": V, "ROW": DL, "BLOCK_H": block_h, "BLOCK_N": mla_gluon.BLOCK_N,
               "BLOCK_SEQ": block_seq, "ALL_PARTIAL": all_partial, "KV_BYTES": 1 if fp8 else 2, "WS": ws,
-              "WS_REGS": mla_gluon.WS_PRODUCER_REGS, "PDL": use_pdl}
+              "WS_REGS": mla_gluon.WS_PRODUCER_REGS, "PDL": use_pdl, "LAZY_L": lazy}
     sig = {**ptrs, **dict.fromkeys(strides, "i64"), "stride_pt": "i64", "N": "i32", "MAX_SPLITS": "i32", "min_chunk": "i32",
            "sm_scale_log2": "fp32", "kv_scale": "fp32", **dict.fromkeys(consts, "constexpr")}
     sig = {name: sig[name] for name in fn.arg_names}
@@ -119,6 +122,9 @@ def main() -> None:
     ap.add_argument("--ws-maxnreg", type=int, default=0,
                     help="with --ws-ab: also time the warp-specialized kernel launched with this maxnreg")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton kernel's timing (slow over fp8)")
+    ap.add_argument("--lazy-ab", action="store_true",
+                    help="also time the kernel with the softmax sum kept per key lane (mla_gluon.LAZY_SUM_ENV=1) "
+                         "against the default, and compare their outputs")
     args = ap.parse_args()
     if args.compile_sm90:
         report = {}
@@ -169,6 +175,15 @@ def main() -> None:
                               lambda a=args_: gluon_decode(*a, True, ws=True, maxnreg=args.ws_maxnreg)))
             forms.append(("gluon_1wg", lambda a=args_: gluon_decode(*a, True, ws=False)))
             forms.append(("gluon_bf16", lambda a=(q, cache16, table, kv, scale): gluon_decode(*a, True)))
+        if args.lazy_ab:
+            def lazy(a=args_):
+                os.environ[mla_gluon.LAZY_SUM_ENV] = "1"
+                try:
+                    return gluon_decode(*a, True)
+                finally:
+                    os.environ.pop(mla_gluon.LAZY_SUM_ENV)
+            row["lazy_max_rel_err"] = rel(lazy(), got)
+            forms.append(("gluon_lazy", lazy))
         for form, fn in forms:
             t = graph_us(fn, n=20)
             row[f"{form}_us"] = t

@@ -25,10 +25,12 @@ needs_hopper_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and mla_g
                                         reason="needs an sm_90 GPU and Gluon of TRITON_VERSIONS")
 
 
-@pytest.mark.parametrize("switch, env, default", [("enabled", "ENV", "ENABLED"), ("ws_fp8", "WS_ENV", "WS_FP8")])
+@pytest.mark.parametrize("switch, env, default", [("enabled", "ENV", "ENABLED"), ("ws_fp8", "WS_ENV", "WS_FP8"),
+                                                  ("lazy_sums", "LAZY_SUM_ENV", "LAZY_SUM")])
 def test_switch_env_and_errors(monkeypatch, switch, env, default):
-    """The Gluon kernel (ENABLED / TOKENSPEED_MLA_GLUON) and its warp-specialized fp8 form (WS_FP8 /
-    TOKENSPEED_MLA_GLUON_WS): the module flag unless the variable says 0 or 1; anything else is an error."""
+    """The Gluon kernel (ENABLED / TOKENSPEED_MLA_GLUON), its warp-specialized fp8 form (WS_FP8 /
+    TOKENSPEED_MLA_GLUON_WS) and its per-lane softmax sum (LAZY_SUM / TOKENSPEED_MLA_GLUON_LAZY_SUM): the module
+    flag unless the variable says 0 or 1; anything else is an error."""
     fn, name = getattr(mla_gluon, switch), getattr(mla_gluon, env)
     monkeypatch.delenv(name, raising=False)
     assert fn() is getattr(mla_gluon, default)
@@ -269,3 +271,39 @@ def test_cuda_graph_replay_gpu(monkeypatch, pdl_on):
         out.fill_(float("nan"))
         graph.replay()
         assert rel_err(out, reference(static, scale, 512)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_hopper_gluon
+@pytest.mark.parametrize("cache_dtype, ws", [(torch.bfloat16, False), (torch.float8_e4m3fn, False),
+                                             (torch.float8_e4m3fn, True)])
+@pytest.mark.parametrize("Q, H", [(1, 32), (1, 12), (4, 32)])
+def test_lazy_sum_matches_per_tile_sum_gpu(monkeypatch, cache_dtype, ws, Q, H):
+    """LAZY_SUM (the softmax sum kept per key lane, reduced once per split) changes only the fp32 summation order
+    of l: outputs within a few bf16 ulps of the per-tile sum's, and within tolerance of the reference, over bf16
+    and fp8 caches (one warpgroup and warp-specialized), page 16, ragged ends, padding sequences, one and many
+    splits and the W_UV combine; no element left unwritten."""
+    monkeypatch.setattr(mla_gluon, "FP8_CACHE", True)
+    monkeypatch.setattr(mla_gluon, "SMALL_PAGES", True)
+    monkeypatch.setattr(mla_gluon, "WS_FP8", ws)
+    monkeypatch.setattr(mla_gluon, "WS_MIN_SEQS", 1 if ws else 1 << 30)
+    monkeypatch.delenv(mla_gluon.LAZY_SUM_ENV, raising=False)
+    scale, fp8 = 576 ** -0.5, cache_dtype == torch.float8_e4m3fn
+    for kv_lens, ms in (([8192, 1024, 0, 300, 65, 1], None), ([65536], None), ([4097, 100], 1), ([20000], 40)):
+        inp = make(kv_lens, Q, H, REAL["Dl"], 16, torch.bfloat16, cache_dtype, "cuda", kv_scale=0.5,
+                   seed=H + len(kv_lens))
+        if fp8:
+            _poison_unused_rows(inp)
+        w_uv = torch.randn(H, 128, 512, dtype=torch.bfloat16, device="cuda") / 16
+        for kw in ({}, {"w_uv": w_uv}):
+            outs = []
+            for lazy in (False, True):
+                monkeypatch.setattr(mla_gluon, "LAZY_SUM", lazy)
+                spy = _Spy(monkeypatch)
+                outs.append(mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512,
+                                           0.5, max_splits=ms, **kw))
+                assert spy.calls == 1
+            assert rel_err(outs[1], outs[0]) < 8e-3
+            if not kw:
+                assert rel_err(outs[1], reference(inp, scale, 512, 0.5)) < (2e-2 if fp8 else 1e-2)

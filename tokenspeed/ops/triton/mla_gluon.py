@@ -112,6 +112,13 @@ WS_MAXNREG: int | None = None
 WS_MIN_SEQS = 8
 
 
+# The softmax sum of a tile kept per key lane ([BLOCK_N, BLOCK_H], `_tile_dots`' LAZY_L) and reduced across the warps
+# once per split instead of once per tile: each tile then pays one cross-warp reduction (the max) instead of two.
+# Changes the fp32 summation order of l only. TOKENSPEED_MLA_GLUON_LAZY_SUM ("0" / "1") overrides it at each call.
+LAZY_SUM = False
+LAZY_SUM_ENV = "TOKENSPEED_MLA_GLUON_LAZY_SUM"
+
+
 def _switch(env: str, default: bool) -> bool:
     """The environment variable `env` ("0" / "1") when set, else `default`. Raises ValueError on another value."""
     v = os.environ.get(env, "").strip()
@@ -128,6 +135,11 @@ def enabled() -> bool:
 def ws_fp8() -> bool:
     """WS_FP8, or TOKENSPEED_MLA_GLUON_WS when set. Raises ValueError on a value other than 0 / 1."""
     return _switch(WS_ENV, WS_FP8)
+
+
+def lazy_sums() -> bool:
+    """LAZY_SUM, or TOKENSPEED_MLA_GLUON_LAZY_SUM when set. Raises ValueError on a value other than 0 / 1."""
+    return _switch(LAZY_SUM_ENV, LAZY_SUM)
 
 
 def warp_specialized(cache_dtype: torch.dtype, block_h: int, num_seqs: int) -> bool:
@@ -175,7 +187,7 @@ def launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Te
         cache, cache.stride(0), page_table, page_table.stride(0), kv_lens,
         out, part, lse, N, max_splits, min_chunk, sm_scale_log2, kv_scale,
         QN=QN, H=H, PAGE=cache.shape[1], DV=DV, ROW=DV + DR, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_SEQ=block_seq,
-        ALL_PARTIAL=all_partial, KV_BYTES=cache.element_size(), WS=ws, WS_REGS=WS_PRODUCER_REGS,
+        ALL_PARTIAL=all_partial, KV_BYTES=cache.element_size(), WS=ws, WS_REGS=WS_PRODUCER_REGS, LAZY_L=lazy_sums(),
         num_warps=4 * triton.cdiv(block_h, 32), **pdl_kwargs)
 
 
@@ -270,10 +282,12 @@ if gluon is not None:
 
     @gluon.jit
     def _tile_dots(kv_s, kr_s, qv_s, qr_s, p_s, acc_t, m_i, l_i, k0, hi, lim, sm_scale_log2, BLOCK_H: gl.constexpr,
-                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MMA: gl.constexpr):
+                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MMA: gl.constexpr, LAZY_L: gl.constexpr):
         """One key tile (kv_s [BLOCK_N, DV] / kr_s [BLOCK_N, DR] bf16 in shared memory, keys k0 ..) into the online
         softmax: the scores S^T = K Q^T (wgmma, keys-major), p through p_s, acc_t += V^T P^T. Returns (acc_t, m_i,
-        l_i); the tile's buffers and p_s are free once it returns (both wgmma waited)."""
+        l_i); the tile's buffers and p_s are free once it returns (both wgmma waited). LAZY_L: l_i is the
+        [BLOCK_N, BLOCK_H] running sum of p per key lane (`_row_sums` reduces it once, after the last tile), so the
+        tile pays one cross-warp reduction (the max) instead of two; else l_i [BLOCK_H]."""
         st = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, MMA)
         st = warpgroup_mma(kv_s, qv_s.permute((1, 0)), st, is_async=True)
         st = warpgroup_mma(kr_s, qr_s.permute((1, 0)), st, is_async=True)
@@ -288,7 +302,10 @@ if gluon is not None:
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         pt = gl.exp2(st - m_safe[None, :])
-        l_i = l_i * alpha + gl.sum(pt, axis=0)
+        if LAZY_L:
+            l_i = l_i * alpha[None, :] + pt
+        else:
+            l_i = l_i * alpha + gl.sum(pt, axis=0)
         p_s.store(pt.to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()  # every warp's rows of p before the warpgroup's wgmma reads them
@@ -297,15 +314,32 @@ if gluon is not None:
         return acc_t, m_new, l_i
 
     @gluon.jit
+    def _zero_sums(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, MMA: gl.constexpr, LAZY_L: gl.constexpr):
+        """The online softmax's initial sum l for `_tile_dots`: [BLOCK_N, BLOCK_H] with LAZY_L, else [BLOCK_H]."""
+        if LAZY_L:
+            return gl.zeros([BLOCK_N, BLOCK_H], gl.float32, MMA)
+        else:
+            return gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, MMA))
+
+    @gluon.jit
+    def _row_sums(l_i, LAZY_L: gl.constexpr):
+        """l [BLOCK_H] from `_tile_dots`' running sum (summed over the key lanes with LAZY_L)."""
+        if LAZY_L:
+            return gl.sum(l_i, axis=0)
+        else:
+            return l_i
+
+    @gluon.jit
     def _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, st_kv, st_kr, p_s, CACHE, stride_cp, pt_row, lo, hi, lim,
                      sm_scale_log2, BLOCK_H: gl.constexpr, PAGE: gl.constexpr, DV: gl.constexpr, ROW: gl.constexpr,
                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr, LKV: gl.constexpr,
-                     LKR: gl.constexpr, LC: gl.constexpr, LCR: gl.constexpr, MMA: gl.constexpr):
+                     LKR: gl.constexpr, LC: gl.constexpr, LCR: gl.constexpr, MMA: gl.constexpr,
+                     LAZY_L: gl.constexpr):
         """Online softmax over keys lo .. hi - 1 (CAUSAL: row r sees keys <= lim[r]): (acc [DV, BLOCK_H] fp32
         unnormalised, m [BLOCK_H], l [BLOCK_H]) in log2 units. Tile i+1's copy is issued before tile i's dots;
         each buffer is refilled only after every warp left it."""
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
-        l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, MMA))
+        l_i = _zero_sums(BLOCK_H, BLOCK_N, MMA, LAZY_L)
         acc_t = gl.zeros([DV, BLOCK_H], gl.float32, MMA)
         _issue_tile(kv_bufs, kr_bufs, 0, CACHE, _tile_pages(pt_row, lo, hi, PAGE, BLOCK_N, LKV, LKR), stride_cp,
                     lo, hi, PAGE, DV, ROW, BLOCK_N, LKV, LKR)
@@ -332,9 +366,9 @@ if gluon is not None:
                 kv_s = kv_bufs.index(i % 2)
                 kr_s = kr_bufs.index(i % 2)
             acc_t, m_i, l_i = _tile_dots(kv_s, kr_s, qv_s, qr_s, p_s, acc_t, m_i, l_i, k0, hi, lim, sm_scale_log2,
-                                         BLOCK_H, BLOCK_N, CAUSAL, MMA)
+                                         BLOCK_H, BLOCK_N, CAUSAL, MMA, LAZY_L)
             gl.thread_barrier()  # every warp is done with buffer i % 2 before iteration i + 1 refills it
-        return acc_t, m_i, l_i
+        return acc_t, m_i, _row_sums(l_i, LAZY_L)
 
     @gluon.jit
     def _issue_fp8_chunk(ring, c: gl.constexpr, CACHE, pages, stride_cp, k0, hi, PAGE: gl.constexpr,
@@ -401,20 +435,21 @@ if gluon is not None:
     @gluon.jit
     def _fp8_consumer(qv_s, qr_s, st_kv, st_kr, p_s, full, empty, lo, hi, lim, sm_scale_log2,
                       BLOCK_H: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                      MMA: gl.constexpr):
+                      MMA: gl.constexpr, LAZY_L: gl.constexpr):
         """The default partition (the kernel's warpgroup): `_flash_tiles`' online softmax over the bf16 tiles the
         producer stages, buffer i % 2 for tile i, handed back through its `empty` barrier once both dots are done."""
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
-        l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(0, MMA))
+        l_i = _zero_sums(BLOCK_H, BLOCK_N, MMA, LAZY_L)
         acc_t = gl.zeros([DV, BLOCK_H], gl.float32, MMA)
         for i in range((hi - lo + BLOCK_N - 1) // BLOCK_N):
             b = i % 2
             mbarrier.wait(full.index(b), (i // 2) & 1)
             acc_t, m_i, l_i = _tile_dots(st_kv.index(b), st_kr.index(b), qv_s, qr_s, p_s, acc_t, m_i, l_i,
-                                         lo + i * BLOCK_N, hi, lim, sm_scale_log2, BLOCK_H, BLOCK_N, CAUSAL, MMA)
+                                         lo + i * BLOCK_N, hi, lim, sm_scale_log2, BLOCK_H, BLOCK_N, CAUSAL, MMA,
+                                         LAZY_L)
             gl.thread_barrier()  # every warp's wgmma done with buffer b (and p_s) before it is handed back
             mbarrier.arrive(empty.index(b), count=1)
-        return acc_t, m_i, l_i
+        return acc_t, m_i, _row_sums(l_i, LAZY_L)
 
     @gluon.jit
     def _store_rows(PTR, base, o, rows, d, QH: gl.constexpr, DV: gl.constexpr, EVEN: gl.constexpr):
@@ -462,6 +497,7 @@ if gluon is not None:
         QN: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr, DV: gl.constexpr, ROW: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SEQ: gl.constexpr, ALL_PARTIAL: gl.constexpr,
         KV_BYTES: gl.constexpr, WS: gl.constexpr, WS_REGS: gl.constexpr, PDL: gl.constexpr,
+        LAZY_L: gl.constexpr = False,
     ):
         DR: gl.constexpr = ROW - DV
         QH: gl.constexpr = QN * H
@@ -535,14 +571,14 @@ if gluon is not None:
                 gl.thread_barrier()  # the barriers' initialisation before either partition uses them
                 acc_t, m_i, l_i = gl.warp_specialize([
                     (_fp8_consumer, (qv_s, qr_s, kv_bufs, kr_bufs, p_s, full, empty, lo, hi, lim, sm_scale_log2,
-                                     BLOCK_H, DV, BLOCK_N, QN > 1, MMA)),
+                                     BLOCK_H, DV, BLOCK_N, QN > 1, MMA, LAZY_L)),
                     (_fp8_producer, (CACHE, stride_cp, PT + n * stride_pt, lo, hi, kv_bufs, kr_bufs, ring, full,
                                      empty, PAGE, DV, ROW, BLOCK_N)),
                 ], [4], [WS_REGS])
             else:
                 acc_t, m_i, l_i = _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, st_kv, st_kr, p_s, CACHE, stride_cp,
                                                PT + n * stride_pt, lo, hi, lim, sm_scale_log2, BLOCK_H, PAGE, DV,
-                                               ROW, BLOCK_N, QN > 1, FP8, LKV, LKR, LC, LCR, MMA)
+                                               ROW, BLOCK_N, QN > 1, FP8, LKV, LKR, LC, LCR, MMA, LAZY_L)
             # the epilogue of `mla_flash._store_rows`: normalised rows, direct when the sequence has one split
             inv = gl.where(l_i > 0, kv_scale / gl.where(l_i > 0, l_i, 1.0), 0.0)
             o = gl.convert_layout(acc_t * inv[None, :], LOUT)
