@@ -79,12 +79,14 @@ COMPILE_VARIANTS = {
     "decode H12, fp8, page 16, warp-specialized": {"heads": 12, "block_h": 16, "fp8": True, "page": 16, "ws": True},
     "verify Q4 H32, fp8, page 16, warp-specialized": {"qn": 4, "fp8": True, "page": 16, "ws": True},
 }
-# ... and each of those with the softmax sum kept per key lane (`mla_gluon.LAZY_SUM`)
-COMPILE_VARIANTS.update({f"{name}, lazy sum": {**kw, "lazy": True} for name, kw in list(COMPILE_VARIANTS.items())})
+# (each with `mla_gluon.LAZY_SUM` as set; the per-tile softmax sum, TOKENSPEED_MLA_GLUON_LAZY_SUM=0, in two of them)
+COMPILE_VARIANTS.update({"decode H32, page 16, per-tile sum": {"page": 16, "lazy": False},
+                         "decode H32, fp8, page 16, warp-specialized, per-tile sum": {"fp8": True, "page": 16,
+                                                                                       "ws": True, "lazy": False}})
 
 
 def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False, use_pdl: bool = True, qn: int = 1,
-                 block_h: int = 32, page: int = PAGE, fp8: bool = False, ws: bool = False, lazy: bool = False) -> dict:
+                 block_h: int = 32, page: int = PAGE, fp8: bool = False, ws: bool = False, lazy: bool | None = None) -> dict:
     """Compile the Gluon split kernel for sm_90 without a GPU (`sm90_compile`'s target and Triton's own ptxas /
     cuobjdump): shared memory, registers, spill stack and main-loop instructions / spill reloads."""
     from sm90_compile import TARGET, cubin_usage, loop_usage
@@ -96,7 +98,8 @@ def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False,
     strides = ("stride_qn", "stride_qj", "stride_qh", "stride_rn", "stride_rj", "stride_rh", "stride_cp")
     consts = {"QN": qn, "H": heads, "PAGE": page, "DV": V, "ROW": DL, "BLOCK_H": block_h, "BLOCK_N": mla_gluon.BLOCK_N,
               "BLOCK_SEQ": block_seq, "ALL_PARTIAL": all_partial, "KV_BYTES": 1 if fp8 else 2, "WS": ws,
-              "WS_REGS": mla_gluon.WS_PRODUCER_REGS, "PDL": use_pdl, "LAZY_L": lazy}
+              "WS_REGS": mla_gluon.WS_PRODUCER_REGS, "PDL": use_pdl,
+              "LAZY_L": mla_gluon.LAZY_SUM if lazy is None else lazy}
     sig = {**ptrs, **dict.fromkeys(strides, "i64"), "stride_pt": "i64", "N": "i32", "MAX_SPLITS": "i32", "min_chunk": "i32",
            "sm_scale_log2": "fp32", "kv_scale": "fp32", **dict.fromkeys(consts, "constexpr")}
     sig = {name: sig[name] for name in fn.arg_names}

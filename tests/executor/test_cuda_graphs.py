@@ -201,8 +201,10 @@ def test_gluon_mla_in_the_served_model_gpu(tmp_path, monkeypatch, page_size) -> 
     """The served model with the real MLA widths, bf16, pages of 16 (the engine's default: `mla_gluon.SMALL_PAGES`,
     a page-table entry per key row) and 64, decode graphs (6 requests finishing one by one:
     the fused W_UV path from 4 sequences, the plain combine below): the same greedy tokens with the Gluon split
-    kernel (TOKENSPEED_MLA_GLUON=1) as with the Triton one (=0), whose outputs it equals bit for bit; on an sm_90
-    GPU with Gluon of `mla_gluon.TRITON_VERSIONS`, the Gluon kernel is the one that ran."""
+    kernel (TOKENSPEED_MLA_GLUON=1) as with the Triton one (=0): with the per-tile softmax sum
+    (TOKENSPEED_MLA_GLUON_LAZY_SUM=0) its outputs equal the Triton kernel's bit for bit, and the served default (the
+    lazy sum) gives the same tokens; on an sm_90 GPU with Gluon of `mla_gluon.TRITON_VERSIONS`, the Gluon kernel is
+    the one that ran."""
     from tokenspeed.ops.triton import mla_gluon
 
     path = str(write_tiny_checkpoint(tmp_path / "tiny-kimi-linear-mla", "tiny-kimi-linear", dtype=torch.bfloat16,
@@ -211,14 +213,16 @@ def test_gluon_mla_in_the_served_model_gpu(tmp_path, monkeypatch, page_size) -> 
     real = mla_gluon.launch
     monkeypatch.setattr(mla_gluon, "launch", lambda *a, **k: (calls.append(1), real(*a, **k)))
     tokens = {}
-    for on in ("0", "1"):
+    for on, lazy in (("0", "0"), ("1", "0"), ("1", "")):  # Triton; Gluon with the per-tile sum; Gluon as served
         monkeypatch.setenv(mla_gluon.ENV, on)
+        monkeypatch.setenv(mla_gluon.LAZY_SUM_ENV, lazy)
         calls.clear()
-        tokens[on] = _greedy(path, "cuda", dtype="bfloat16", page_size=page_size)
+        tokens[on, lazy] = _greedy(path, "cuda", dtype="bfloat16", page_size=page_size)
         if on == "0":
             assert not calls
-    assert bool(calls) == mla_gluon._hopper(torch.device("cuda"))
-    assert tokens["1"] == tokens["0"]
+        assert bool(calls) == (on == "1" and mla_gluon._hopper(torch.device("cuda")))
+    assert tokens["1", "0"] == tokens["0", "0"]
+    assert tokens["1", ""] == tokens["0", "0"]
 
 
 @needs_cuda

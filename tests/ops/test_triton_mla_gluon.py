@@ -21,6 +21,16 @@ from tests.ops.triton_env import needs_cuda, rel_err
 from tokenspeed.ops.triton import mla_decode as mod
 from tokenspeed.ops.triton import mla_gluon
 
+
+
+@pytest.fixture(autouse=True)
+def _per_tile_sums(monkeypatch):
+    """The per-tile softmax sum (LAZY_SUM off), whose arithmetic is the Triton kernel's, for the bit-for-bit
+    comparisons; `test_lazy_sum_matches_per_tile_sum_gpu` sets it itself."""
+    monkeypatch.setattr(mla_gluon, "LAZY_SUM", False)
+    monkeypatch.delenv(mla_gluon.LAZY_SUM_ENV, raising=False)
+
+
 needs_hopper_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and mla_gluon._hopper(torch.device("cuda"))),
                                         reason="needs an sm_90 GPU and Gluon of TRITON_VERSIONS")
 
@@ -282,8 +292,8 @@ def test_cuda_graph_replay_gpu(monkeypatch, pdl_on):
 def test_lazy_sum_matches_per_tile_sum_gpu(monkeypatch, cache_dtype, ws, Q, H):
     """LAZY_SUM (the softmax sum kept per key lane, reduced once per split) changes only the fp32 summation order
     of l: outputs within a few bf16 ulps of the per-tile sum's, and within tolerance of the reference, over bf16
-    and fp8 caches (one warpgroup and warp-specialized), page 16, ragged ends, padding sequences, one and many
-    splits and the W_UV combine; no element left unwritten."""
+    and fp8 caches (one warpgroup and warp-specialized, which stay bit-equal to each other), page 16, ragged ends,
+    padding sequences, one and many splits and the W_UV combine; no element left unwritten."""
     monkeypatch.setattr(mla_gluon, "FP8_CACHE", True)
     monkeypatch.setattr(mla_gluon, "SMALL_PAGES", True)
     monkeypatch.setattr(mla_gluon, "WS_FP8", ws)
@@ -305,5 +315,11 @@ def test_lazy_sum_matches_per_tile_sum_gpu(monkeypatch, cache_dtype, ws, Q, H):
                                            0.5, max_splits=ms, **kw))
                 assert spy.calls == 1
             assert rel_err(outs[1], outs[0]) < 8e-3
+            if ws:  # the warp-specialized fp8 kernel stages the same tiles: bit for bit the one-warpgroup one
+                monkeypatch.setattr(mla_gluon, "WS_FP8", False)
+                one = mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, 0.5,
+                                     max_splits=ms, **kw)
+                monkeypatch.setattr(mla_gluon, "WS_FP8", True)
+                assert torch.equal(one, outs[1])
             if not kw:
                 assert rel_err(outs[1], reference(inp, scale, 512, 0.5)) < (2e-2 if fp8 else 1e-2)

@@ -114,8 +114,13 @@ WS_MIN_SEQS = 8
 
 # The softmax sum of a tile kept per key lane ([BLOCK_N, BLOCK_H], `_tile_dots`' LAZY_L) and reduced across the warps
 # once per split instead of once per tile: each tile then pays one cross-warp reduction (the max) instead of two.
-# Changes the fp32 summation order of l only. TOKENSPEED_MLA_GLUON_LAZY_SUM ("0" / "1") overrides it at each call.
-LAZY_SUM = False
+# Changes the fp32 summation order of l only (outputs within a bf16 ulp or two of the per-tile sum's, so no longer
+# bit-equal to the Triton kernel). TOKENSPEED_MLA_GLUON_LAZY_SUM ("0" / "1") overrides it at each call. H200, page
+# 16, split + combine, cold L2, per-tile -> lazy (results/mla_gluon_lazy_{bf16,fp8}_2ab7dc7.json): bf16 batch 64 /
+# 32K 674.9 -> 628.4 us (83.8 -> 90.0% of HBM), 16 / 64K 329.1 -> 315.1, verify 4 x 16 / 32K 504.9 -> 472.9, K3's
+# 96 heads 16 / 32K 493.5 -> 466.3; fp8 64 / 32K 735.5 -> 668.6, verify 627.5 -> 579.5; batch 1 within +-1 us
+# (128K 61.3 -> 60.9, fp8 72.4 -> 70.1; fp8 4K 16.8 -> 17.4).
+LAZY_SUM = True
 LAZY_SUM_ENV = "TOKENSPEED_MLA_GLUON_LAZY_SUM"
 
 
