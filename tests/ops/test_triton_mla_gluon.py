@@ -293,14 +293,17 @@ def test_lazy_sum_matches_per_tile_sum_gpu(monkeypatch, cache_dtype, ws, Q, H):
     """LAZY_SUM (the softmax sum kept per key lane, reduced once per split) changes only the fp32 summation order
     of l: outputs within a few bf16 ulps of the per-tile sum's, and within tolerance of the reference, over bf16
     and fp8 caches (one warpgroup and warp-specialized, which stay bit-equal to each other), page 16, ragged ends,
-    padding sequences, one and many splits and the W_UV combine; no element left unwritten."""
+    padding sequences, one and many splits, 64-row tiles (16 sequences of 4 x 32 query rows) and the W_UV combine;
+    no element left unwritten."""
     monkeypatch.setattr(mla_gluon, "FP8_CACHE", True)
     monkeypatch.setattr(mla_gluon, "SMALL_PAGES", True)
     monkeypatch.setattr(mla_gluon, "WS_FP8", ws)
     monkeypatch.setattr(mla_gluon, "WS_MIN_SEQS", 1 if ws else 1 << 30)
     monkeypatch.delenv(mla_gluon.LAZY_SUM_ENV, raising=False)
     scale, fp8 = 576 ** -0.5, cache_dtype == torch.float8_e4m3fn
-    for kv_lens, ms in (([8192, 1024, 0, 300, 65, 1], None), ([65536], None), ([4097, 100], 1), ([20000], 40)):
+    cases = (([8192, 1024, 0, 300, 65, 1], None), ([65536], None), ([4097, 100], 1), ([20000], 40),
+             ([3000, 17, 0, 1500] * 4, None))  # 16 sequences: 64-row tiles of two warpgroups at Q 4 x 32 heads
+    for kv_lens, ms in cases:
         inp = make(kv_lens, Q, H, REAL["Dl"], 16, torch.bfloat16, cache_dtype, "cuda", kv_scale=0.5,
                    seed=H + len(kv_lens))
         if fp8:
