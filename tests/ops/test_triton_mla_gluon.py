@@ -99,6 +99,19 @@ class _Spy:
         monkeypatch.setattr(mla_gluon, "launch", launch)
 
 
+def _outputs_under(monkeypatch, attr, values, inp, scale, kv_scale, max_splits, **kw) -> list[torch.Tensor]:
+    """`mla_decode` of `inp` (`make`'s case; v_dim 512) once with `mla_gluon.<attr>` set to each of `values` in
+    turn, each call one Gluon launch (`launch` counted)."""
+    outs = []
+    for value in values:
+        monkeypatch.setattr(mla_gluon, attr, value)
+        spy = _Spy(monkeypatch)
+        outs.append(mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, kv_scale,
+                                   max_splits=max_splits, **kw))
+        assert spy.calls == 1
+    return outs
+
+
 def _both(monkeypatch, fn):
     """fn() with the Gluon kernel off, then on (asserting it launched): (triton_out, gluon_out)."""
     spy = _Spy(monkeypatch)
@@ -218,13 +231,7 @@ def test_fp8_warp_specialized_equals_one_warpgroup_gpu(monkeypatch, page_size, Q
         _poison_unused_rows(inp)
         w_uv = torch.randn(H, 128, 512, dtype=torch.bfloat16, device="cuda") / 16
         for kw in ({}, {"w_uv": w_uv}):
-            outs = []
-            for ws in (False, True):
-                monkeypatch.setattr(mla_gluon, "WS_FP8", ws)
-                spy = _Spy(monkeypatch)
-                outs.append(mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512,
-                                           0.25, max_splits=ms, **kw))
-                assert spy.calls == 1
+            outs = _outputs_under(monkeypatch, "WS_FP8", (False, True), inp, scale, 0.25, ms, **kw)
             assert torch.equal(outs[0], outs[1])
             assert not outs[1].isnan().any()
         plain = mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, 0.25,
@@ -310,18 +317,10 @@ def test_lazy_sum_matches_per_tile_sum_gpu(monkeypatch, cache_dtype, ws, Q, H):
             _poison_unused_rows(inp)
         w_uv = torch.randn(H, 128, 512, dtype=torch.bfloat16, device="cuda") / 16
         for kw in ({}, {"w_uv": w_uv}):
-            outs = []
-            for lazy in (False, True):
-                monkeypatch.setattr(mla_gluon, "LAZY_SUM", lazy)
-                spy = _Spy(monkeypatch)
-                outs.append(mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512,
-                                           0.5, max_splits=ms, **kw))
-                assert spy.calls == 1
+            outs = _outputs_under(monkeypatch, "LAZY_SUM", (False, True), inp, scale, 0.5, ms, **kw)
             assert rel_err(outs[1], outs[0]) < 8e-3
             if ws:  # the warp-specialized fp8 kernel stages the same tiles: bit for bit the one-warpgroup one
-                monkeypatch.setattr(mla_gluon, "WS_FP8", False)
-                one = mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, 0.5,
-                                     max_splits=ms, **kw)
+                one, = _outputs_under(monkeypatch, "WS_FP8", (False,), inp, scale, 0.5, ms, **kw)
                 monkeypatch.setattr(mla_gluon, "WS_FP8", True)
                 assert torch.equal(one, outs[1])
             if not kw:
