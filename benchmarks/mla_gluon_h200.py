@@ -86,9 +86,11 @@ COMPILE_VARIANTS.update({"decode H32, page 16, per-tile sum": {"page": 16, "lazy
 
 
 def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False, use_pdl: bool = True, qn: int = 1,
-                 block_h: int = 32, page: int = PAGE, fp8: bool = False, ws: bool = False, lazy: bool | None = None) -> dict:
+                 block_h: int = 32, page: int = PAGE, fp8: bool = False, ws: bool = False,
+                 lazy: bool | None = None) -> dict:
     """Compile the Gluon split kernel for sm_90 without a GPU (`sm90_compile`'s target and Triton's own ptxas /
-    cuobjdump): shared memory, registers, spill stack and main-loop instructions / spill reloads."""
+    cuobjdump): shared memory, registers, spill stack and main-loop instructions / spill reloads. lazy: the
+    LAZY_L constexpr (None: `mla_gluon.LAZY_SUM`)."""
     from sm90_compile import TARGET, cubin_usage, loop_usage
     from triton.experimental.gluon._runtime import GluonASTSource
 

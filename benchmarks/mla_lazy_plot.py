@@ -3,8 +3,9 @@ per case of `mla_gluon_h200.py --lazy-ab` results (split + combine, H200, page 1
 over the lazy kernel's (> 1: the lazy sum is faster), and per batch of `step_profile_h200.py --pdl-ab` results
 with a TOKENSPEED_MLA_GLUON_LAZY_SUM setting, the decode step's ratio the same way.
 
-    python benchmarks/mla_lazy_plot.py benchmarks/results/mla_gluon_lazy_{bf16,fp8}_2ab7dc7.json \
-        benchmarks/results/step_profile_h200_{2ab7dc7,23dbb7c}_lazy_sum_ab.json --out benchmarks/results/mla_lazy_h200.png
+    cd benchmarks/results && python ../mla_lazy_plot.py mla_gluon_lazy_{bf16,fp8}_2ab7dc7.json \
+        step_profile_h200_{2ab7dc7,23dbb7c}_lazy_sum_ab.json step_profile_h200_1cc725c_lazy_sum_128k_ab.json \
+        --out mla_lazy_h200.png
 """
 
 from __future__ import annotations

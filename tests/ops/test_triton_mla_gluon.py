@@ -22,7 +22,6 @@ from tokenspeed.ops.triton import mla_decode as mod
 from tokenspeed.ops.triton import mla_gluon
 
 
-
 @pytest.fixture(autouse=True)
 def _per_tile_sums(monkeypatch):
     """The per-tile softmax sum (LAZY_SUM off), whose arithmetic is the Triton kernel's, for the bit-for-bit

@@ -3,8 +3,10 @@
 Same outputs as `mla_decode._mla_split_kernel` for the cases `usable` accepts (uniform decode or verify, the
 balanced plan, 64-key tiles, 16-, 32- or 64-row query tiles): single-split sequences write their
 normalised output rows to O directly, the others fp32 partials and log2 LSEs at the plan's workspace rows, so
-`mla_decode`'s combine kernels (plain or W_UV) merge them unchanged. Bit-identical to the Triton keys-major kernel
-on the H200 for the same split count (`benchmarks/mla_gluon_h200.py`, tests/ops/test_triton_mla_gluon.py).
+`mla_decode`'s combine kernels (plain or W_UV) merge them unchanged. With the per-tile softmax sum
+(TOKENSPEED_MLA_GLUON_LAZY_SUM=0) bit-identical to the Triton keys-major kernel on the H200 for the same split count
+(`benchmarks/mla_gluon_h200.py`, tests/ops/test_triton_mla_gluon.py); the default per-lane sum (LAZY_SUM) differs
+from it only in the fp32 summation order of the softmax denominator.
 
 Why a second kernel. Triton's pipeliner issues the keys-major loop's copy of tile i+1 after tile i's dots and
 waits for it at the top of the next iteration, so no copy overlaps a dot: about 40% of HBM at best. Here, with
