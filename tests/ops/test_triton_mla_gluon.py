@@ -35,11 +35,13 @@ needs_hopper_gluon = pytest.mark.skipif(not (torch.cuda.is_available() and mla_g
 
 
 @pytest.mark.parametrize("switch, env, default", [("enabled", "ENV", "ENABLED"), ("ws_fp8", "WS_ENV", "WS_FP8"),
-                                                  ("lazy_sums", "LAZY_SUM_ENV", "LAZY_SUM")])
+                                                  ("lazy_sums", "LAZY_SUM_ENV", "LAZY_SUM"),
+                                                  ("fp8_dots", "FP8_DOTS_ENV", "FP8_DOTS")])
 def test_switch_env_and_errors(monkeypatch, switch, env, default):
     """The Gluon kernel (ENABLED / TOKENSPEED_MLA_GLUON), its warp-specialized fp8 form (WS_FP8 /
-    TOKENSPEED_MLA_GLUON_WS) and its per-lane softmax sum (LAZY_SUM / TOKENSPEED_MLA_GLUON_LAZY_SUM): the module
-    flag unless the variable says 0 or 1; anything else is an error."""
+    TOKENSPEED_MLA_GLUON_WS), its per-lane softmax sum (LAZY_SUM / TOKENSPEED_MLA_GLUON_LAZY_SUM) and its fp8 dots
+    (FP8_DOTS / TOKENSPEED_MLA_GLUON_FP8_DOTS): the module flag unless the variable says 0 or 1; anything else is an
+    error."""
     fn, name = getattr(mla_gluon, switch), getattr(mla_gluon, env)
     monkeypatch.delenv(name, raising=False)
     assert fn() is getattr(mla_gluon, default)
@@ -324,3 +326,37 @@ def test_lazy_sum_matches_per_tile_sum_gpu(monkeypatch, cache_dtype, ws, Q, H):
                 assert torch.equal(one, outs[1])
             if not kw:
                 assert rel_err(outs[1], reference(inp, scale, 512, 0.5)) < (2e-2 if fp8 else 1e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_hopper_gluon
+@pytest.mark.parametrize("page_size", [64, 16, 48])
+@pytest.mark.parametrize("Q, H", [(1, 32), (1, 12), (4, 32), (2, 12)])
+@pytest.mark.parametrize("lazy", [True, False])
+def test_fp8_dots_gpu(monkeypatch, page_size, Q, H, lazy):
+    """FP8_DOTS (the warp-specialized kernel forced at every batch size): e4m3 queries, keys read straight from the
+    copied fp8 tile, e4m3 p against the transposed latent. Within the fp8 tolerance of the reference and close to
+    the bf16 dots over the same cache (the query's and p's e4m3 roundings are the only difference), no NaN, over
+    ragged ends (NaN cache rows past them must not be read), padding
+    sequences, one and many splits (up to 40: the three-buffer key ring wraps many times), kv_scale, causal verify
+    windows and the W_UV combine (every split's partials)."""
+    monkeypatch.setattr(mla_gluon, "FP8_CACHE", True)
+    monkeypatch.setattr(mla_gluon, "SMALL_PAGES", True)
+    monkeypatch.setattr(mla_gluon, "WS_FP8", True)
+    monkeypatch.setattr(mla_gluon, "WS_MIN_SEQS", 1)
+    monkeypatch.setattr(mla_gluon, "LAZY_SUM", lazy)
+    monkeypatch.delenv(mla_gluon.FP8_DOTS_ENV, raising=False)
+    scale = 576 ** -0.5
+    for kv_lens, ms in (([8192, 1024, 0, 300, 65, 1], None), (MIXED * 4, None), ([4097, 100], 1), ([20000], 40)):
+        inp = make(kv_lens, Q, H, REAL["Dl"], page_size, torch.bfloat16, torch.float8_e4m3fn, "cuda",
+                   kv_scale=0.25, seed=page_size + H + len(kv_lens))
+        _poison_unused_rows(inp)
+        w_uv = torch.randn(H, 128, 512, dtype=torch.bfloat16, device="cuda") / 16
+        for kw in ({}, {"w_uv": w_uv}):
+            bf16_dots, fp8_dots = _outputs_under(monkeypatch, "FP8_DOTS", (False, True), inp, scale, 0.25, ms, **kw)
+            assert not fp8_dots.isnan().any()
+            assert rel_err(fp8_dots, bf16_dots) < 3e-2
+        got = mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, 0.25,
+                             max_splits=ms)  # FP8_DOTS still on
+        assert rel_err(got, reference(inp, scale, 512, 0.25)) < 3e-2

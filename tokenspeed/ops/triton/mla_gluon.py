@@ -125,6 +125,16 @@ WS_MIN_SEQS = 8
 LAZY_SUM = True
 LAZY_SUM_ENV = "TOKENSPEED_MLA_GLUON_LAZY_SUM"
 
+# The warp-specialized fp8 kernel's dots in fp8 (e4m3 wgmma) instead of on bf16 copies of the tile: the query rows
+# quantised in the kernel (one scale a row: its largest magnitude to 448), S^T = K Q^T read straight from the fp8 key
+# tile the copies land in (three buffers), p rounded to e4m3 after a scale of P_SCALE, and the 8-bit wgmma's
+# K-major value operand (V^T [DV, BLOCK_N]) written by the producer warpgroup from its own copied bytes. Shared
+# memory a tile falls from ~290 KB (bf16 staging) to ~170 KB. Not bit-equal to the bf16 dots: the query and p are
+# rounded to e4m3 (3 mantissa bits). TOKENSPEED_MLA_GLUON_FP8_DOTS ("0" / "1") overrides it at each call.
+FP8_DOTS = False
+FP8_DOTS_ENV = "TOKENSPEED_MLA_GLUON_FP8_DOTS"
+P_SCALE = 256.0  # p (<= 1) times this before its e4m3 rounding (<= 448), divided out of the output
+
 
 def _switch(env: str, default: bool) -> bool:
     """The environment variable `env` ("0" / "1") when set, else `default`. Raises ValueError on another value."""
@@ -147,6 +157,11 @@ def ws_fp8() -> bool:
 def lazy_sums() -> bool:
     """LAZY_SUM, or TOKENSPEED_MLA_GLUON_LAZY_SUM when set. Raises ValueError on a value other than 0 / 1."""
     return _switch(LAZY_SUM_ENV, LAZY_SUM)
+
+
+def fp8_dots() -> bool:
+    """FP8_DOTS, or TOKENSPEED_MLA_GLUON_FP8_DOTS when set. Raises ValueError on a value other than 0 / 1."""
+    return _switch(FP8_DOTS_ENV, FP8_DOTS)
 
 
 def warp_specialized(cache_dtype: torch.dtype, block_h: int, num_seqs: int) -> bool:
@@ -195,6 +210,7 @@ def launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Te
         out, part, lse, N, max_splits, min_chunk, sm_scale_log2, kv_scale,
         QN=QN, H=H, PAGE=cache.shape[1], DV=DV, ROW=DV + DR, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_SEQ=block_seq,
         ALL_PARTIAL=all_partial, KV_BYTES=cache.element_size(), WS=ws, WS_REGS=WS_PRODUCER_REGS, LAZY_L=lazy_sums(),
+        F8D=ws and fp8_dots(), P_SCALE=P_SCALE,
         num_warps=4 * triton.cdiv(block_h, 32), **pdl_kwargs)
 
 
@@ -459,6 +475,123 @@ if gluon is not None:
         return acc_t, m_i, _row_sums(l_i, LAZY_L)
 
     @gluon.jit
+    def _issue_fp8_tile(k8, kr8, slot, CACHE, pages, stride_cp, k0, hi, PAGE: gl.constexpr, DV: gl.constexpr,
+                        ROW: gl.constexpr, BLOCK_N: gl.constexpr, LP: gl.constexpr, LPR: gl.constexpr):
+        """F8D: cp.async of keys k0 .. k0 + BLOCK_N - 1 (rows from hi on zero-filled, not read) straight into key
+        buffer `slot` (k8 [., BLOCK_N, DV] / kr8 [., BLOCK_N, DR] fp8, the S dot's operand), the latent in four
+        128-column chunks of layout LP (the bytes each thread later reads back itself), the rope part in LPR; one
+        commit group."""
+        p_kv, p_kr = pages
+        r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LP))
+        rr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LPR))
+        if PAGE % BLOCK_N == 0:
+            rows = CACHE + p_kv * stride_cp + (k0 % PAGE) * ROW + r * ROW
+            rows_r = CACHE + p_kr * stride_cp + (k0 % PAGE) * ROW + rr * ROW
+        else:
+            rows = CACHE + p_kv * stride_cp + ((k0 + r) % PAGE) * ROW
+            rows_r = CACHE + p_kr * stride_cp + ((k0 + rr) % PAGE) * ROW
+        for c in gl.static_range(DV // 128):
+            cols = c * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LP))
+            cp.async_copy_global_to_shared(k8.index(slot).slice(c * 128, 128, dim=1), rows[:, None] + cols[None, :],
+                                           mask=(k0 + r < hi)[:, None])
+        cr = DV + gl.arange(0, ROW - DV, layout=gl.SliceLayout(0, LPR))
+        cp.async_copy_global_to_shared(kr8.index(slot), rows_r[:, None] + cr[None, :], mask=(k0 + rr < hi)[:, None])
+        cp.commit_group()
+
+    @gluon.jit
+    def _f8d_producer(CACHE, stride_cp, pt_row, lo, hi, k8, kr8, vt8, full, empty, PAGE: gl.constexpr,
+                      DV: gl.constexpr, ROW: gl.constexpr, BLOCK_N: gl.constexpr):
+        """F8D's worker partition (4 warps). Tile i's keys go to key buffer i % 3, its transposed latent to value
+        buffer i % 2 (vt8 [2, DV, BLOCK_N]): at iteration i, once the consumer has handed back tile i - 2 (its
+        `empty` barrier: key buffer (i + 1) % 3 and value buffer i % 2 free), issue tile i + 1's copy, wait for
+        tile i's, write its latent transposed (each thread reads only the bytes it copied: a [4 keys, 16 columns]
+        block a chunk row, stored as 16 rows of 4 keys) and arrive on `full`. Two tiles are in flight while the
+        consumer runs one."""
+        gl.static_assert(DV % 128 == 0, "the latent is copied and transposed in 128-column chunks")
+        gl.static_assert(BLOCK_N == 64, "a chunk's layout covers 64 keys")
+        LP: gl.constexpr = gl.BlockedLayout([4, 16], [16, 2], [1, 4], [1, 0])  # [BLOCK_N, 128] fp8 chunks
+        LPR: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [BLOCK_N, DR]
+        _issue_fp8_tile(k8, kr8, 0, CACHE, _tile_pages(pt_row, lo, hi, PAGE, BLOCK_N, LP, LPR), stride_cp, lo, hi,
+                        PAGE, DV, ROW, BLOCK_N, LP, LPR)
+        pages = _tile_pages(pt_row, lo + BLOCK_N, hi, PAGE, BLOCK_N, LP, LPR)
+        for i in range((hi - lo + BLOCK_N - 1) // BLOCK_N):
+            nxt = lo + (i + 1) * BLOCK_N  # past hi every copy is masked off: zero-fill, no traffic
+            b = i % 2
+            mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)  # tile i - 2 handed back (barriers start phase-1 done)
+            _issue_fp8_tile(k8, kr8, (i + 1) % 3, CACHE, pages, stride_cp, nxt, hi, PAGE, DV, ROW, BLOCK_N, LP, LPR)
+            pages = _tile_pages(pt_row, nxt + BLOCK_N, hi, PAGE, BLOCK_N, LP, LPR)
+            cp.wait_group(1)  # tile i (the younger group is tile i + 1)
+            for c in gl.static_range(DV // 128):
+                v = k8.index(i % 3).slice(c * 128, 128, dim=1).load(LP)
+                vt8.index(b).slice(c * 128, 128, dim=0).store(gl.permute(v, (1, 0)))
+            fence_async_shared()  # the copies and the stores, before the consumer's wgmma (async proxy) reads them
+            gl.thread_barrier()  # every producer thread's, before the single arrive
+            mbarrier.arrive(full.index(b), count=1)
+        cp.wait_group(0)  # the masked copies past the end, before the partition exits
+
+    @gluon.jit
+    def _f8d_tile_dots(kv_s, kr_s, vt_s, qv_s, qr_s, p_s, col_scale, acc_t, m_i, l_i, k0, hi, lim,
+                       BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MMA: gl.constexpr,
+                       LAZY_L: gl.constexpr, P_SCALE: gl.constexpr):
+        """`_tile_dots` with fp8 operands: S^T = K Q^T from the fp8 key tile and quantised queries (col_scale
+        [BLOCK_H]: each row's query scale times sm_scale_log2), p * P_SCALE rounded to e4m3 into p_s [BLOCK_H,
+        BLOCK_N] (the K-major B operand), acc_t += V^T P^T from vt_s [DV, BLOCK_N]; acc_t carries P_SCALE."""
+        st = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, MMA)
+        st = warpgroup_mma(kv_s, qv_s.permute((1, 0)), st, is_async=True)
+        st = warpgroup_mma(kr_s, qr_s.permute((1, 0)), st, is_async=True)
+        st = warpgroup_mma_wait(0, deps=[st])
+        pos = k0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+        if CAUSAL:
+            seen = (pos < hi)[:, None] & (pos[:, None] <= lim[None, :])
+        else:
+            seen = (pos < hi)[:, None]
+        st = gl.where(seen, st * col_scale[None, :], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(st, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        pt = gl.exp2(st - m_safe[None, :])
+        if LAZY_L:
+            l_i = l_i * alpha[None, :] + pt
+        else:
+            l_i = l_i * alpha + gl.sum(pt, axis=0)
+        p_s.store(gl.permute((pt * P_SCALE).to(p_s.dtype), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's rows of p before the warpgroup's wgmma reads them
+        acc_t = warpgroup_mma(vt_s, p_s.permute((1, 0)), acc_t * alpha[None, :], is_async=True)
+        acc_t = warpgroup_mma_wait(0, deps=[acc_t])
+        return acc_t, m_new, l_i
+
+    @gluon.jit
+    def _f8d_consumer(qv_s, qr_s, k8, kr8, vt8, p_s, col_scale, full, empty, lo, hi, lim, BLOCK_H: gl.constexpr,
+                      DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MMA: gl.constexpr,
+                      LAZY_L: gl.constexpr, P_SCALE: gl.constexpr):
+        """F8D's default partition: the online softmax over tile i from key buffer i % 3 and value buffer i % 2,
+        handed back through `empty` once both dots are done. Returns (acc [DV, BLOCK_H] times P_SCALE, m, l)."""
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
+        l_i = _zero_sums(BLOCK_H, BLOCK_N, MMA, LAZY_L)
+        acc_t = gl.zeros([DV, BLOCK_H], gl.float32, MMA)
+        for i in range((hi - lo + BLOCK_N - 1) // BLOCK_N):
+            b = i % 2
+            mbarrier.wait(full.index(b), (i // 2) & 1)
+            acc_t, m_i, l_i = _f8d_tile_dots(k8.index(i % 3), kr8.index(i % 3), vt8.index(b), qv_s, qr_s, p_s,
+                                             col_scale, acc_t, m_i, l_i, lo + i * BLOCK_N, hi, lim, BLOCK_H,
+                                             BLOCK_N, CAUSAL, MMA, LAZY_L, P_SCALE)
+            gl.thread_barrier()  # every warp's wgmma done with the tile's buffers (and p_s) before the hand-back
+            mbarrier.arrive(empty.index(b), count=1)
+        return acc_t, m_i, _row_sums(l_i, LAZY_L)
+
+    @gluon.jit
+    def _quantize_rows(q_v, q_r):
+        """Rows of (q_v [BLOCK_H, DV], q_r [BLOCK_H, DR]) (one layout) as e4m3 with one scale a row (its largest
+        magnitude over both to 448; 1 for a zero row): (q8_v, q8_r, scale [BLOCK_H] fp32)."""
+        qf = q_v.to(gl.float32)
+        rf = q_r.to(gl.float32)
+        amax = gl.maximum(gl.max(gl.abs(qf), axis=1), gl.max(gl.abs(rf), axis=1))
+        scale = gl.where(amax > 0, amax / 448.0, 1.0)
+        inv = 1.0 / scale
+        return ((qf * inv[:, None]).to(gl.float8e4nv), (rf * inv[:, None]).to(gl.float8e4nv), scale)
+
+    @gluon.jit
     def _store_rows(PTR, base, o, rows, d, QH: gl.constexpr, DV: gl.constexpr, EVEN: gl.constexpr):
         """o [DV, BLOCK_H] at rows base + rows (those < QH unless EVEN) of a [., DV] buffer, cast to its dtype."""
         ptr = PTR + (base + rows[None, :]) * DV + d[:, None]
@@ -504,7 +637,7 @@ if gluon is not None:
         QN: gl.constexpr, H: gl.constexpr, PAGE: gl.constexpr, DV: gl.constexpr, ROW: gl.constexpr,
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SEQ: gl.constexpr, ALL_PARTIAL: gl.constexpr,
         KV_BYTES: gl.constexpr, WS: gl.constexpr, WS_REGS: gl.constexpr, PDL: gl.constexpr,
-        LAZY_L: gl.constexpr = False,
+        LAZY_L: gl.constexpr = False, F8D: gl.constexpr = False, P_SCALE: gl.constexpr = 256.0,
     ):
         DR: gl.constexpr = ROW - DV
         QH: gl.constexpr = QN * H
@@ -521,8 +654,9 @@ if gluon is not None:
         LCR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])      # ... [., DR]
         LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])      # [BLOCK_H, DV] / [., DR] queries
         LSEQ: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])                # the plan's [BLOCK_SEQ] vectors
+        MMA_K: gl.constexpr = 32 if F8D else 16  # the wgmma's K: 32 for 8-bit operands
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
-                                                      instr_shape=[16, BLOCK_H // WG, 16])
+                                                      instr_shape=[16, BLOCK_H // WG, MMA_K])
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         SH8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         SH8R: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=DR, element_bitwidth=8, rank=2)
@@ -548,9 +682,19 @@ if gluon is not None:
             hi = gl.minimum(lo + chunk, kv_len).to(gl.int32)
             q_v = _load_queries(Qp, stride_qn, stride_qj, stride_qh, n, row0, QH, H, DV, BLOCK_H, EVEN, LQ)
             q_r = _load_queries(QR, stride_rn, stride_rj, stride_rh, n, row0, QH, H, DR, BLOCK_H, EVEN, LQ)
-            qv_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DV], SH, q_v)
-            qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], SH, q_r)
-            if WS:  # two bf16 staging buffers the producer partition fills, and its fp8 ring (five chunk slots)
+            if F8D:  # e4m3 query rows (one scale a row, applied to the scores) and fp8 key / value buffers
+                q8_v, q8_r, q_scale = _quantize_rows(q_v, q_r)
+                qv_s = gl.allocate_shared_memory(CACHE.dtype.element_ty, [BLOCK_H, DV], SH8, q8_v)
+                qr_s = gl.allocate_shared_memory(CACHE.dtype.element_ty, [BLOCK_H, DR], SH8R, q8_r)
+                col_scale = gl.convert_layout(q_scale, gl.SliceLayout(0, MMA)) * sm_scale_log2
+            else:
+                qv_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DV], SH, q_v)
+                qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], SH, q_r)
+            if F8D:  # three key buffers (the S operand, filled by the copies), two transposed latents (V^T)
+                kv_bufs = gl.allocate_shared_memory(CACHE.dtype.element_ty, [3, BLOCK_N, DV], SH8)
+                kr_bufs = gl.allocate_shared_memory(CACHE.dtype.element_ty, [3, BLOCK_N, DR], SH8R)
+                vt8 = gl.allocate_shared_memory(CACHE.dtype.element_ty, [2, DV, BLOCK_N], SH8R)
+            elif WS:  # two bf16 staging buffers the producer partition fills, and its fp8 ring (five chunk slots)
                 kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DV], SH)
                 kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], SH)
                 ring = gl.allocate_shared_memory(CACHE.dtype.element_ty, [5, BLOCK_N, 128], RING)
@@ -564,18 +708,29 @@ if gluon is not None:
                 kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], SH)
                 st_kv = kv_bufs  # unused
                 st_kr = kr_bufs
-            p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], SH_P)
+            if F8D:  # p^T as e4m3 [BLOCK_H, BLOCK_N]: the 8-bit wgmma's K-major B operand
+                p_s = gl.allocate_shared_memory(CACHE.dtype.element_ty, [BLOCK_H, BLOCK_N], SH8R)
+            else:
+                p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], SH_P)
             fence_async_shared()  # the queries' stores, before wgmma reads them (async proxy) ...
             gl.thread_barrier()  # ... from every warp
             # the last key row r = j * H + h sees (verify: token j of QN sees the keys up to its own position)
             lim = kv_len - QN + (row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MMA))) // H
-            if WS:
+            if WS or F8D:
                 full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
                 empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
                 for b in gl.static_range(2):
                     mbarrier.init(full.index(b), count=1)
                     mbarrier.init(empty.index(b), count=1)
                 gl.thread_barrier()  # the barriers' initialisation before either partition uses them
+            if F8D:
+                acc_t, m_i, l_i = gl.warp_specialize([
+                    (_f8d_consumer, (qv_s, qr_s, kv_bufs, kr_bufs, vt8, p_s, col_scale, full, empty, lo, hi, lim,
+                                     BLOCK_H, DV, BLOCK_N, QN > 1, MMA, LAZY_L, P_SCALE)),
+                    (_f8d_producer, (CACHE, stride_cp, PT + n * stride_pt, lo, hi, kv_bufs, kr_bufs, vt8, full,
+                                     empty, PAGE, DV, ROW, BLOCK_N)),
+                ], [4], [WS_REGS])
+            elif WS:
                 acc_t, m_i, l_i = gl.warp_specialize([
                     (_fp8_consumer, (qv_s, qr_s, kv_bufs, kr_bufs, p_s, full, empty, lo, hi, lim, sm_scale_log2,
                                      BLOCK_H, DV, BLOCK_N, QN > 1, MMA, LAZY_L)),
@@ -587,7 +742,8 @@ if gluon is not None:
                                                PT + n * stride_pt, lo, hi, lim, sm_scale_log2, BLOCK_H, PAGE, DV,
                                                ROW, BLOCK_N, QN > 1, FP8, LKV, LKR, LC, LCR, MMA, LAZY_L)
             # the epilogue of `mla_flash._store_rows`: normalised rows, direct when the sequence has one split
-            inv = gl.where(l_i > 0, kv_scale / gl.where(l_i > 0, l_i, 1.0), 0.0)
+            o_scale = kv_scale / P_SCALE if F8D else kv_scale  # F8D's acc carries P_SCALE
+            inv = gl.where(l_i > 0, o_scale / gl.where(l_i > 0, l_i, 1.0), 0.0)
             o = gl.convert_layout(acc_t * inv[None, :], LOUT)
             if ALL_PARTIAL:
                 _store_partial(PART, LSE, (start + s) * QH, o, m_i, l_i, rows, d, row0, QH, DV, BLOCK_H, EVEN, MMA)
