@@ -54,19 +54,6 @@ def test_switch_env_and_errors(monkeypatch, switch, env, default):
         fn()
 
 
-def test_ws_pipe_env_and_errors(monkeypatch):
-    """The warp-specialized consumer's order (WS_PIPE / TOKENSPEED_MLA_GLUON_WS_PIPE): the module value unless the
-    variable says 0, 1 or 2; anything else is an error."""
-    monkeypatch.delenv(mla_gluon.WS_PIPE_ENV, raising=False)
-    assert mla_gluon.ws_pipe() == mla_gluon.WS_PIPE
-    for v in ("0", "1", "2"):
-        monkeypatch.setenv(mla_gluon.WS_PIPE_ENV, v)
-        assert mla_gluon.ws_pipe() == int(v)
-    monkeypatch.setenv(mla_gluon.WS_PIPE_ENV, "3")
-    with pytest.raises(ValueError, match="must be 0, 1 or 2"):
-        mla_gluon.ws_pipe()
-
-
 def test_warp_specialized_only_for_fp8_row_tiles_of_one_warpgroup_from_16_sequences(monkeypatch):
     """The warp-specialized kernel serves fp8 caches with 16- / 32-row tiles in batches of WS_MIN_SEQS sequences
     or more (it lost below that on the H200), never a bf16 cache or 64-row tiles; TOKENSPEED_MLA_GLUON_WS=0 keeps
@@ -351,8 +338,7 @@ def test_fp8_dots_gpu(monkeypatch, page_size, Q, H, lazy):
     """FP8_DOTS (the warp-specialized kernel forced at every batch size): e4m3 queries, keys read straight from the
     copied fp8 tile, e4m3 p against the transposed latent. Within 6% (max error over max magnitude) of the
     reference and of the bf16 dots over the same cache: the query's and p's e4m3 roundings (3 mantissa bits, ~3.5%
-    on these random inputs on the H200) are the only difference; bit for bit alike under each consumer order
-    (WS_PIPE); no NaN; over ragged ends (NaN cache rows past them must not be read), padding
+    on these random inputs on the H200) are the only difference; no NaN; over ragged ends (NaN cache rows past them must not be read), padding
     sequences, one and many splits (up to 40: the three-buffer key ring wraps many times), kv_scale, causal verify
     windows and the W_UV combine (every split's partials)."""
     monkeypatch.setattr(mla_gluon, "FP8_CACHE", True)
@@ -361,8 +347,6 @@ def test_fp8_dots_gpu(monkeypatch, page_size, Q, H, lazy):
     monkeypatch.setattr(mla_gluon, "WS_MIN_SEQS", 1)
     monkeypatch.setattr(mla_gluon, "LAZY_SUM", lazy)
     monkeypatch.delenv(mla_gluon.FP8_DOTS_ENV, raising=False)
-    monkeypatch.delenv(mla_gluon.WS_PIPE_ENV, raising=False)
-    monkeypatch.setattr(mla_gluon, "WS_PIPE", 0)
     scale = 576 ** -0.5
     for kv_lens, ms in (([8192, 1024, 0, 300, 65, 1], None), (MIXED * 4, None), ([4097, 100], 1), ([20000], 40)):
         inp = make(kv_lens, Q, H, REAL["Dl"], page_size, torch.bfloat16, torch.float8_e4m3fn, "cuda",
@@ -373,43 +357,7 @@ def test_fp8_dots_gpu(monkeypatch, page_size, Q, H, lazy):
             bf16_dots, fp8_dots = _outputs_under(monkeypatch, "FP8_DOTS", (False, True), inp, scale, 0.25, ms, **kw)
             assert not fp8_dots.isnan().any()
             assert rel_err(fp8_dots, bf16_dots) < 6e-2
-            for pipe in (1, 2):  # the consumer's other orders: the same operations, so the same bits
-                monkeypatch.setattr(mla_gluon, "WS_PIPE", pipe)
-                assert torch.equal(_outputs_under(monkeypatch, "FP8_DOTS", (True,), inp, scale, 0.25, ms, **kw)[0],
-                                   fp8_dots)
-            monkeypatch.setattr(mla_gluon, "WS_PIPE", 0)
         got = mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, 0.25,
                              max_splits=ms)  # FP8_DOTS still on
         assert rel_err(got, reference(inp, scale, 512, 0.25)) < 6e-2
 
-
-@pytest.mark.gpu
-@needs_cuda
-@needs_hopper_gluon
-@pytest.mark.parametrize("pipe", [1, 2])
-@pytest.mark.parametrize("page_size", [64, 16])
-@pytest.mark.parametrize("Q, H", [(1, 32), (1, 12), (4, 32)])
-@pytest.mark.parametrize("lazy", [True, False])
-def test_ws_consumer_orders_bit_equal_gpu(monkeypatch, pipe, page_size, Q, H, lazy):
-    """WS_PIPE 1 / 2 (the warp-specialized consumer issues tile i + 1's scores before waiting on tile i's output
-    wgmma, or before tile i's softmax): bit for bit the one-warpgroup kernel (which the sequential consumer equals),
-    over ragged ends with NaN rows past them, padding sequences, one split (the stale scores after the last tile
-    are never used), many splits and the W_UV combine."""
-    monkeypatch.setattr(mla_gluon, "FP8_CACHE", True)
-    monkeypatch.setattr(mla_gluon, "SMALL_PAGES", True)
-    monkeypatch.setattr(mla_gluon, "WS_MIN_SEQS", 1)
-    monkeypatch.setattr(mla_gluon, "FP8_DOTS", False)
-    monkeypatch.setattr(mla_gluon, "LAZY_SUM", lazy)
-    monkeypatch.setattr(mla_gluon, "WS_PIPE", pipe)
-    for env in (mla_gluon.WS_PIPE_ENV, mla_gluon.FP8_DOTS_ENV, mla_gluon.WS_ENV):
-        monkeypatch.delenv(env, raising=False)
-    scale = 576 ** -0.5
-    for kv_lens, ms in (([8192, 1024, 0, 300, 65, 1], None), ([4097, 100], 1), ([20000], 40)):
-        inp = make(kv_lens, Q, H, REAL["Dl"], page_size, torch.bfloat16, torch.float8_e4m3fn, "cuda",
-                   kv_scale=0.5, seed=pipe + page_size + H)
-        _poison_unused_rows(inp)
-        w_uv = torch.randn(H, 128, 512, dtype=torch.bfloat16, device="cuda") / 16
-        for kw in ({}, {"w_uv": w_uv}):
-            one, ws = _outputs_under(monkeypatch, "WS_FP8", (False, True), inp, scale, 0.5, ms, **kw)
-            assert torch.equal(ws, one)
-            assert not ws.isnan().any()

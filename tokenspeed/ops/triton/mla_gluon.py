@@ -125,12 +125,6 @@ WS_MIN_SEQS = 8
 LAZY_SUM = True
 LAZY_SUM_ENV = "TOKENSPEED_MLA_GLUON_LAZY_SUM"
 
-# The warp-specialized kernel's consumer (bf16 dots): 0 runs each tile's two dots in turn; 1 issues tile i + 1's
-# scores right after tile i's output wgmma; 2 before tile i's softmax (`_fp8_consumer`). Bit for bit alike.
-# TOKENSPEED_MLA_GLUON_WS_PIPE ("0" / "1" / "2") overrides it at each call.
-WS_PIPE = 0
-WS_PIPE_ENV = "TOKENSPEED_MLA_GLUON_WS_PIPE"
-
 # The warp-specialized fp8 kernel's dots in fp8 (e4m3 wgmma) instead of on bf16 copies of the tile: the query rows
 # quantised in the kernel (one scale a row: its largest magnitude to 448), S^T = K Q^T read straight from the fp8 key
 # tile the copies land in (three buffers), p rounded to e4m3 after a scale of P_SCALE, and the 8-bit wgmma's
@@ -163,14 +157,6 @@ def ws_fp8() -> bool:
 def lazy_sums() -> bool:
     """LAZY_SUM, or TOKENSPEED_MLA_GLUON_LAZY_SUM when set. Raises ValueError on a value other than 0 / 1."""
     return _switch(LAZY_SUM_ENV, LAZY_SUM)
-
-
-def ws_pipe() -> int:
-    """WS_PIPE, or TOKENSPEED_MLA_GLUON_WS_PIPE when set. Raises ValueError on a value other than 0 / 1 / 2."""
-    v = os.environ.get(WS_PIPE_ENV, "").strip()
-    if v not in ("", "0", "1", "2"):
-        raise ValueError(f"{WS_PIPE_ENV} must be 0, 1 or 2; got {v!r}")
-    return int(v) if v else WS_PIPE
 
 
 def fp8_dots() -> bool:
@@ -224,7 +210,7 @@ def launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Te
         out, part, lse, N, max_splits, min_chunk, sm_scale_log2, kv_scale,
         QN=QN, H=H, PAGE=cache.shape[1], DV=DV, ROW=DV + DR, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_SEQ=block_seq,
         ALL_PARTIAL=all_partial, KV_BYTES=cache.element_size(), WS=ws, WS_REGS=WS_PRODUCER_REGS, LAZY_L=lazy_sums(),
-        F8D=ws and fp8_dots(), P_SCALE=P_SCALE, PIPE=ws_pipe(),
+        F8D=ws and fp8_dots(), P_SCALE=P_SCALE,
         num_warps=4 * triton.cdiv(block_h, 32), **pdl_kwargs)
 
 
@@ -485,49 +471,20 @@ if gluon is not None:
     @gluon.jit
     def _fp8_consumer(qv_s, qr_s, st_kv, st_kr, p_s, full, empty, lo, hi, lim, sm_scale_log2,
                       BLOCK_H: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                      MMA: gl.constexpr, LAZY_L: gl.constexpr, PIPE: gl.constexpr):
+                      MMA: gl.constexpr, LAZY_L: gl.constexpr):
         """The default partition (the kernel's warpgroup): `_flash_tiles`' online softmax over the bf16 tiles the
-        producer stages, buffer i % 2 for tile i, handed back through its `empty` barrier once both dots are done.
-        PIPE 0: each tile's dots in turn (`_tile_dots`). PIPE 1: tile i + 1's scores are issued right after tile
-        i's output wgmma and both are waited together; PIPE 2: before tile i's softmax, so the tensor cores compute
-        them while the softmax runs. Either way the same operations on the same operands (bit for bit PIPE 0);
-        after the last tile the scores are issued on the other buffer anyway (stale bytes, never used)."""
+        producer stages, buffer i % 2 for tile i, handed back through its `empty` barrier once both dots are done."""
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
         l_i = _zero_sums(BLOCK_H, BLOCK_N, MMA, LAZY_L)
         acc_t = gl.zeros([DV, BLOCK_H], gl.float32, MMA)
-        n = (hi - lo + BLOCK_N - 1) // BLOCK_N
-        if PIPE == 0:
-            for i in range(n):
-                b = i % 2
-                mbarrier.wait(full.index(b), (i // 2) & 1)
-                acc_t, m_i, l_i = _tile_dots(st_kv.index(b), st_kr.index(b), qv_s, qr_s, p_s, acc_t, m_i, l_i,
-                                             lo + i * BLOCK_N, hi, lim, sm_scale_log2, BLOCK_H, BLOCK_N, CAUSAL, MMA,
-                                             LAZY_L)
-                gl.thread_barrier()  # every warp's wgmma done with buffer b (and p_s) before it is handed back
-                mbarrier.arrive(empty.index(b), count=1)
-        else:
-            mbarrier.wait(full.index(0), 0)
-            st = warpgroup_mma_wait(0, deps=[_scores(st_kv.index(0), st_kr.index(0), qv_s, qr_s, BLOCK_H, BLOCK_N,
-                                                     MMA)])
-            for i in range(n):
-                b = i % 2
-                if PIPE == 2:
-                    if i + 1 < n:
-                        mbarrier.wait(full.index(1 - b), ((i + 1) // 2) & 1)
-                    st_next = _scores(st_kv.index(1 - b), st_kr.index(1 - b), qv_s, qr_s, BLOCK_H, BLOCK_N, MMA)
-                pt, alpha, m_i, l_i = _softmax_tile(st, m_i, l_i, lo + i * BLOCK_N, hi, lim, sm_scale_log2, BLOCK_N,
-                                                    CAUSAL, MMA, LAZY_L)
-                p_s.store(pt.to(gl.bfloat16))
-                fence_async_shared()
-                gl.thread_barrier()  # every warp's rows of p before the warpgroup's wgmma reads them
-                acc_t = warpgroup_mma(st_kv.index(b).permute((1, 0)), p_s, acc_t * alpha[None, :], is_async=True)
-                if PIPE == 1:
-                    if i + 1 < n:
-                        mbarrier.wait(full.index(1 - b), ((i + 1) // 2) & 1)
-                    st_next = _scores(st_kv.index(1 - b), st_kr.index(1 - b), qv_s, qr_s, BLOCK_H, BLOCK_N, MMA)
-                acc_t, st = warpgroup_mma_wait(0, deps=[acc_t, st_next])
-                gl.thread_barrier()  # every warp's wgmma done with buffer b (and p_s) before it is handed back
-                mbarrier.arrive(empty.index(b), count=1)
+        for i in range((hi - lo + BLOCK_N - 1) // BLOCK_N):
+            b = i % 2
+            mbarrier.wait(full.index(b), (i // 2) & 1)
+            acc_t, m_i, l_i = _tile_dots(st_kv.index(b), st_kr.index(b), qv_s, qr_s, p_s, acc_t, m_i, l_i,
+                                         lo + i * BLOCK_N, hi, lim, sm_scale_log2, BLOCK_H, BLOCK_N, CAUSAL, MMA,
+                                         LAZY_L)
+            gl.thread_barrier()  # every warp's wgmma done with buffer b (and p_s) before it is handed back
+            mbarrier.arrive(empty.index(b), count=1)
         return acc_t, m_i, _row_sums(l_i, LAZY_L)
 
     @gluon.jit
@@ -597,33 +554,23 @@ if gluon is not None:
     @gluon.jit
     def _f8d_consumer(qv_s, qr_s, k8, kr8, vt8, p_s, col_scale, full, empty, lo, hi, lim, BLOCK_H: gl.constexpr,
                       DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MMA: gl.constexpr,
-                      LAZY_L: gl.constexpr, P_SCALE: gl.constexpr, PIPE: gl.constexpr):
+                      LAZY_L: gl.constexpr, P_SCALE: gl.constexpr):
         """F8D's default partition: the online softmax over tile i, S^T = K Q^T from key buffer i % 3 and the
         quantised queries (col_scale [BLOCK_H]: each row's query scale times sm_scale_log2), acc += V^T P^T from
-        value buffer i % 2, handed back through `empty` once both dots are done. Tile i + 1's scores are issued
-        after tile i's output wgmma (PIPE < 2) or before its softmax (PIPE 2), and waited with it (after the last
-        tile on stale bytes, never used). Returns (acc [DV, BLOCK_H] times P_SCALE, m, l)."""
+        value buffer i % 2, handed back through `empty` once both dots are done. Returns (acc [DV, BLOCK_H] times
+        P_SCALE, m, l)."""
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
         l_i = _zero_sums(BLOCK_H, BLOCK_N, MMA, LAZY_L)
         acc_t = gl.zeros([DV, BLOCK_H], gl.float32, MMA)
         scale = col_scale[None, :]
-        n = (hi - lo + BLOCK_N - 1) // BLOCK_N
-        mbarrier.wait(full.index(0), 0)
-        st = warpgroup_mma_wait(0, deps=[_scores(k8.index(0), kr8.index(0), qv_s, qr_s, BLOCK_H, BLOCK_N, MMA)])
-        for i in range(n):
+        for i in range((hi - lo + BLOCK_N - 1) // BLOCK_N):
             b = i % 2
-            if PIPE == 2:
-                if i + 1 < n:
-                    mbarrier.wait(full.index(1 - b), ((i + 1) // 2) & 1)
-                st_next = _scores(k8.index((i + 1) % 3), kr8.index((i + 1) % 3), qv_s, qr_s, BLOCK_H, BLOCK_N, MMA)
+            mbarrier.wait(full.index(b), (i // 2) & 1)
+            st = warpgroup_mma_wait(0, deps=[_scores(k8.index(i % 3), kr8.index(i % 3), qv_s, qr_s, BLOCK_H, BLOCK_N,
+                                                     MMA)])
             pt, alpha, m_i, l_i = _softmax_tile(st, m_i, l_i, lo + i * BLOCK_N, hi, lim, scale, BLOCK_N, CAUSAL, MMA,
                                                 LAZY_L)
-            acc_t = _f8d_pv(vt8.index(b), p_s, acc_t, pt, alpha, P_SCALE)
-            if PIPE < 2:
-                if i + 1 < n:
-                    mbarrier.wait(full.index(1 - b), ((i + 1) // 2) & 1)
-                st_next = _scores(k8.index((i + 1) % 3), kr8.index((i + 1) % 3), qv_s, qr_s, BLOCK_H, BLOCK_N, MMA)
-            acc_t, st = warpgroup_mma_wait(0, deps=[acc_t, st_next])
+            acc_t = warpgroup_mma_wait(0, deps=[_f8d_pv(vt8.index(b), p_s, acc_t, pt, alpha, P_SCALE)])
             gl.thread_barrier()  # every warp's wgmma done with the tile's buffers (and p_s) before the hand-back
             mbarrier.arrive(empty.index(b), count=1)
         return acc_t, m_i, _row_sums(l_i, LAZY_L)
@@ -686,7 +633,6 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SEQ: gl.constexpr, ALL_PARTIAL: gl.constexpr,
         KV_BYTES: gl.constexpr, WS: gl.constexpr, WS_REGS: gl.constexpr, PDL: gl.constexpr,
         LAZY_L: gl.constexpr = False, F8D: gl.constexpr = False, P_SCALE: gl.constexpr = 256.0,
-        PIPE: gl.constexpr = 0,
     ):
         DR: gl.constexpr = ROW - DV
         QH: gl.constexpr = QN * H
@@ -775,14 +721,14 @@ if gluon is not None:
             if F8D:
                 acc_t, m_i, l_i = gl.warp_specialize([
                     (_f8d_consumer, (qv_s, qr_s, kv_bufs, kr_bufs, vt8, p_s, col_scale, full, empty, lo, hi, lim,
-                                     BLOCK_H, DV, BLOCK_N, QN > 1, MMA, LAZY_L, P_SCALE, PIPE)),
+                                     BLOCK_H, DV, BLOCK_N, QN > 1, MMA, LAZY_L, P_SCALE)),
                     (_f8d_producer, (CACHE, stride_cp, PT + n * stride_pt, lo, hi, kv_bufs, kr_bufs, vt8, full,
                                      empty, PAGE, DV, ROW, BLOCK_N)),
                 ], [4], [WS_REGS])
             elif WS:
                 acc_t, m_i, l_i = gl.warp_specialize([
                     (_fp8_consumer, (qv_s, qr_s, kv_bufs, kr_bufs, p_s, full, empty, lo, hi, lim, sm_scale_log2,
-                                     BLOCK_H, DV, BLOCK_N, QN > 1, MMA, LAZY_L, PIPE)),
+                                     BLOCK_H, DV, BLOCK_N, QN > 1, MMA, LAZY_L)),
                     (_fp8_producer, (CACHE, stride_cp, PT + n * stride_pt, lo, hi, kv_bufs, kr_bufs, ring, full,
                                      empty, PAGE, DV, ROW, BLOCK_N)),
                 ], [4], [WS_REGS])
