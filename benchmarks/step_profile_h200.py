@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 from graph_timing import events_ms
-from serving_h200 import _sync_sites, decode_batch, decode_setup
+import serving_h200
+from serving_h200 import KV_DTYPES, _sync_sites, decode_batch, decode_setup
 
 from tokenspeed.executor.cuda_graphs import DecodeGraphs
 from tokenspeed.models import CacheBuffers, ForwardBatch
@@ -182,12 +183,12 @@ def _merged_table(path: str) -> dict:
     return merge(json.loads(dispatch.LINEAR_TABLE_PATH.read_text()), json.loads(Path(path).read_text()))
 
 
-def pdl_ab(model, batch: int, ctx: int, configs: list[str], steps: int = 8, rounds: int = 5) -> dict:
+def pdl_ab(model, batch: int, ctx: int, configs: list[str], steps: int = 8, rounds: int = 5,
+           page_size: int = 64) -> dict:
     """Decode graphs captured under each PDL / prefetch setting (`_config_env`) over one cache, all kept alive and
     timed interleaved (`rounds` rounds of events over 20 replays each, medians), so clock or thermal drift hits
     every setting alike; each also replays `steps` steps from the same saved KDA state, and its logits must equal
     the first setting's bit for bit (PDL and prefetches change no arithmetic: a difference is a race)."""
-    page_size = 64
     buf, pps = decode_setup(model, batch, ctx, page_size)
     saved = [t.clone() for t in buf.kda_recurrent + buf.kda_conv]
     fb = decode_batch(batch, ctx, pps, page_size)
@@ -224,7 +225,8 @@ def pdl_ab(model, batch: int, ctx: int, configs: list[str], steps: int = 8, roun
         for cfg in configs:
             times[cfg].append(events_ms(lambda g=graphs[cfg]: g.run(fb), 20, 3))
     base = configs[0]
-    out = {"batch": batch, "ctx": ctx, "rounds": rounds, "configs": {}}
+    out = {"batch": batch, "ctx": ctx, "rounds": rounds, "page_size": page_size,
+           "kv_cache_dtype": str(serving_h200.KV_CACHE_DTYPE or model.dtype), "configs": {}}
     for cfg in configs:
         pairs = list(zip(logits[cfg], logits[base], strict=True))
         same = all(torch.equal(a, b) for a, b in pairs)
@@ -361,6 +363,9 @@ def main() -> None:
     ap.add_argument("--host", action="store_true", help="cProfile one eager batch-1 decode forward")
     ap.add_argument("--pdl-ab", default="", help="comma list of batches for the PDL / prefetch A/B (none: skip)")
     ap.add_argument("--pdl-ctx", default="4096", help="comma list of contexts for the A/B (each with every batch)")
+    ap.add_argument("--pdl-page", type=int, default=64, help="MLA cache page size of the A/B (the server's: 16)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_DTYPES),
+                    help="the MLA latent cache of the A/B (fp8: e4m3, as `tokenspeed serve --kv-cache-dtype fp8`)")
     ap.add_argument("--pdl-configs", default="0:regs:1;1:regs:1;1:regs:0;1:none:1;1:l2:1;-mla:regs:1;-mla,-kda:regs:1",
                     help="';' list of pdl:gemv_prefetch:l2[:table|gemv] settings for --pdl-ab (the first is the reference)")
     args = ap.parse_args()
@@ -376,7 +381,9 @@ def main() -> None:
             res["host"] = host_profile(model, 1, 4096)
         if args.pdl_ab:
             configs = args.pdl_configs.split(";")
-            res["pdl_ab"] = [pdl_ab(model, int(b), ctx, configs) for ctx in map(int, args.pdl_ctx.split(","))
+            serving_h200.KV_CACHE_DTYPE = KV_DTYPES[args.kv_cache_dtype]
+            res["pdl_ab"] = [pdl_ab(model, int(b), ctx, configs, page_size=args.pdl_page)
+                             for ctx in map(int, args.pdl_ctx.split(","))
                              for b in args.pdl_ab.split(",")]
         if "prefill" not in skip:
             res["prefill"] = prefill_profile(model, args.history, [int(t) for t in args.tails.split(",")],

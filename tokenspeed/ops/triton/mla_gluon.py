@@ -18,7 +18,7 @@ H200, split + combine: batch 64 / 32K 616 us (91.8% of HBM) against 1089 us for 
 histories 124 vs 193 us (docs/kernels.md).
 
 fp8 (e4m3) caches: the dots read bf16 tiles, converted from fp8 in shared memory. With 16- or 32-row tiles in
-batches of WS_MIN_SEQS (8) sequences or more the kernel is warp-specialized: a producer warpgroup copies each tile's
+batches of WS_MIN_SEQS (1) sequences or more the kernel is warp-specialized: a producer warpgroup copies each tile's
 five chunks into a shared-memory ring (every thread reads back only its own 16-byte pieces, so no barrier between
 copy and read), converts them and fills one of two bf16 staging buffers, while the kernel's own warpgroup runs the
 dots and the softmax; a `full` and an `empty` mbarrier a buffer hand the tiles over. Otherwise one warpgroup
@@ -106,12 +106,13 @@ WS_PRODUCER_REGS = 192  # the producer warpgroup's registers a thread; applied o
 # The kernel's maxnreg when warp-specialized (None: Triton's default, 255 for all eight warps and no reallocation).
 # 168 (the partitions then hand registers over with setmaxnreg) was slower: batch 64 / 32K 1568 vs 740 us.
 WS_MAXNREG: int | None = None
-# Batches of fewer sequences keep the one-warpgroup kernel. H200, page 16, split + combine, warp-specialized vs one
-# warpgroup (benchmarks/README.md, 9946d92 and d1a8668): batch 1 / 4K 19.5 vs 18.7 us, 1 / 32K 64.8 vs 48.2, 1 x 64K
-# 75.6 vs 62.2, 4 / 4K 28.2 vs 26.8, 4 / 32K 65.8 vs 75.0; from 8 sequences it wins everywhere measured (8 / 4K 28.9 vs
-# 32.1, 8 / 32K 103.2 vs 124.9, 16 / 1K 25.2 vs 26.2, 32 / 1K 38.6 vs 40.9, 16 / 4K 41.3 vs 47.1, 64 / 32K 740 vs
-# 902, 16 mixed 131 vs 165). Why it loses on one long sequence was not found.
-WS_MIN_SEQS = 8
+# The fewest sequences a batch needs for the warp-specialized kernel (fewer keep the one-warpgroup kernel). Set to 8
+# at 9946d92 / d1a8668, when the warp-specialized
+# kernel lost below that (batch 1 / 32K 64.8 vs 48.2 us); re-measured with the per-lane softmax sum at 7031f48
+# (H200, page 16, split + combine, results/mla_gluon_ws_small_fp8_7031f48.json) it wins or ties at every batch:
+# 1 / 32K 28.6 vs 30.5 us, 1 / 128K 60.6 vs 69.8, 1 x 64K 39.7 vs 43.7, 4 / 32K 59.8 vs 69.7, 4 / 4K 22.9 vs 23.8,
+# 1 / 4K 17.2 vs 17.5, 8 / 32K 100.3 vs 120.9; only 4 short ragged histories (4097, 100, 64, 1) 18.0 vs 17.5.
+WS_MIN_SEQS = 1
 
 
 # The softmax sum of a tile kept per key lane ([BLOCK_N, BLOCK_H], `_tile_dots`' LAZY_L) and reduced across the warps
