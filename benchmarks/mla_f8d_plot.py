@@ -3,12 +3,13 @@ of `mla_gluon_h200.py --fp8 --f8d-ab` results (the warp-specialized kernel force
 time over the fp8 dots' (`mla_gluon.FP8_DOTS`); of the run with the consumer's next score wgmma issued early
 (WS_PIPE 1 / 2, measured at 5ee4449 and dropped) the sequential consumer's time over each early order's (bf16
 dots) and, for the fp8 dots, issued after the output wgmma over issued before the softmax; of an `--ws-ab` run the
-one-warpgroup kernel's time over the warp-specialized one's (`mla_gluon.WS_MIN_SEQS`); and per (batch, context) of a
+one-warpgroup kernel's time over the warp-specialized one's (`mla_gluon.WS_MIN_SEQS`); of the run with two consumer
+warpgroups (93b105e, dropped) one consumer's time over two's; and per (batch, context) of a
 `step_profile_h200.py --pdl-ab` run over an fp8 cache, the decode step's time under each other setting over the
 first's inverted (> 1 everywhere: the form named is faster).
 
     cd benchmarks/results && python ../mla_f8d_plot.py mla_gluon_f8d_fp8_7031f48.json \
-        mla_gluon_pipe_fp8_5ee4449.json mla_gluon_ws_small_fp8_7031f48.json \
+        mla_gluon_pipe_fp8_5ee4449.json mla_gluon_ws_small_fp8_7031f48.json mla_gluon_nc2_fp8_93b105e.json \
         step_profile_h200_8930d1c_fp8_ws_f8d_ab.json --out mla_f8d_h200.png
 """
 
@@ -38,7 +39,8 @@ def _step_rows(d: dict) -> list[tuple[str, float]]:
 
 def ratios(path: Path) -> list[tuple[str, float]]:
     """(label, ratio) of every case: gluon_ws / gluon_f8d (an --f8d-ab run), the WS_PIPE run's forms as above,
-    gluon_1wg / gluon_ws (an --ws-ab run), or a step A/B's (`_step_rows`). Cases whose row tiles are wider than 32
+    gluon_1wg / gluon_ws (an --ws-ab run), gluon_ws1 / gluon_ws2 (the two-consumer run), or a step A/B's
+    (`_step_rows`). Cases whose row tiles are wider than 32
     (no warp-specialized kernel) are left out."""
     d = json.loads(path.read_text())
     if "pdl_ab" in d:
@@ -48,7 +50,9 @@ def ratios(path: Path) -> list[tuple[str, float]]:
     for r in rows:
         if r["q_len"] * r["heads"] > 32:
             continue
-        if r.get("gluon_1wg_us") and r.get("gluon_ws_us"):
+        if r.get("gluon_ws2_us"):  # two consumer warpgroups (WS_CONSUMERS 2 at 93b105e, dropped) vs one
+            out.append((f"two consumers vs one {r['case']}", r["gluon_ws1_us"] / r["gluon_ws2_us"]))
+        elif r.get("gluon_1wg_us") and r.get("gluon_ws_us"):
             out.append((f"warp-specialized vs one warpgroup {r['case']}", r["gluon_1wg_us"] / r["gluon_ws_us"]))
         elif r.get("gluon_f8d_us"):
             out.append((f"fp8 dots {r['case']}", r["gluon_ws_us"] / r["gluon_f8d_us"]))

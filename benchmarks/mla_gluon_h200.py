@@ -84,18 +84,18 @@ COMPILE_VARIANTS.update({"decode H32, page 16, per-tile sum": {"page": 16, "lazy
                          "decode H32, fp8, page 16, warp-specialized, per-tile sum": {"fp8": True, "page": 16,
                                                                                        "ws": True, "lazy": False}})
 # the fp8 dots (`mla_gluon.FP8_DOTS`) of the warp-specialized kernel
-COMPILE_VARIANTS.update({"decode H32, fp8, page 16, fp8 dots": {"fp8": True, "page": 16, "ws": True, "f8d": True},
-                         "decode H32, fp8, fp8 dots": {"fp8": True, "ws": True, "f8d": True},
-                         "decode H12, fp8, page 16, fp8 dots": {"heads": 12, "block_h": 16, "fp8": True, "page": 16,
-                                                                "ws": True, "f8d": True},
-                         "verify Q4 H32, fp8, page 16, fp8 dots": {"qn": 4, "fp8": True, "page": 16, "ws": True,
-                                                                   "f8d": True}})
+COMPILE_VARIANTS.update({
+    "decode H32, fp8, page 16, warp-specialized, fp8 dots": {"fp8": True, "page": 16, "ws": True, "f8d": True},
+    "decode H32, fp8, warp-specialized, fp8 dots": {"fp8": True, "ws": True, "f8d": True},
+    "decode H12, fp8, page 16, warp-specialized, fp8 dots": {"heads": 12, "block_h": 16, "fp8": True, "page": 16,
+                                                             "ws": True, "f8d": True},
+    "verify Q4 H32, fp8, page 16, warp-specialized, fp8 dots": {"qn": 4, "fp8": True, "page": 16, "ws": True,
+                                                                "f8d": True}})
 
 
 def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False, use_pdl: bool = True, qn: int = 1,
                  block_h: int = 32, page: int = PAGE, fp8: bool = False, ws: bool = False,
-                 lazy: bool | None = None, f8d: bool = False, nc: int = 1, nc_regs: int = 224,
-                 producer_regs: int | None = None, maxnreg: int | None = None) -> dict:
+                 lazy: bool | None = None, f8d: bool = False) -> dict:
     """Compile the Gluon split kernel for sm_90 without a GPU (`sm90_compile`'s target and Triton's own ptxas /
     cuobjdump): shared memory, registers, spill stack and main-loop instructions / spill reloads. lazy: the
     LAZY_L constexpr (None: `mla_gluon.LAZY_SUM`); f8d: the fp8 dots (F8D, with ws)."""
@@ -109,18 +109,14 @@ def compile_sm90(block_seq: int = 16, heads: int = H, all_partial: bool = False,
     consts = {"QN": qn, "H": heads, "PAGE": page, "DV": V, "ROW": DL, "BLOCK_H": block_h, "BLOCK_N": mla_gluon.BLOCK_N,
               "BLOCK_SEQ": block_seq, "ALL_PARTIAL": all_partial, "KV_BYTES": 1 if fp8 else 2, "WS": ws,
               "WS_REGS": mla_gluon.WS_PRODUCER_REGS, "PDL": use_pdl,
-              "LAZY_L": mla_gluon.LAZY_SUM if lazy is None else lazy, "F8D": f8d, "P_SCALE": mla_gluon.P_SCALE,
-              "NC": nc, "NC_REGS": nc_regs}
-    if producer_regs is not None:
-        consts["WS_REGS"] = producer_regs
+              "LAZY_L": mla_gluon.LAZY_SUM if lazy is None else lazy, "F8D": f8d, "P_SCALE": mla_gluon.P_SCALE}
     sig = {**ptrs, **dict.fromkeys(strides, "i64"), "stride_pt": "i64", "N": "i32", "MAX_SPLITS": "i32", "min_chunk": "i32",
            "sm_scale_log2": "fp32", "kv_scale": "fp32", **dict.fromkeys(consts, "constexpr")}
     sig = {name: sig[name] for name in fn.arg_names}
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in (*ptrs, *strides)}  # as the JIT derives
     constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
     kernel = triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=TARGET,
-                            options={"num_warps": 4 * triton.cdiv(block_h, 32),
-                                     **({"maxnreg": maxnreg} if maxnreg else {})})
+                            options={"num_warps": 4 * triton.cdiv(block_h, 32)})
     return {"shared": kernel.metadata.shared, **cubin_usage(kernel), **loop_usage(kernel)}
 
 
@@ -142,9 +138,6 @@ def main() -> None:
     ap.add_argument("--f8d-ab", action="store_true",
                     help="with --fp8: the warp-specialized kernel (forced at every batch) with bf16 dots and with the "
                          "fp8 dots (mla_gluon.FP8_DOTS) against each other")
-    ap.add_argument("--nc-ab", action="store_true",
-                    help="with --fp8: the warp-specialized kernel (forced at every batch) with one and with two "
-                         "consumer warpgroups (mla_gluon.WS_CONSUMERS)")
     ap.add_argument("--lazy-ab", action="store_true",
                     help="also time the kernel with the softmax sum kept per key lane (mla_gluon.LAZY_SUM_ENV=1) "
                          "against the default, and compare their outputs")
@@ -210,18 +203,6 @@ def main() -> None:
             row["f8d_nan"] = bool(out.isnan().any())
             forms.append(("gluon_ws", lambda a=args_: gluon_decode(*a, True, ws=True)))
             forms.append(("gluon_f8d", f8d))
-        if args.fp8 and args.nc_ab:
-            def ws2(a=args_):
-                os.environ[mla_gluon.WS_CONSUMERS_ENV] = "2"
-                try:
-                    return gluon_decode(*a, True, ws=True)
-                finally:
-                    os.environ.pop(mla_gluon.WS_CONSUMERS_ENV)
-            out = ws2()
-            row["ws2_max_rel_err"] = rel(out, got)  # against one consumer (a different softmax summation order)
-            row["ws2_nan"] = bool(out.isnan().any())
-            forms.append(("gluon_ws1", lambda a=args_: gluon_decode(*a, True, ws=True)))
-            forms.append(("gluon_ws2", ws2))
         if args.lazy_ab:
             def lazy(a=args_):
                 os.environ[mla_gluon.LAZY_SUM_ENV] = "1"

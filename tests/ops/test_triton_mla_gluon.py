@@ -54,19 +54,6 @@ def test_switch_env_and_errors(monkeypatch, switch, env, default):
         fn()
 
 
-def test_ws_consumers_env_and_errors(monkeypatch):
-    """The warp-specialized kernel's consumer count (WS_CONSUMERS / TOKENSPEED_MLA_GLUON_WS_CONSUMERS): the module
-    value unless the variable says 1 or 2; anything else is an error."""
-    monkeypatch.delenv(mla_gluon.WS_CONSUMERS_ENV, raising=False)
-    assert mla_gluon.ws_consumers() == mla_gluon.WS_CONSUMERS
-    for v in ("1", "2"):
-        monkeypatch.setenv(mla_gluon.WS_CONSUMERS_ENV, v)
-        assert mla_gluon.ws_consumers() == int(v)
-    monkeypatch.setenv(mla_gluon.WS_CONSUMERS_ENV, "3")
-    with pytest.raises(ValueError, match="must be 1 or 2"):
-        mla_gluon.ws_consumers()
-
-
 def test_warp_specialized_only_for_fp8_row_tiles_of_one_warpgroup(monkeypatch):
     """The warp-specialized kernel serves fp8 caches with 16- / 32-row tiles in batches of WS_MIN_SEQS sequences
     or more (1 since it won or tied at every batch on the H200), never a bf16 cache or 64-row tiles, never an empty
@@ -373,40 +360,3 @@ def test_fp8_dots_gpu(monkeypatch, page_size, Q, H, lazy):
         got = mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, 0.25,
                              max_splits=ms)  # FP8_DOTS still on
         assert rel_err(got, reference(inp, scale, 512, 0.25)) < 6e-2
-
-
-
-@pytest.mark.gpu
-@needs_cuda
-@needs_hopper_gluon
-@pytest.mark.parametrize("page_size", [64, 16])
-@pytest.mark.parametrize("Q, H", [(1, 32), (1, 12), (4, 32), (2, 12)])
-@pytest.mark.parametrize("lazy", [True, False])
-def test_two_consumers_gpu(monkeypatch, page_size, Q, H, lazy):
-    """WS_CONSUMERS 2 (two consumer warpgroups on alternate tiles, merged after the split's last tile): within
-    bf16 rounding of one consumer and within the fp8 tolerance of the reference, no NaN, over ragged ends with NaN
-    rows past them, padding sequences, splits of one tile (the second consumer has none), of two and of many, verify
-    windows, kv_scale and the W_UV combine."""
-    monkeypatch.setattr(mla_gluon, "FP8_CACHE", True)
-    monkeypatch.setattr(mla_gluon, "SMALL_PAGES", True)
-    monkeypatch.setattr(mla_gluon, "WS_FP8", True)
-    monkeypatch.setattr(mla_gluon, "WS_MIN_SEQS", 1)
-    monkeypatch.setattr(mla_gluon, "FP8_DOTS", False)
-    monkeypatch.setattr(mla_gluon, "LAZY_SUM", lazy)
-    for env in (mla_gluon.WS_CONSUMERS_ENV, mla_gluon.FP8_DOTS_ENV, mla_gluon.WS_ENV):
-        monkeypatch.delenv(env, raising=False)
-    scale = 576 ** -0.5
-    cases = (([8192, 1024, 0, 300, 65, 1], None), ([4097, 100], 1), ([20000], 40), ([128, 64, 65, 127], None),
-             (MIXED * 4, None))
-    for kv_lens, ms in cases:
-        inp = make(kv_lens, Q, H, REAL["Dl"], page_size, torch.bfloat16, torch.float8_e4m3fn, "cuda",
-                   kv_scale=0.5, seed=page_size + H + len(kv_lens))
-        _poison_unused_rows(inp)
-        w_uv = torch.randn(H, 128, 512, dtype=torch.bfloat16, device="cuda") / 16
-        for kw in ({}, {"w_uv": w_uv}):
-            one, two = _outputs_under(monkeypatch, "WS_CONSUMERS", (1, 2), inp, scale, 0.5, ms, **kw)
-            assert not two.isnan().any()
-            assert rel_err(two, one) < 8e-3
-        got = mod.mla_decode(inp["q"], inp["cache"], inp["page_table"], inp["kv_lens"], scale, 512, 0.5,
-                             max_splits=ms)  # WS_CONSUMERS still 2
-        assert rel_err(got, reference(inp, scale, 512, 0.5)) < 2e-2

@@ -135,16 +135,6 @@ LAZY_SUM_ENV = "TOKENSPEED_MLA_GLUON_LAZY_SUM"
 FP8_DOTS = False
 FP8_DOTS_ENV = "TOKENSPEED_MLA_GLUON_FP8_DOTS"
 P_SCALE = 256.0  # p (<= 1) times this before its e4m3 rounding (<= 448), divided out of the output
-# The warp-specialized fp8 kernel (bf16 dots) with two consumer warpgroups on alternate tiles (each its own
-# softmax state and [DV, BLOCK_H] accumulator in the staging buffer of its parity, merged after the split's last
-# tile like two splits) and the producer in the kernel's own warps: 3 warpgroups, so launched with maxnreg
-# WS2_MAXNREG and each consumer raised to WS2_CONSUMER_REGS (setmaxnreg; the producer keeps the rest). Not
-# bit-equal to one consumer (the merge changes the softmax's summation order). TOKENSPEED_MLA_GLUON_WS_CONSUMERS
-# ("1" / "2") overrides it at each call.
-WS_CONSUMERS = 1
-WS_CONSUMERS_ENV = "TOKENSPEED_MLA_GLUON_WS_CONSUMERS"
-WS2_MAXNREG = 168  # 65,536 registers / 384 threads, a multiple of 8
-WS2_CONSUMER_REGS = 224  # each consumer's; the producer gets 3 * 168 - 2 * 224 = 56
 
 
 def _switch(env: str, default: bool) -> bool:
@@ -168,14 +158,6 @@ def ws_fp8() -> bool:
 def lazy_sums() -> bool:
     """LAZY_SUM, or TOKENSPEED_MLA_GLUON_LAZY_SUM when set. Raises ValueError on a value other than 0 / 1."""
     return _switch(LAZY_SUM_ENV, LAZY_SUM)
-
-
-def ws_consumers() -> int:
-    """WS_CONSUMERS, or TOKENSPEED_MLA_GLUON_WS_CONSUMERS when set. Raises ValueError on a value other than 1 / 2."""
-    v = os.environ.get(WS_CONSUMERS_ENV, "").strip()
-    if v not in ("", "1", "2"):
-        raise ValueError(f"{WS_CONSUMERS_ENV} must be 1 or 2; got {v!r}")
-    return int(v) if v else WS_CONSUMERS
 
 
 def fp8_dots() -> bool:
@@ -221,11 +203,7 @@ def launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Te
     `mla_decode._launch` allocates them). pdl_kwargs: `pdl.kernel_kwargs` ({"PDL": bool[, "launch_pdl": True]})."""
     N, QN, H = q.shape[:3]
     ws = warp_specialized(cache.dtype, block_h, N)
-    f8d = ws and fp8_dots()
-    nc = ws_consumers() if ws and not f8d else 1
-    if nc == 2:
-        pdl_kwargs = {**pdl_kwargs, "maxnreg": WS2_MAXNREG}
-    elif ws and WS_MAXNREG:
+    if ws and WS_MAXNREG:
         pdl_kwargs = {**pdl_kwargs, "maxnreg": WS_MAXNREG}
     _mla_split_gluon_kernel[(triton.cdiv(QN * H, block_h), max_splits, N)](
         q, q.stride(0), q.stride(1), q.stride(2), qr, qr.stride(0), qr.stride(1), qr.stride(2),
@@ -233,7 +211,7 @@ def launch(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_lens: Te
         out, part, lse, N, max_splits, min_chunk, sm_scale_log2, kv_scale,
         QN=QN, H=H, PAGE=cache.shape[1], DV=DV, ROW=DV + DR, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_SEQ=block_seq,
         ALL_PARTIAL=all_partial, KV_BYTES=cache.element_size(), WS=ws, WS_REGS=WS_PRODUCER_REGS, LAZY_L=lazy_sums(),
-        F8D=f8d, P_SCALE=P_SCALE, NC=nc, NC_REGS=WS2_CONSUMER_REGS,
+        F8D=ws and fp8_dots(), P_SCALE=P_SCALE,
         num_warps=4 * triton.cdiv(block_h, 32), **pdl_kwargs)
 
 
@@ -430,12 +408,12 @@ if gluon is not None:
         return acc_t, m_i, _row_sums(l_i, LAZY_L)
 
     @gluon.jit
-    def _issue_fp8_chunk(ring, rope, c: gl.constexpr, CACHE, pages, stride_cp, k0, hi, PAGE: gl.constexpr,
+    def _issue_fp8_chunk(ring, c: gl.constexpr, CACHE, pages, stride_cp, k0, hi, PAGE: gl.constexpr,
                          DV: gl.constexpr, ROW: gl.constexpr, BLOCK_N: gl.constexpr, LP: gl.constexpr,
                          LPR: gl.constexpr):
         """cp.async of chunk c of keys k0 .. k0 + BLOCK_N - 1 (c < 4: latent columns 128 c .. 128 c + 127 into
-        ring slot c; c = 4: the rope columns into `rope`) with rows from hi on zero-filled, not read; one commit
-        group. Every thread copies the 16-byte pieces it later reads itself (layout LP / LPR)."""
+        ring slot c; c = 4: the rope columns into `ring`'s last slot view) with rows from hi on zero-filled, not
+        read; one commit group. Every thread copies the 16-byte pieces it later reads itself (layout LP / LPR)."""
         p_kv, p_kr = pages
         if c < 4:
             r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LP))
@@ -452,11 +430,12 @@ if gluon is not None:
                 rows_r = CACHE + p_kr * stride_cp + (k0 % PAGE) * ROW + rr * ROW
             else:
                 rows_r = CACHE + p_kr * stride_cp + ((k0 + rr) % PAGE) * ROW
-            cp.async_copy_global_to_shared(rope, rows_r[:, None] + cr[None, :], mask=(k0 + rr < hi)[:, None])
+            cp.async_copy_global_to_shared(ring.index(4).slice(0, ROW - DV, dim=1), rows_r[:, None] + cr[None, :],
+                                           mask=(k0 + rr < hi)[:, None])
         cp.commit_group()
 
     @gluon.jit
-    def _fp8_producer(CACHE, stride_cp, pt_row, lo, hi, st_kv, st_kr, ring, rope, full, empty, PAGE: gl.constexpr,
+    def _fp8_producer(CACHE, stride_cp, pt_row, lo, hi, st_kv, st_kr, ring, full, empty, PAGE: gl.constexpr,
                       DV: gl.constexpr, ROW: gl.constexpr, BLOCK_N: gl.constexpr):
         """The worker partition (4 warps): for each key tile i of lo .. hi - 1, wait until staging buffer i % 2 is
         empty, convert the tile (fp8 in `ring`, five chunks: the latent's four 128-column slices and the rope
@@ -468,7 +447,7 @@ if gluon is not None:
         LPR: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [BLOCK_N, DR]
         pages = _tile_pages(pt_row, lo, hi, PAGE, BLOCK_N, LP, LPR)
         for c in gl.static_range(5):
-            _issue_fp8_chunk(ring, rope, c, CACHE, pages, stride_cp, lo, hi, PAGE, DV, ROW, BLOCK_N, LP, LPR)
+            _issue_fp8_chunk(ring, c, CACHE, pages, stride_cp, lo, hi, PAGE, DV, ROW, BLOCK_N, LP, LPR)
         pages = _tile_pages(pt_row, lo + BLOCK_N, hi, PAGE, BLOCK_N, LP, LPR)
         for i in range((hi - lo + BLOCK_N - 1) // BLOCK_N):
             nxt = lo + (i + 1) * BLOCK_N  # past hi every copy is masked off: zero-fill, no traffic
@@ -480,10 +459,10 @@ if gluon is not None:
                     v = ring.index(c).load(LP)
                     st_kv.index(b).slice(c * 128, 128, dim=1).store(_fp8_to_bf16(v))
                 else:
-                    v = rope.load(LPR)
+                    v = ring.index(4).slice(0, ROW - DV, dim=1).load(LPR)
                     st_kr.index(b).store(_fp8_to_bf16(v))
                 # issued after the store that consumed v, so the slot's old bytes were read
-                _issue_fp8_chunk(ring, rope, c, CACHE, pages, stride_cp, nxt, hi, PAGE, DV, ROW, BLOCK_N, LP, LPR)
+                _issue_fp8_chunk(ring, c, CACHE, pages, stride_cp, nxt, hi, PAGE, DV, ROW, BLOCK_N, LP, LPR)
             pages = _tile_pages(pt_row, nxt + BLOCK_N, hi, PAGE, BLOCK_N, LP, LPR)
             fence_async_shared()  # the generic stores, before the consumer's wgmma (async proxy) reads them
             gl.thread_barrier()  # every producer thread's stores before the single arrive
@@ -493,69 +472,21 @@ if gluon is not None:
     @gluon.jit
     def _fp8_consumer(qv_s, qr_s, st_kv, st_kr, p_s, full, empty, lo, hi, lim, sm_scale_log2,
                       BLOCK_H: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                      MMA: gl.constexpr, LAZY_L: gl.constexpr, FIRST: gl.constexpr = 0, STEP: gl.constexpr = 1):
-        """A consumer partition (one warpgroup): `_flash_tiles`' online softmax over the bf16 tiles the producer
-        stages, tiles FIRST, FIRST + STEP, .. (STEP 2: one of two consumers, each on the tiles of its parity, p
-        through its own p_s), buffer i % 2 for tile i, handed back through its `empty` barrier once both dots are
-        done. Returns (acc [DV, BLOCK_H], m [BLOCK_H], l [BLOCK_H])."""
+                      MMA: gl.constexpr, LAZY_L: gl.constexpr):
+        """The default partition (the kernel's warpgroup): `_flash_tiles`' online softmax over the bf16 tiles the
+        producer stages, buffer i % 2 for tile i, handed back through its `empty` barrier once both dots are done."""
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
         l_i = _zero_sums(BLOCK_H, BLOCK_N, MMA, LAZY_L)
         acc_t = gl.zeros([DV, BLOCK_H], gl.float32, MMA)
-        n = (hi - lo + BLOCK_N - 1) // BLOCK_N
-        if STEP == 1:
-            for i in range(n):
-                b = i % 2
-                mbarrier.wait(full.index(b), (i // 2) & 1)
-                acc_t, m_i, l_i = _tile_dots(st_kv.index(b), st_kr.index(b), qv_s, qr_s, p_s, acc_t, m_i, l_i,
-                                             lo + i * BLOCK_N, hi, lim, sm_scale_log2, BLOCK_H, BLOCK_N, CAUSAL, MMA,
-                                             LAZY_L)
-                gl.thread_barrier()  # every warp's wgmma done with buffer b (and p_s) before it is handed back
-                mbarrier.arrive(empty.index(b), count=1)
-        else:  # tile FIRST + 2 k, always buffer FIRST (a compile-time index), its k-th use
-            for k in range((n - FIRST + 1) // 2):
-                mbarrier.wait(full.index(FIRST), k & 1)
-                acc_t, m_i, l_i = _tile_dots(st_kv.index(FIRST), st_kr.index(FIRST), qv_s, qr_s, p_s, acc_t, m_i,
-                                             l_i, lo + (FIRST + 2 * k) * BLOCK_N, hi, lim, sm_scale_log2, BLOCK_H,
-                                             BLOCK_N, CAUSAL, MMA, LAZY_L)
-                gl.thread_barrier()  # every warp's wgmma done with the buffer (and p_s) before it is handed back
-                mbarrier.arrive(empty.index(FIRST), count=1)
+        for i in range((hi - lo + BLOCK_N - 1) // BLOCK_N):
+            b = i % 2
+            mbarrier.wait(full.index(b), (i // 2) & 1)
+            acc_t, m_i, l_i = _tile_dots(st_kv.index(b), st_kr.index(b), qv_s, qr_s, p_s, acc_t, m_i, l_i,
+                                         lo + i * BLOCK_N, hi, lim, sm_scale_log2, BLOCK_H, BLOCK_N, CAUSAL, MMA,
+                                         LAZY_L)
+            gl.thread_barrier()  # every warp's wgmma done with buffer b (and p_s) before it is handed back
+            mbarrier.arrive(empty.index(b), count=1)
         return acc_t, m_i, _row_sums(l_i, LAZY_L)
-
-    @gluon.jit
-    def _fp8_consumer_to_smem(qv_s, qr_s, st_kv, st_kr, p_s, full, empty, lo, hi, kv_len, row0, sm_scale_log2, acc_s,
-                              ml_s, done, BLOCK_H: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
-                              QN: gl.constexpr, H: gl.constexpr, MMA: gl.constexpr, LAZY_L: gl.constexpr,
-                              FIRST: gl.constexpr):
-        """NC 2: one of the two consumer partitions, `_fp8_consumer` over the tiles of parity FIRST, then its state
-        into shared memory for the merge (acc into acc_s [DV, BLOCK_H] fp32, m and l into ml_s [2 * BLOCK_H]) and
-        an arrive on `done`. The rows' last keys (`lim`, verify) are recomputed here from scalars: a worker
-        partition takes no int64 tensor."""
-        CAUSAL: gl.constexpr = QN > 1
-        lim = kv_len - QN + (row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MMA))) // H
-        acc_t, m_i, l_i = _fp8_consumer(qv_s, qr_s, st_kv, st_kr, p_s, full, empty, lo, hi, lim, sm_scale_log2,
-                                        BLOCK_H, DV, BLOCK_N, CAUSAL, MMA, LAZY_L, FIRST, 2)
-        acc_s.store(acc_t)
-        ml_s.slice(0, BLOCK_H).store(m_i)
-        ml_s.slice(BLOCK_H, BLOCK_H).store(l_i)
-        gl.thread_barrier()  # every thread's stores before the single arrive
-        mbarrier.arrive(done, count=1)
-
-    @gluon.jit
-    def _merge_consumers(acc_s0, ml_s0, acc_s1, ml_s1, done, BLOCK_H: gl.constexpr, MMA: gl.constexpr):
-        """NC 2, after the split's tiles: the two consumers' states (published through done[0] / done[1]) merged as
-        two softmax partials (m the larger, each side scaled by 2^(its m - m)): (acc [DV, BLOCK_H], m, l)."""
-        mbarrier.wait(done.index(0), 0)
-        mbarrier.wait(done.index(1), 0)
-        m0 = ml_s0.slice(0, BLOCK_H).load(gl.SliceLayout(0, MMA))
-        l0 = ml_s0.slice(BLOCK_H, BLOCK_H).load(gl.SliceLayout(0, MMA))
-        m1 = ml_s1.slice(0, BLOCK_H).load(gl.SliceLayout(0, MMA))
-        l1 = ml_s1.slice(BLOCK_H, BLOCK_H).load(gl.SliceLayout(0, MMA))
-        m_new = gl.maximum(m0, m1)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        a0 = gl.exp2(m0 - m_safe)
-        a1 = gl.exp2(m1 - m_safe)
-        acc = acc_s0.load(MMA) * a0[None, :] + acc_s1.load(MMA) * a1[None, :]
-        return acc, m_new, l0 * a0 + l1 * a1
 
     @gluon.jit
     def _issue_fp8_tile(k8, kr8, slot, CACHE, pages, stride_cp, k0, hi, PAGE: gl.constexpr, DV: gl.constexpr,
@@ -703,7 +634,6 @@ if gluon is not None:
         BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SEQ: gl.constexpr, ALL_PARTIAL: gl.constexpr,
         KV_BYTES: gl.constexpr, WS: gl.constexpr, WS_REGS: gl.constexpr, PDL: gl.constexpr,
         LAZY_L: gl.constexpr = False, F8D: gl.constexpr = False, P_SCALE: gl.constexpr = 256.0,
-        NC: gl.constexpr = 1, NC_REGS: gl.constexpr = 224,
     ):
         DR: gl.constexpr = ROW - DV
         QH: gl.constexpr = QN * H
@@ -763,8 +693,7 @@ if gluon is not None:
             elif WS:  # two bf16 staging buffers the producer partition fills, and its fp8 ring (five chunk slots)
                 kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DV], SH)
                 kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], SH)
-                ring = gl.allocate_shared_memory(CACHE.dtype.element_ty, [4, BLOCK_N, 128], RING)
-                rope = gl.allocate_shared_memory(CACHE.dtype.element_ty, [BLOCK_N, DR], RING)
+                ring = gl.allocate_shared_memory(CACHE.dtype.element_ty, [5, BLOCK_N, 128], RING)
             elif FP8:  # fp8 copy buffers, and one bf16 tile the dots read
                 kv_bufs = gl.allocate_shared_memory(CACHE.dtype.element_ty, [2, BLOCK_N, DV], SH8)
                 kr_bufs = gl.allocate_shared_memory(CACHE.dtype.element_ty, [2, BLOCK_N, DR], SH8R)
@@ -777,8 +706,6 @@ if gluon is not None:
                 st_kr = kr_bufs
             if F8D:  # p^T as e4m3 [BLOCK_H, BLOCK_N]: the 8-bit wgmma's K-major B operand
                 p_s = gl.allocate_shared_memory(CACHE.dtype.element_ty, [BLOCK_H, BLOCK_N], SH8R)
-            elif NC == 2:  # one p buffer per consumer
-                p_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, BLOCK_H], SH_P)
             else:
                 p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], SH_P)
             fence_async_shared()  # the queries' stores, before wgmma reads them (async proxy) ...
@@ -799,35 +726,12 @@ if gluon is not None:
                     (_f8d_producer, (CACHE, stride_cp, PT + n * stride_pt, lo, hi, kv_bufs, kr_bufs, vt8, full,
                                      empty, PAGE, DV, ROW, BLOCK_N)),
                 ], [4], [WS_REGS])
-            elif WS and NC == 2:  # the producer in the default warps, two consumers on alternate tiles
-                FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-                FLAT1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-                # each consumer's state, merged below, in its own staging buffer (never refilled after its last tile)
-                acc_s0 = kv_bufs.index(0)._reinterpret(gl.float32, [DV, BLOCK_H], FLAT)
-                acc_s1 = kv_bufs.index(1)._reinterpret(gl.float32, [DV, BLOCK_H], FLAT)
-                ml_s0 = kr_bufs.index(0)._reinterpret(gl.float32, [2 * BLOCK_H], FLAT1)  # m, then l
-                ml_s1 = kr_bufs.index(1)._reinterpret(gl.float32, [2 * BLOCK_H], FLAT1)
-                done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-                for c in gl.static_range(2):
-                    mbarrier.init(done.index(c), count=1)
-                gl.thread_barrier()
-                gl.warp_specialize([
-                    (_fp8_producer, (CACHE, stride_cp, PT + n * stride_pt, lo, hi, kv_bufs, kr_bufs, ring, rope,
-                                     full, empty, PAGE, DV, ROW, BLOCK_N)),
-                    (_fp8_consumer_to_smem, (qv_s, qr_s, kv_bufs, kr_bufs, p_s.index(0), full, empty, lo, hi, kv_len,
-                                             row0, sm_scale_log2, acc_s0, ml_s0, done.index(0), BLOCK_H, DV,
-                                             BLOCK_N, QN, H, MMA, LAZY_L, 0)),
-                    (_fp8_consumer_to_smem, (qv_s, qr_s, kv_bufs, kr_bufs, p_s.index(1), full, empty, lo, hi, kv_len,
-                                             row0, sm_scale_log2, acc_s1, ml_s1, done.index(1), BLOCK_H, DV,
-                                             BLOCK_N, QN, H, MMA, LAZY_L, 1)),
-                ], [4, 4], [NC_REGS, NC_REGS])
-                acc_t, m_i, l_i = _merge_consumers(acc_s0, ml_s0, acc_s1, ml_s1, done, BLOCK_H, MMA)
             elif WS:
                 acc_t, m_i, l_i = gl.warp_specialize([
                     (_fp8_consumer, (qv_s, qr_s, kv_bufs, kr_bufs, p_s, full, empty, lo, hi, lim, sm_scale_log2,
                                      BLOCK_H, DV, BLOCK_N, QN > 1, MMA, LAZY_L)),
-                    (_fp8_producer, (CACHE, stride_cp, PT + n * stride_pt, lo, hi, kv_bufs, kr_bufs, ring, rope,
-                                     full, empty, PAGE, DV, ROW, BLOCK_N)),
+                    (_fp8_producer, (CACHE, stride_cp, PT + n * stride_pt, lo, hi, kv_bufs, kr_bufs, ring, full,
+                                     empty, PAGE, DV, ROW, BLOCK_N)),
                 ], [4], [WS_REGS])
             else:
                 acc_t, m_i, l_i = _flash_tiles(qv_s, qr_s, kv_bufs, kr_bufs, st_kv, st_kr, p_s, CACHE, stride_cp,
