@@ -208,6 +208,20 @@ def _poison_unused_rows(inp: dict) -> None:
     flat[~used] = 0x7F
 
 
+# (kv_lens, max_splits): ragged ends and padding sequences, mixed histories, one split, many splits
+FP8_CASES = (([8192, 1024, 0, 300, 65, 1], None), (MIXED * 4, None), ([4097, 100], 1), ([20000], 40))
+
+
+def _poisoned_fp8_cases(page_size: int, Q: int, H: int, kv_scale: float):
+    """(inp, max_splits, w_uv) for each of FP8_CASES: `make`'s case over an fp8 cache (kv_scale) whose rows no
+    sequence owns are NaN (`_poison_unused_rows`), and a random W_UV weight [H, 128, 512]."""
+    for kv_lens, ms in FP8_CASES:
+        inp = make(kv_lens, Q, H, REAL["Dl"], page_size, torch.bfloat16, torch.float8_e4m3fn, "cuda",
+                   kv_scale=kv_scale, seed=page_size + H + len(kv_lens))
+        _poison_unused_rows(inp)
+        yield inp, ms, torch.randn(H, 128, 512, dtype=torch.bfloat16, device="cuda") / 16
+
+
 @pytest.mark.gpu
 @needs_cuda
 @needs_hopper_gluon
@@ -226,11 +240,7 @@ def test_fp8_warp_specialized_equals_one_warpgroup_gpu(monkeypatch, page_size, Q
     monkeypatch.setattr(mla_gluon, "WS_MIN_SEQS", 1)  # at every batch size here
     monkeypatch.setattr(mla_gluon, "WS_MAXNREG", maxnreg)
     scale = 576 ** -0.5
-    for kv_lens, ms in (([8192, 1024, 0, 300, 65, 1], None), (MIXED * 4, None), ([4097, 100], 1), ([20000], 40)):
-        inp = make(kv_lens, Q, H, REAL["Dl"], page_size, torch.bfloat16, torch.float8_e4m3fn, "cuda",
-                   kv_scale=0.25, seed=page_size + H + len(kv_lens))
-        _poison_unused_rows(inp)
-        w_uv = torch.randn(H, 128, 512, dtype=torch.bfloat16, device="cuda") / 16
+    for inp, ms, w_uv in _poisoned_fp8_cases(page_size, Q, H, 0.25):
         for kw in ({}, {"w_uv": w_uv}):
             outs = _outputs_under(monkeypatch, "WS_FP8", (False, True), inp, scale, 0.25, ms, **kw)
             assert torch.equal(outs[0], outs[1])
@@ -338,9 +348,9 @@ def test_fp8_dots_gpu(monkeypatch, page_size, Q, H, lazy):
     """FP8_DOTS (the warp-specialized kernel forced at every batch size): e4m3 queries, keys read straight from the
     copied fp8 tile, e4m3 p against the transposed latent. Within 6% (max error over max magnitude) of the
     reference and of the bf16 dots over the same cache: the query's and p's e4m3 roundings (3 mantissa bits, ~3.5%
-    on these random inputs on the H200) are the only difference; no NaN; over ragged ends (NaN cache rows past them must not be read), padding
-    sequences, one and many splits (up to 40: the three-buffer key ring wraps many times), kv_scale, causal verify
-    windows and the W_UV combine (every split's partials)."""
+    on these random inputs on the H200) are the only difference; no NaN; over ragged ends (NaN cache rows past
+    them must not be read), padding sequences, one and many splits (up to 40: the three-buffer key ring wraps many
+    times), kv_scale, causal verify windows and the W_UV combine (every split's partials)."""
     monkeypatch.setattr(mla_gluon, "FP8_CACHE", True)
     monkeypatch.setattr(mla_gluon, "SMALL_PAGES", True)
     monkeypatch.setattr(mla_gluon, "WS_FP8", True)
@@ -348,11 +358,7 @@ def test_fp8_dots_gpu(monkeypatch, page_size, Q, H, lazy):
     monkeypatch.setattr(mla_gluon, "LAZY_SUM", lazy)
     monkeypatch.delenv(mla_gluon.FP8_DOTS_ENV, raising=False)
     scale = 576 ** -0.5
-    for kv_lens, ms in (([8192, 1024, 0, 300, 65, 1], None), (MIXED * 4, None), ([4097, 100], 1), ([20000], 40)):
-        inp = make(kv_lens, Q, H, REAL["Dl"], page_size, torch.bfloat16, torch.float8_e4m3fn, "cuda",
-                   kv_scale=0.25, seed=page_size + H + len(kv_lens))
-        _poison_unused_rows(inp)
-        w_uv = torch.randn(H, 128, 512, dtype=torch.bfloat16, device="cuda") / 16
+    for inp, ms, w_uv in _poisoned_fp8_cases(page_size, Q, H, 0.25):
         for kw in ({}, {"w_uv": w_uv}):
             bf16_dots, fp8_dots = _outputs_under(monkeypatch, "FP8_DOTS", (False, True), inp, scale, 0.25, ms, **kw)
             assert not fp8_dots.isnan().any()
