@@ -638,6 +638,7 @@ if gluon is not None:
         LAZY_L: gl.constexpr = False, F8D: gl.constexpr = False, P_SCALE: gl.constexpr = 256.0,
     ):
         DR: gl.constexpr = ROW - DV
+        gl.static_assert(WS or not F8D, "the fp8 dots are a form of the warp-specialized kernel (WS)")
         QH: gl.constexpr = QN * H
         EVEN: gl.constexpr = QH % BLOCK_H == 0
         # One warpgroup (4 warps) per 32 rows, at least one: with two, each owns half of the rows (the dots' N) and
@@ -714,7 +715,7 @@ if gluon is not None:
             gl.thread_barrier()  # ... from every warp
             # the last key row r = j * H + h sees (verify: token j of QN sees the keys up to its own position)
             lim = kv_len - QN + (row0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, MMA))) // H
-            if WS or F8D:
+            if WS:  # (F8D is a form of the warp-specialized kernel)
                 full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
                 empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
                 for b in gl.static_range(2):
