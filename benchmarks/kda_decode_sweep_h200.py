@@ -140,6 +140,16 @@ VARIANTS = [
     KdaConfig(32, wy=True, keys_pass=True),  # the WY form in two launches (key pass, then state tiles)
     KdaConfig(16, wy=True, keys_pass=True),
     KdaConfig(8, wy=True, keys_pass=True),
+    # the Gluon decode (kda_decode_gluon.py): the head's state copies issued first, into num_stages buffers (None:
+    # the whole head, 64 KB) refilled as tiles are written back
+    KdaConfig(16, chunked=True, gluon=True),
+    KdaConfig(8, chunked=True, gluon=True),
+    KdaConfig(32, chunked=True, gluon=True),
+    KdaConfig(16, chunked=True, num_stages=4, gluon=True),
+    KdaConfig(8, chunked=True, num_stages=8, gluon=True),
+    KdaConfig(8, chunked=True, num_stages=4, gluon=True),
+    KdaConfig(32, chunked=True, num_stages=2, gluon=True),
+    KdaConfig(16, chunked=True, num_stages=2, gluon=True),
 ]
 # Dropped after the H200 run at dc34ac2 (benchmarks/README.md): whole-head split programs (BV 128, 8 / 16 warps;
 # 156-216 spilled registers, 23-31 us at 32 x 1 vs 8.9) and half heads on 8 warps (BV 64; 16.7 us).
@@ -188,7 +198,15 @@ class KernelRecorder:
         self._real: list[tuple[object, str, object]] = []
 
     def install(self) -> None:
-        from tokenspeed.ops.triton import kda_verify_wy
+        from tokenspeed.ops.triton import kda_decode_gluon, kda_verify_wy
+
+        real_gluon = kda_decode_gluon.launch
+
+        def gluon_launch(*args, **kwargs):  # the Gluon kernel ran (no fallback to the Triton form)
+            self.last = "gluon"
+            return real_gluon(*args, **kwargs)
+        self._real.append((kda_decode_gluon, "launch", real_gluon))
+        kda_decode_gluon.launch = gluon_launch
 
         for module, name in ((k_kda, "_kda_decode_kernel"), (kda_verify_wy, "_kda_verify_wy_kernel")):
             fn = getattr(module, name)
@@ -202,6 +220,8 @@ class KernelRecorder:
 
     def info(self) -> dict:
         k = self.last
+        if k == "gluon":
+            return {"kernel": "gluon"}
         md = getattr(k, "metadata", None)
         return {"regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
                 "shared_bytes": getattr(md, "shared", None)}
@@ -398,7 +418,8 @@ def _warm_one(task: tuple) -> tuple:
     cfg = KdaConfig(*cfg_fields)
     try:
         inp = make_inputs(H, 1, D, dev, torch.bfloat16 if dev == "cuda" else torch.float32)
-        k_kda.kda_decode(**inp, lower_bound=LOWER, scale=D ** -0.5, config=cfg, state_v_first=v_first)
+        k_kda.kda_decode(**inp, lower_bound=LOWER, scale=D ** -0.5, config=cfg, state_v_first=v_first,
+                         max_seq_tokens=1)
         sync(dev)
         return H, cfg.label, None
     except Exception as e:  # noqa: BLE001 - reported by the caller; the main process hits it again
@@ -487,7 +508,8 @@ def sweep_shape(H: int, N: int, D: int, dev: str, dtype: torch.dtype, variants: 
     row["fla"] = fla
     row["copy"] = copy_ceiling(state_bytes, dev, calls, args.reps, cold)
     print(fmt_variant(row["copy"]), flush=True)
-    row["patterns"] = pattern_ceilings(inp, H, D, dev, calls, args.reps, cold, state_bytes) if update else []
+    row["patterns"] = pattern_ceilings(inp, H, D, dev, calls, args.reps, cold, state_bytes) \
+        if update and not args.no_patterns else []
     for v in row["patterns"]:
         print(fmt_variant(v), flush=True)
     ok = [v for v in row["variants"] if v.get("us") is not None and v.get("parity_ok")]
@@ -539,6 +561,7 @@ def main() -> None:
     ap.add_argument("--cold", default="auto", choices=["auto", "on", "off"],
                     help="also time with L2 flushed before every call: auto = states below 120 MB (docstring)")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--no-patterns", action="store_true", help="skip the copy kernels of the decode's access pattern")
     ap.add_argument("--v-first", action="store_true",
                     help="every variant on a [V, K] state pool (kda_decode(state_v_first=True)): contiguous V tiles")
     ap.add_argument("--norm", action="store_true", help="time the launches with the fused output norm, as the model")

@@ -49,6 +49,10 @@ class KdaConfig(NamedTuple):
     head), the window's key side once and one state product per token and V tile of block_v
     (`kda_verify_wy.py`); 2.0-2.2x over the window loop from 16 sequences. A launch it cannot run takes this
     config's split form (so `MULTI_TABLE`'s WY rows set window too).
+    gluon (chunked decode): the Gluon kernel of `kda_decode_gluon.py` where it can run the launch (sm_90, Triton
+    3.6, one token per sequence, [V, K] pools; its `unusable_reason`), else this config's Triton form (gluon
+    dropped). Its num_stages is the number of [block_v, D] shared-memory buffers (None: the whole head), all
+    filled from the program's first instruction, before the PDL wait.
     keys_pass (with wy, when the caller bounds every sequence by the window: `max_seq_tokens`): the WY form in two
     launches, the window's key side per (sequence, head) into fp32 scratch, then (V tile, sequence, head) programs
     that only stream the state (`kda_verify_keys.py`); 1.05-1.2x over the one-launch form from 4 sequences x 32 heads
@@ -68,6 +72,7 @@ class KdaConfig(NamedTuple):
     prefetch_tiles: int = 0
     max_regs: int | None = None
     preload: bool = False
+    gluon: bool = False
 
     @property
     def label(self) -> str:
@@ -77,7 +82,7 @@ class KdaConfig(NamedTuple):
         return s + ("-hints" if self.hints else "") + (f"-pf{self.prefetch_tiles or ''}" if self.prefetch_state else "") + (
             "-pl" if self.preload else "") + (
             "-win" if self.window else "") + ("-wy" if self.wy else "") + ("-kp" if self.keys_pass else "") + (
-            f"-r{self.max_regs}" if self.max_regs else "")
+            f"-r{self.max_regs}" if self.max_regs else "") + ("-gl" if self.gluon else "")
 
 
 def legacy_config(num_programs_nh: int, head_dim: int) -> KdaConfig:
@@ -138,7 +143,7 @@ REPLAY_WY_BLOCK_V = 32
 
 DECODE_ENV = "TOKENSPEED_KDA_DECODE"  # read per call: a `KdaConfig.label` every decode launch takes (A/B timing)
 MULTI_ENV = "TOKENSPEED_KDA_VERIFY"  # the same for launches of several tokens per sequence (verify, replay, tails)
-_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf(\d*))?(-pl)?(-win)?(-wy)?(-kp)?(?:-r(\d+))?")
+_LABEL = re.compile(r"bv(\d+)-(split|chunked)-w(\d+)(?:-s(\d+))?(-hints)?(-pf(\d*))?(-pl)?(-win)?(-wy)?(-kp)?(?:-r(\d+))?(-gl)?")
 
 
 def config_from_label(label: str) -> KdaConfig:
@@ -146,11 +151,11 @@ def config_from_label(label: str) -> KdaConfig:
     m = _LABEL.fullmatch(label.strip())
     if m is None:
         raise ValueError(f"{label!r} is not a KDA decode config label such as bv32-split-w4 or bv32-chunked-w4-s3")
-    bv, sched, warps, stages, hints, pf, pf_tiles, pl, win, wy, kp, regs = m.groups()
+    bv, sched, warps, stages, hints, pf, pf_tiles, pl, win, wy, kp, regs, gl = m.groups()
     return KdaConfig(int(bv), chunked=sched == "chunked", num_warps=int(warps),
                      num_stages=int(stages) if stages else None, hints=bool(hints), prefetch_state=bool(pf),
                      window=bool(win), wy=bool(wy), keys_pass=bool(kp), prefetch_tiles=int(pf_tiles or 0),
-                     max_regs=int(regs) if regs else None, preload=bool(pl))
+                     max_regs=int(regs) if regs else None, preload=bool(pl), gluon=bool(gl))
 
 
 def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from tokenspeed.ops.dispatch import kda_replay_layers_unsupported
 from tokenspeed.ops.kda_layers import KdaLayerTable
-from tokenspeed.ops.triton import pdl
+from tokenspeed.ops.triton import kda_decode_gluon, pdl
 from tokenspeed.ops.triton._utils import next_pow2
 from tokenspeed.ops.triton.kda_config import (  # noqa: F401
     DECODE_TABLE,
@@ -110,6 +110,10 @@ def _split(num_programs_nh: int, D: int, tokens_per_seq: int, config: KdaConfig 
     if cfg.window and cfg.chunked:
         raise ValueError("KdaConfig(window=True) is for the split schedule (chunked=False)")
     opts["WINDOW"] = cfg.window
+    if cfg.gluon and not cfg.chunked:
+        raise ValueError("KdaConfig(gluon=True) is for the chunked schedule")
+    opts["GLUON"] = cfg.gluon  # popped by kda_decode: the Gluon decode is another kernel
+    opts["NBUF"] = cfg.num_stages  # (its shared-memory buffers; None: the whole head)
     opts["WY"] = cfg.wy  # popped by the launches: the WY verify schedule is another kernel
     opts["KP"] = cfg.keys_pass  # (its two-launch form)
     return opts
@@ -209,8 +213,8 @@ def kda_decode(
     if lr_f is not None and lr_g is not None and lr_f[1].shape != lr_g[1].shape:
         raise ValueError("f_low_rank and gate_low_rank must have the same rank")
     opts = _split(N * H, D, triton.cdiv(T, N) if N else 1, config, BV, num_warps, hints, chunked, num_stages)
-    if (lr_f is not None or lr_g is not None) and (opts["WY"] or opts["WINDOW"] or max_seq_tokens != 1
-                                                   or not update_state or T != N):
+    if (lr_f is not None or lr_g is not None) and (opts["WY"] or opts["WINDOW"] or opts["GLUON"]
+                                                   or max_seq_tokens != 1 or not update_state or T != N):
         # the in-kernel up projections are for decode launches (one token per sequence) on split / chunked only
         f = _up(lr_f) if lr_f is not None else f
         norm_gate = _up(lr_g) if lr_g is not None else norm_gate
@@ -237,6 +241,12 @@ def kda_decode(
     if N == 0 or T == 0:
         return out
     gate = g3 if norm else out
+    gluon, nbuf = opts.pop("GLUON"), opts.pop("NBUF")
+    if gluon and _gluon_decode(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out,
+                               g3, norm_weight, lower_bound, scale, norm_eps, opts, nbuf, update_state=update_state,
+                               step_states=step_states, seq_lens=seq_lens, max_seq_tokens=max_seq_tokens,
+                               state_v_first=state_v_first):
+        return out
     wy, keys_pass = opts.pop("WY"), opts.pop("KP")
     why = wy_unsupported(D, opts["BV"], update_state, step_states, seq_lens) if wy else None
     if why is not None and config is not None:
@@ -284,6 +294,26 @@ def kda_decode(
         **opts, **pdl.launch_kwargs(qkv.device, "kda"),
     )
     return out
+
+
+def _gluon_decode(qkv: Tensor, f3: Tensor, b: Tensor, cw: Tensor, conv_state: Tensor, A_log: Tensor,
+                  dt_bias: Tensor, state: Tensor, state_indices: Tensor, cu_seqlens: Tensor, out: Tensor,
+                  g3: Tensor | None, norm_weight: Tensor | None, lower_bound: float | None, scale: float,
+                  norm_eps: float, opts: dict, nbuf: int | None, **call) -> bool:
+    """Run the launch on the Gluon decode (`kda_decode_gluon`) when it can take it (True; out written, pools
+    advanced), else False: the caller runs the config's Triton form."""
+    D = dt_bias.shape[1]
+    bv, warps = opts["BV"], opts["num_warps"]
+    nbuf = nbuf or D // bv
+    why = kda_decode_gluon.unusable_reason(qkv, state, D, bv, nbuf, warps, T=qkv.shape[0],
+                                           N=state_indices.numel(), **call)
+    if why is not None:
+        return False
+    kda_decode_gluon.launch(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, g3,
+                            norm_weight if g3 is not None else None, lower_bound=lower_bound, scale=scale,
+                            norm_eps=norm_eps, block_v=bv, num_buffers=nbuf, num_warps=warps,
+                            pdl_on=pdl.enabled(qkv.device, "kda"))
+    return True
 
 
 def norm_rows(T: int, N: int) -> int:
@@ -355,6 +385,7 @@ def kda_replay_layers(
     opts = _split(N * H * L, D, triton.cdiv(T, N), config, BV, num_warps, hints, chunked, num_stages)
     opts["PF_STATE"], opts["PF_TILES"], opts["PRELOAD"] = False, 0, 0  # per-layer rows: no prefetch / preload
     opts.pop("KP")  # the WY replay always runs in two launches
+    opts.pop("GLUON"), opts.pop("NBUF")  # (the Gluon kernel is a single-layer decode: the replay runs Triton)
     if opts.pop("WY"):
         wy_bv = opts["BV"] if explicit or BV is not None else replay_wy_block_v(D)  # a table row: the replay's own
         why = _wy_replay_unsupported(D, wy_bv, max_seq_tokens)

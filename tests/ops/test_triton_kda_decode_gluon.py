@@ -1,0 +1,176 @@
+"""The Gluon KDA decode (`tokenspeed/ops/triton/kda_decode_gluon.py`, `KdaConfig(gluon=True)`) against the
+composition of reference ops and against the Triton chunked decode it stands beside.
+
+On the GPU (sm_90): one decode step of bf16 inputs read from a merged projection (qkv and b strided, NaN columns
+around them), [V, K] state pools, with and without the fused gated norm, both gate forms, padding rows (slot -1),
+several state-buffer depths (the whole head, rings of 2 and 4 tiles) and tile widths; outputs NaN-poisoned
+(every element written), idle pool slots NaN-poisoned and untouched, nothing written past any tensor's end; the
+conv state bit-identical to the reference's, outputs and state within 1e-2 of it and of the Triton kernel's;
+a CUDA graph with PDL after a producer kernel, replayed on fresh inputs, equal to eager launches without PDL.
+On the CPU: the config's label, and its fallback (the Triton form of the same config, bit for bit) wherever the
+Gluon kernel cannot run, with the reason it gives.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ops.test_triton_kda_decode import clone, composed, make, poison_idle, tailed, tails_intact, \
+    transposed_pool
+from tests.ops.triton_env import cpu_interp, needs_cuda, rel_err  # sets up Triton first
+from tokenspeed.ops.reference.norm import gated_rms_norm as gated_rms_norm_ref
+from tokenspeed.ops.triton.kda_config import KdaConfig, config_from_label
+
+EPS = 1e-6
+# (block_v, buffers): the whole head (None), rings of 4 and 2 tiles, 4 KB tiles
+GLUON_CASES = [(16, None), (8, None), (32, None), (16, 4), (8, 4), (32, 2)]
+
+
+def gluon_runs(monkeypatch) -> list:
+    """Records each launch of the Gluon kernel (so a test knows it did not fall back)."""
+    from tokenspeed.ops.triton import kda_decode_gluon
+
+    calls = []
+    real = kda_decode_gluon.launch
+    monkeypatch.setattr(kda_decode_gluon, "launch", lambda *a, **k: calls.append(k["block_v"]) or real(*a, **k))
+    return calls
+
+
+def norm_inputs(T: int, H: int, D: int, device: str, dtype: torch.dtype) -> dict:
+    """A gate that is a column view of a wider projection (NaN around it) and a NaN-tailed weight."""
+    g = torch.Generator().manual_seed(11)
+    wide = torch.full((T, H * D + 9), float("nan"))
+    wide[:, 4:4 + H * D] = torch.randn(T, H * D, generator=g) * 2
+    return {"norm_gate": wide[:, 4:4 + H * D].to(device, dtype),
+            "norm_weight": tailed(torch.randn(D, generator=g).to(device)), "norm_eps": EPS}
+
+
+def run(inp: dict, lower_bound, config: KdaConfig, norm: dict | None):
+    from tokenspeed.ops.triton.kda_decode import kda_decode
+
+    H, D = inp["dt_bias"].shape
+    T = inp["qkv"].shape[0]
+    out = tailed(torch.full((T, H, D), float("nan"), dtype=inp["qkv"].dtype, device=inp["qkv"].device))
+    y = kda_decode(**inp, lower_bound=lower_bound, scale=D ** -0.5, config=config, out=out, state_v_first=True,
+                   max_seq_tokens=1, **(norm or {}))
+    assert y is out and tails_intact(out, inp["state"], inp["conv_state"])
+    return y
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("BV,buffers", GLUON_CASES)
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("fused_norm", [True, False], ids=["norm", "plain"])
+@pytest.mark.parametrize("H,slots", [(32, [5, -1, 0, 9, 2, -1, 7]), (96, [3, 1])])
+def test_gluon_decode_gpu(BV, buffers, lower_bound, fused_norm, H, slots, monkeypatch):
+    D = 128
+    calls = gluon_runs(monkeypatch)
+    inp = make([1] * len(slots), H, D, torch.bfloat16, "cuda", slots=slots)
+    used, idle = poison_idle(inp)
+    norm = norm_inputs(len(slots), H, D, "cuda", torch.bfloat16) if fused_norm else None
+    cfg = KdaConfig(BV, chunked=True, num_stages=buffers, gluon=True)
+    g, t, r = transposed_pool(inp), transposed_pool(inp), clone(inp)
+    o = run(g, lower_bound, cfg, norm)
+    assert calls == [BV]
+    o_tri = run(t, lower_bound, cfg._replace(gluon=False, num_stages=3), norm)
+    o_ref = composed(r, lower_bound, D ** -0.5)
+    if norm is not None:
+        o_ref = gated_rms_norm_ref(o_ref, norm["norm_gate"].view(-1, H, D), norm["norm_weight"], EPS)
+    live = [n for n, s in enumerate(slots) if s >= 0]
+    pad = [n for n, s in enumerate(slots) if s < 0]
+    assert rel_err(o[live], o_ref[live]) < 1e-2 and rel_err(o, o_tri) < 1e-2
+    assert not o[pad].any()  # padding rows: zeros, as the Triton kernel writes them
+    u = sorted(used)
+    assert rel_err(g["state"][u].transpose(-1, -2), r["state"][u]) < 1e-2
+    assert rel_err(g["state"][u], t["state"][u]) < 1e-5
+    assert torch.equal(g["conv_state"][u], r["conv_state"][u])
+    assert g["state"][idle].isnan().all() and g["conv_state"][idle].isnan().all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("BV,buffers", [(16, None), (8, 4)])
+def test_gluon_decode_pdl_graph_gpu(BV, buffers, monkeypatch):
+    """A CUDA graph of a PDL GEMV (the merged q|k|v|gate|b|f projection) and the Gluon decode with its norm:
+    replays on fresh inputs give the bits of the same launches run eagerly with TOKENSPEED_PDL=0 (a read of the
+    projection before the PDL wait would see the previous replay's values); the pools advance alike."""
+    from tokenspeed.ops.triton.gemv import gemv
+    from tokenspeed.ops.triton.kda_decode import kda_decode
+
+    H, D, K, N = 32, 128, 256, 8
+    C = 3 * H * D
+    calls = gluon_runs(monkeypatch)
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    w = (torch.randn(C + 2 * H * D + H, K, generator=gen) * K ** -0.5).to("cuda", torch.bfloat16)
+    base = transposed_pool(make([1] * N, H, D, torch.bfloat16, "cuda"))
+    nrm_w = torch.randn(D, generator=gen).cuda()
+    x = torch.zeros(N, K, dtype=torch.bfloat16, device="cuda")
+    cfg = KdaConfig(BV, chunked=True, num_stages=buffers, gluon=True)
+
+    def step(pools):
+        y = gemv(x, w)
+        return kda_decode(y[:, :C], y[:, C + H * D:C + 2 * H * D], y[:, C + 2 * H * D:], base["conv_weight"],
+                          pools["conv_state"], base["A_log"], base["dt_bias"], pools["state"],
+                          base["state_indices"], base["cu_seqlens"], lower_bound=-5.0, scale=D ** -0.5,
+                          norm_gate=y[:, C:C + H * D], norm_weight=nrm_w, norm_eps=EPS, config=cfg,
+                          state_v_first=True, max_seq_tokens=1)
+
+    xs = [torch.randn(N, K, generator=gen).to("cuda", torch.bfloat16) for _ in range(3)]
+    monkeypatch.setenv("TOKENSPEED_PDL", "0")
+    eager = {"state": base["state"].clone(), "conv_state": base["conv_state"].clone()}
+    want = []
+    for xi in xs:
+        x.copy_(xi)
+        want.append(step(eager).clone())
+    monkeypatch.setenv("TOKENSPEED_PDL", "1")
+    pools = {"state": base["state"].clone(), "conv_state": base["conv_state"].clone()}
+    step({"state": base["state"].clone(), "conv_state": base["conv_state"].clone()})  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(pools)
+    pools["state"].copy_(base["state"])
+    pools["conv_state"].copy_(base["conv_state"])
+    for xi, want_o in zip(xs, want):
+        x.copy_(xi)
+        graph.replay()
+        assert torch.equal(out, want_o)
+    assert torch.equal(pools["state"], eager["state"]) and torch.equal(pools["conv_state"], eager["conv_state"])
+    assert len(calls) == 5
+
+
+def test_gluon_config_label():
+    cfg = KdaConfig(16, chunked=True, num_stages=8, gluon=True)
+    assert cfg.label == "bv16-chunked-w4-s8-gl" and config_from_label(cfg.label) == cfg
+    assert config_from_label("bv8-chunked-w4-gl") == KdaConfig(8, chunked=True, gluon=True)
+
+
+@cpu_interp
+@pytest.mark.parametrize("buffers", [None, 2])
+def test_gluon_config_falls_back_to_its_triton_form_interp(buffers):
+    """Off sm_90 (here: the interpreter) a gluon config runs its Triton form: the same bits as without the flag."""
+    D = 32
+    inp = make([1, 1, 1], 2, D, torch.float32, "cpu", slots=[4, -1, 1])
+    cfg = KdaConfig(8, chunked=True, num_stages=buffers, gluon=True)
+    a, b = transposed_pool(inp), transposed_pool(inp)
+    o = run(a, -5.0, cfg, None)
+    o_plain = run(b, -5.0, cfg._replace(gluon=False), None)
+    assert torch.equal(o, o_plain) and torch.equal(a["state"], b["state"])
+    assert torch.equal(a["conv_state"], b["conv_state"])
+
+
+def test_gluon_unusable_reasons():
+    from tokenspeed.ops.triton import kda_decode_gluon as kg
+
+    qkv, state = torch.zeros(2, 3 * 128), torch.zeros(4, 1, 128, 128)
+    call = {"T": 2, "N": 2, "update_state": True, "step_states": None, "seq_lens": None, "max_seq_tokens": 1,
+            "state_v_first": True}
+    assert "sm_90" in kg.unusable_reason(qkv, state, 128, 16, 8, 4, **call)
+    assert kg.smem_bytes(128, 16, 8) == (8 * 16 * 128 + 256) * 4
+    with pytest.raises(ValueError, match="chunked schedule"):
+        from tokenspeed.ops.triton.kda_decode import kda_decode
+
+        kda_decode(**make([1], 1, 32, torch.float32, "cpu"), lower_bound=-5.0, scale=1.0,
+                   config=KdaConfig(16, gluon=True))
