@@ -9,6 +9,9 @@ the GPU; these catch, without one, an edit that breaks a build, makes it spill o
 - The Gluon "smem" GEMV (`tokenspeed/ops/triton/gemv_smem.py`, `benchmarks/gemv_smem_compile_sm90.py`): every
   config the in-context sweep tries at kimi-linear's K (M 1, 2, 4) and K3's (M 1) builds within a block's shared
   memory, without spill reloads in its loop, with the weight copies before the PDL wait and x's loads after it.
+- The Gluon KDA decode (`tokenspeed/ops/triton/kda_decode_gluon.py`, `benchmarks/kda_gluon_compile_sm90.py`): every
+  tile width / buffer depth it is swept at builds within a block's shared memory, without spills, with the state
+  copies before the PDL wait and the projections' loads after it.
 - The Triton kernels, through the offline compile scripts in `benchmarks/` (each exits 1 when a variant fails to
   compile or a check fails: the PDL wait before any read and the trigger after it, the MLA loops' spill reloads,
   the MoE variants).
@@ -60,7 +63,7 @@ def test_gluon_mla_split_compiles_for_sm90_without_spills(tmp_path):
 @needs_triton_36
 @pytest.mark.parametrize("script", ["mla_compile_sm90.py", "mla_ragged_compile_sm90.py", "kda_compile_sm90.py",
                                     "moe_compile_sm90.py", "moe_gate_compile_sm90.py", "pdl_compile_sm90.py",
-                                    "gemv_smem_compile_sm90.py"])
+                                    "gemv_smem_compile_sm90.py", "kda_gluon_compile_sm90.py"])
 def test_triton_kernels_compile_for_sm90(tmp_path, script):
     run = _run(script, cache=tmp_path / "cache")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
