@@ -10,11 +10,11 @@ set -uo pipefail
 source benchmarks/gpu_env.sh >/dev/null
 export PYTHONPATH=$PYTHONPATH:benchmarks
 C=${BENCH_COMMIT}
-python -m pytest -q -n 8 -m gpu tests/ops/test_triton_kda_decode_gluon.py tests/ops/test_triton_kda_decode.py \
+[ -n "${SKIP_TESTS:-}" ] || python -m pytest -q -n 8 -m gpu tests/ops/test_triton_kda_decode_gluon.py tests/ops/test_triton_kda_decode.py \
   tests/ops/test_triton_kda_norm_epilogue.py 2>&1 | tail -25 | tee "$OUT/gpu_tests_kda_gluon_$C.log"
 python benchmarks/kda_decode_sweep_h200.py --norm --v-first --no-patterns \
   --shapes ${SHAPES:-96:64,32:64,96:16,32:16,32:8,32:4,32:2} \
-  --only "-gl,bv8-chunked-w4-s4,bv16-chunked-w4-s4,bv32-chunked-w4-s3" \
+  --only="-gl,bv8-chunked-w4-s4,bv16-chunked-w4-s4,bv32-chunked-w4-s3" \
   --out "$OUT/kda_decode_sweep_h200_gluon_$C.json" 2>&1 | tee "$OUT/kda_decode_sweep_h200_gluon_$C.log" | tail -40
 BEST=$(python - "$OUT/kda_decode_sweep_h200_gluon_$C.json" <<'PY'
 import json, sys
