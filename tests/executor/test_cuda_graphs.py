@@ -225,6 +225,35 @@ def test_gluon_mla_in_the_served_model_gpu(tmp_path, monkeypatch, page_size) -> 
     assert tokens["1", ""] == tokens["0", "0"]
 
 
+# A tiny Kimi-Linear with 32 KDA heads of head dim 128 (the real widths): decode batches of 2-6 sequences are 64-192
+# (sequence, head) pairs, the Gluon KDA decode's region (`kda_config.GLUON_DECODE_TABLE`).
+REAL_KDA = {"linear_attn_config": {"full_attn_layers": [3, 5], "kda_layers": [1, 2, 4], "num_heads": 32,
+                                   "head_dim": 128, "short_conv_kernel_size": 4}}
+
+
+@needs_cuda
+def test_gluon_kda_decode_in_the_served_model_gpu(tmp_path, monkeypatch) -> None:
+    """The served model with the real KDA widths, bf16, decode graphs (6 requests finishing one by one): the same
+    greedy tokens with the Gluon KDA decode (the default) as with DECODE_TABLE's Triton rows
+    (TOKENSPEED_KDA_GLUON=0); on an sm_90 GPU with Gluon of `gluon_common.TRITON_VERSIONS` the Gluon kernel is the
+    one that ran."""
+    from tokenspeed.ops.triton import kda_decode_gluon
+    from tokenspeed.ops.triton.kda_config import GLUON_ENV
+
+    path = str(write_tiny_checkpoint(tmp_path / "tiny-kimi-linear-kda", "tiny-kimi-linear", dtype=torch.bfloat16,
+                                     seed=3, overrides=REAL_KDA))
+    calls = []
+    real = kda_decode_gluon.launch
+    monkeypatch.setattr(kda_decode_gluon, "launch", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    tokens = {}
+    for on in ("0", ""):
+        monkeypatch.setenv(GLUON_ENV, on)
+        calls.clear()
+        tokens[on] = _greedy(path, "cuda", dtype="bfloat16")
+        assert bool(calls) == (on == "" and kda_decode_gluon._hopper(torch.device("cuda")))
+    assert tokens[""] == tokens["0"]
+
+
 @needs_cuda
 def test_second_engine_in_a_process_gets_the_memory_of_a_deleted_one() -> None:
     """An engine sized from the free device memory after another engine was deleted gets the same cache: the

@@ -417,13 +417,17 @@ def test_launch_config_table_and_validation():
     """default_config: the decode table by N * H, the multi-token table for verify / replay / tails (the window loop,
     then WY rows that carry the window for the launches WY cannot run), legacy for head dims < 64; the original
     choice is `legacy_config`; overrides are validated."""
-    from tokenspeed.ops.triton.kda_config import MULTI_TABLE, config_from_label
+    from tokenspeed.ops.triton.kda_config import GLUON_DECODE_TABLE, MULTI_TABLE, config_from_label
     from tokenspeed.ops.triton.kda_decode import DECODE_TABLE, KdaConfig, default_config, kda_decode, legacy_config
 
     assert [b for b, _ in DECODE_TABLE] == sorted(b for b, _ in DECODE_TABLE) and DECODE_TABLE[0][0] == 0
-    for nh in (1, 12, 96, 100, 511, 512, 6144, 10 ** 6):
+    assert [b for b, _ in GLUON_DECODE_TABLE] == sorted(b for b, _ in GLUON_DECODE_TABLE)
+    assert all(row.gluon and row.chunked for _, row in GLUON_DECODE_TABLE)
+    for nh in (1, 12, 96, 100, 511, 512, 1024, 6144, 10 ** 6):
         want = [row for b, row in DECODE_TABLE if b <= nh][-1]
-        assert default_config(nh, 128) == want
+        assert default_config(nh, 128, gluon=False) == want
+        glu = [row for b, row in GLUON_DECODE_TABLE if b <= nh]
+        assert default_config(nh, 128) == (glu[-1] if glu else want)
         assert default_config(nh, 128, tokens_per_seq=4) == [row for b, row in MULTI_TABLE if b <= nh][-1]
     assert all(row.window for _, row in MULTI_TABLE) and default_config(6144, 128, 4).wy
     assert default_config(6144, 48) == legacy_config(6144, 48) == KdaConfig(64)

@@ -147,6 +147,21 @@ def test_gluon_config_label():
     assert config_from_label("bv8-chunked-w4-gl") == KdaConfig(8, chunked=True, gluon=True)
 
 
+def test_gluon_table_and_switch(monkeypatch):
+    """Decode launches from GLUON_DECODE_TABLE's first bound take its rows; TOKENSPEED_KDA_GLUON=0 (and
+    gluon=False, a launch the kernel cannot run) DECODE_TABLE's; a forced label keeps its flag unless gluon=False."""
+    from tokenspeed.ops.triton.kda_config import DECODE_ENV, DECODE_TABLE, GLUON_DECODE_TABLE, GLUON_ENV, \
+        default_config
+
+    first = GLUON_DECODE_TABLE[0][0]
+    assert not default_config(first - 1, 128).gluon and default_config(first, 128).gluon
+    assert default_config(6144, 128) == GLUON_DECODE_TABLE[-1][1]
+    monkeypatch.setenv(GLUON_ENV, "0")
+    assert default_config(6144, 128) == DECODE_TABLE[-1][1] == default_config(6144, 128, gluon=False)
+    monkeypatch.setenv(DECODE_ENV, "bv16-chunked-w4-s4-gl")
+    assert default_config(64, 128).gluon and not default_config(64, 128, gluon=False).gluon
+
+
 @cpu_interp
 @pytest.mark.parametrize("buffers", [None, 2])
 def test_gluon_config_falls_back_to_its_triton_form_interp(buffers):

@@ -104,6 +104,21 @@ DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
     (512, KdaConfig(16, chunked=True, num_stages=4)),    # many heads: narrower tiles, one more in flight
     (4096, KdaConfig(8, chunked=True, num_stages=4)),    # the most heads: 4 KB tiles
 )
+# From 64 pairs, where it can run (sm_90, Triton 3.6, one token per sequence, [V, K] pools), the Gluon decode
+# (`kda_decode_gluon.py`: the head's state copies issued first) by the same rule; a launch it cannot take runs
+# DECODE_TABLE's row. Its num_stages: shared-memory buffers of [block_v, D] (None: the whole head).
+GLUON_DECODE_TABLE: tuple[tuple[int, KdaConfig], ...] = (
+    (64, KdaConfig(32, chunked=True, gluon=True)),                  # the whole head in shared memory (64 KB)
+    (512, KdaConfig(16, chunked=True, num_stages=4, gluon=True)),   # a ring of 4 tiles of 8 KB
+    (1024, KdaConfig(32, chunked=True, num_stages=2, gluon=True)),  # a ring of 2 tiles of 16 KB
+    (4096, KdaConfig(8, chunked=True, num_stages=4, gluon=True)),   # a ring of 4 tiles of 4 KB
+)
+# From the H200 sweep at ac403b0 ([V, K] pools, fused norm, cold L2 below 120 MB;
+# results/kda_decode_sweep_h200_gluon_ac403b0.json), the Gluon row vs DECODE_TABLE's: 32 x 2 8.45 vs 10.25 us,
+# 32 x 4 10.21 vs 11.80, 32 x 8 14.34 vs 15.36, 32 x 16 22.98 vs 24.71 (BV 8 / 4 buffers 22.97), 96 x 16 59.98 vs
+# 63.42 (BV 8 / 8 buffers 59.71), 32 x 64 76.75 vs 80.78, 96 x 64 214.50 vs 221.47 us = 87.9 vs 85.2% of HBM (BV 8
+# / 8 buffers 213.70 = 88.3%).
+GLUON_ENV = "TOKENSPEED_KDA_GLUON"  # read per call: "0" keeps decode launches on DECODE_TABLE (A/B timing)
 # From the H200 sweep (benchmarks/kda_decode_sweep_h200.py, results/kda_decode_sweep_h200.json, graph replay):
 # 32 heads x 1: split BV 32 6.06 us vs chunked 6.98; 32 x 8: chunked 9.71 us vs split BV 64 15.87 (81% of HBM);
 # 32 x 16: 17.1 vs 31.4 (92%); 96 x 64: 245 us vs 390 (77%; fla's fused_recurrent_kda 253 us). With the fused
@@ -158,12 +173,14 @@ def config_from_label(label: str) -> KdaConfig:
                      max_regs=int(regs) if regs else None, preload=bool(pl), gluon=bool(gl))
 
 
-def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1) -> KdaConfig:
+def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1, gluon: bool = True) -> KdaConfig:
     """The launch configuration for `num_programs_nh` = N * H (sequence, head) pairs (times L layers for the
     replay), head dim `head_dim` and `tokens_per_seq` = ceil(T / N). Decode (1 token) reads `DECODE_TABLE`
     (or the label in the DECODE_ENV variable, block_v fitted to head_dim); several tokens per sequence (verify,
     replay, prompt tails) read `MULTI_TABLE` or the label in MULTI_ENV (a launch that cannot run `wy` drops it:
-    `kda_decode`, `kda_replay_layers`); head dims below 64 keep `legacy_config`."""
+    `kda_decode`, `kda_replay_layers`); head dims below 64 keep `legacy_config`. Decode takes GLUON_DECODE_TABLE's
+    row from its first bound unless `gluon` is False (a launch the Gluon kernel cannot run) or GLUON_ENV is "0";
+    without `gluon` a forced label loses its gluon flag too."""
     if head_dim < 64:
         return legacy_config(num_programs_nh, head_dim)
     if tokens_per_seq > 1:
@@ -173,8 +190,12 @@ def default_config(num_programs_nh: int, head_dim: int, tokens_per_seq: int = 1)
     forced = os.environ.get(DECODE_ENV, "").strip()
     if forced:
         cfg = config_from_label(forced)
+        cfg = cfg if gluon else cfg._replace(gluon=False)
         return cfg._replace(block_v=_fit_bv(min(cfg.block_v, next_pow2(head_dim)), head_dim))
-    cfg = _row(DECODE_TABLE, num_programs_nh)
+    if gluon and num_programs_nh >= GLUON_DECODE_TABLE[0][0] and os.environ.get(GLUON_ENV, "").strip() != "0":
+        cfg = _row(GLUON_DECODE_TABLE, num_programs_nh)
+    else:
+        cfg = _row(DECODE_TABLE, num_programs_nh)
     return cfg._replace(block_v=_fit_bv(min(cfg.block_v, next_pow2(head_dim)), head_dim))
 
 

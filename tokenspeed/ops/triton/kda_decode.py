@@ -242,11 +242,17 @@ def kda_decode(
         return out
     gate = g3 if norm else out
     gluon, nbuf = opts.pop("GLUON"), opts.pop("NBUF")
-    if gluon and _gluon_decode(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out,
-                               g3, norm_weight, lower_bound, scale, norm_eps, opts, nbuf, update_state=update_state,
-                               step_states=step_states, seq_lens=seq_lens, max_seq_tokens=max_seq_tokens,
-                               state_v_first=state_v_first):
-        return out
+    if gluon:
+        if _gluon_decode(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, g3,
+                         norm_weight, lower_bound, scale, norm_eps, opts, nbuf, update_state=update_state,
+                         step_states=step_states, seq_lens=seq_lens, max_seq_tokens=max_seq_tokens,
+                         state_v_first=state_v_first):
+            return out
+        # the Triton form: an explicit config without the flag, a default the Triton table's row
+        tokens = triton.cdiv(T, N) if N else 1
+        form = config._replace(gluon=False) if config is not None else default_config(N * H, D, tokens, gluon=False)
+        opts = _split(N * H, D, tokens, form, BV, num_warps, hints, chunked, num_stages)
+        opts.pop("GLUON"), opts.pop("NBUF")
     wy, keys_pass = opts.pop("WY"), opts.pop("KP")
     why = wy_unsupported(D, opts["BV"], update_state, step_states, seq_lens) if wy else None
     if why is not None and config is not None:
