@@ -189,3 +189,38 @@ def test_gluon_unusable_reasons():
 
         kda_decode(**make([1], 1, 32, torch.float32, "cpu"), lower_bound=-5.0, scale=1.0,
                    config=KdaConfig(16, gluon=True))
+
+
+@cpu_interp
+def test_model_decode_calls_are_the_gluon_kernels(monkeypatch):
+    """The calls the model's KDA layer makes (TOKENSPEED_OPS=triton, interpreter): its decode steps pass what the
+    Gluon kernel needs (one token per sequence, bounded by max_seq_tokens=1, [V, K] pools, the pools advanced), its
+    verify windows do not, so on an sm_90 GPU the model's decode launches from GLUON_DECODE_TABLE's first bound are
+    the Gluon kernel's (only the device and the tensors' checks are left)."""
+    from tokenspeed.models import CacheBuffers, ForwardBatch, load_model
+    from tokenspeed.ops.triton import kda_decode as mod
+    from tokenspeed.ops.triton import kda_decode_gluon as kg
+
+    model = load_model("tiny-kimi-linear", dtype=torch.float32, seed=4)
+    attn = model.model.layers[model.config.kda_layers[0]].self_attn
+    reasons = []
+    real = mod.kda_decode
+
+    def spy(qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, **k):
+        reasons.append(kg.call_unusable_reason(
+            T=qkv.shape[0], N=state_indices.numel(), update_state=k.get("update_state", True),
+            step_states=k.get("step_states"), seq_lens=k.get("seq_lens"), max_seq_tokens=k.get("max_seq_tokens"),
+            state_v_first=k.get("state_v_first", False)))
+        return real(qkv, f, b, conv_weight, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, **k)
+
+    monkeypatch.setattr(mod, "kda_decode", spy)
+    monkeypatch.setenv("TOKENSPEED_OPS", "triton")
+    cache = CacheBuffers.allocate(model.config, 8, 16, 4, torch.float32)
+    for ids, cached, verify in (([[1, 2, 3], [4, 5]], [0, 0], False), ([[8], [9]], [3, 2], False),
+                                ([[8, 1, 2], [9, 3, 4]], [4, 3], True)):
+        batch = ForwardBatch.build(ids, cached, [[1], [3]], [1, 3], 16, verify=verify)
+        with torch.no_grad():
+            attn(torch.randn(sum(map(len, ids)), model.config.hidden_size), batch, cache)
+    assert reasons[0] is None and reasons[1] is not None, reasons  # the decode step; the verify window
+    assert len(reasons) == 2  # (the prompt went through the chunked scan)
+

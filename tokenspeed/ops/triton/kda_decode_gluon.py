@@ -64,12 +64,10 @@ def unusable_reason(qkv: Tensor, state: Tensor, D: int, block_v: int, num_buffer
     num_warps (1, 2 or 4: every channel one thread's); block_v a power of two in num_warps..32; the buffers within 1..D / block_v and a block's shared memory."""
     if not (qkv.is_cuda and _hopper(qkv.device)):
         return "needs Gluon (Triton 3.6) on an sm_90 GPU"
-    if not update_state or step_states is not None or seq_lens is not None:
-        return "decode only (update_state, no step_states or seq_lens)"
-    if T != N or max_seq_tokens != 1:
-        return "one token per sequence only (T == N and max_seq_tokens == 1)"
-    if not state_v_first:
-        return "[V, K] state pools only (state_v_first)"
+    why = call_unusable_reason(T=T, N=N, update_state=update_state, step_states=step_states, seq_lens=seq_lens,
+                               max_seq_tokens=max_seq_tokens, state_v_first=state_v_first)
+    if why is not None:
+        return why
     if qkv.dtype not in (torch.bfloat16, torch.float16):
         return "16-bit qkv only"
     if D & (D - 1) or D % (32 * num_warps) or num_warps not in (1, 2, 4):
@@ -83,6 +81,19 @@ def unusable_reason(qkv: Tensor, state: Tensor, D: int, block_v: int, num_buffer
         return f"{smem_bytes(D, block_v, num_buffers)} B of shared memory > {SMEM_PER_PROGRAM}"
     if state.data_ptr() % 16 or state.stride(0) % 4:
         return "the state pool's slots must be 16-byte aligned"
+    return None
+
+
+def call_unusable_reason(*, T: int, N: int, update_state: bool, step_states: Tensor | None, seq_lens: Tensor | None,
+                         max_seq_tokens: int | None, state_v_first: bool) -> str | None:
+    """The part of `unusable_reason` that depends on the call, not on the device or the tensors: a decode of one
+    token per sequence on [V, K] pools (None), else why not."""
+    if not update_state or step_states is not None or seq_lens is not None:
+        return "decode only (update_state, no step_states or seq_lens)"
+    if T != N or max_seq_tokens != 1:
+        return "one token per sequence only (T == N and max_seq_tokens == 1)"
+    if not state_v_first:
+        return "[V, K] state pools only (state_v_first)"
     return None
 
 
