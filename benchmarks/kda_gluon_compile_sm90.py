@@ -6,7 +6,8 @@ the projections' loads after that).
     PYTHONPATH=/path/to/triton-3.6:benchmarks:. python benchmarks/kda_gluon_compile_sm90.py [--only REGEX]
 
 Variants: every (block_v, buffers, warps) of `VARIANTS` for head dim 128, with and without the norm epilogue and
-the lower-bound gate (H, strides and the slot count are run-time values). Use the Triton the GPU runs (`pip
+the lower-bound gate, and those of `LOW_RANK_VARIANTS` with the low-rank gates' up projections in the kernel (H,
+strides and the slot count are run-time values). Use the Triton the GPU runs (`pip
 install --target DIR triton==3.6.0`). Prints one line a variant, then "<n> failed"; exit status 1 if any failed.
 """
 
@@ -26,24 +27,30 @@ from tokenspeed.ops.triton import kda_decode_gluon
 D = 128
 # (block_v, buffers, warps): the whole head in shared memory (64 KB) and rings of 16 / 32 KB
 VARIANTS = ((16, 8, 4), (8, 16, 4), (32, 4, 4), (8, 8, 4), (16, 4, 4), (8, 4, 4), (32, 2, 4), (16, 2, 4))
+# with the low-rank gate inputs (one token per sequence at few pairs: the whole head, or half of it, in buffers)
+LOW_RANK_VARIANTS = ((32, 4, 4), (16, 8, 4), (32, 2, 4))
 
 
-def compile_variant(block_v: int, buffers: int, num_warps: int, norm: bool, lower_bound: bool) -> dict:
-    """Build the kernel for sm_90 and return its shared memory, registers, spills and the PTX positions of the
-    first cp.async, the PDL wait / trigger and the first load of qkv (the first ld.global after the wait)."""
+def compile_variant(block_v: int, buffers: int, num_warps: int, norm: bool, lower_bound: bool,
+                    low_rank: str = "") -> dict:
+    """Build the kernel for sm_90 and return its shared memory, registers, stack and the PTX positions of the
+    first cp.async, the PDL wait / trigger and the first ld.global after the wait. low_rank: "f" (K3: f's up
+    projection in the kernel), "fg" (Kimi Linear: f's and the norm gate's), "" (none), at rank 128."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = kda_decode_gluon._kda_decode_gluon_kernel
     consts = {"H": 32, "D": D, "BV": block_v, "NBUF": buffers, "HAS_LB": lower_bound, "NORM": norm, "PDL": True,
-              "NW": num_warps}
+              "NW": num_warps, "LOW_RANK_F": "f" in low_rank, "LOW_RANK_G": "g" in low_rank, "RANK": 128}
     ptrs = {"QKV": "*bf16", "F": "*bf16", "Bt": "*bf16", "CW": "*fp32", "CS": "*bf16", "A_log": "*fp32",
-            "DT": "*fp32", "S": "*fp32", "SLOTS": "*i32", "CU": "*i32", "O": "*bf16", "G": "*bf16", "NWT": "*fp32"}
+            "DT": "*fp32", "S": "*fp32", "SLOTS": "*i32", "CU": "*i32", "O": "*bf16", "G": "*bf16", "NWT": "*fp32",
+            "FB": "*bf16", "GA": "*bf16", "GB": "*bf16"}
     ints = ("stride_qkv", "stride_ft", "stride_fh", "stride_bt", "stride_bh", "stride_css", "stride_csc",
-            "stride_csw", "stride_ss", "stride_gt", "stride_gh")
+            "stride_csw", "stride_ss", "stride_gt", "stride_gh", "stride_ga")
+    div16_extra = ("stride_ga",)
     sig = {**ptrs, **dict.fromkeys(ints, "i64"), **dict.fromkeys(("lower_bound", "scale", "norm_eps"), "fp32"),
            **dict.fromkeys(consts, "constexpr")}
     sig = {name: sig[name] for name in fn.arg_names}
-    div16 = [*ptrs, "stride_qkv", "stride_ft", "stride_css", "stride_ss", "stride_gt"]
+    div16 = [*ptrs, "stride_qkv", "stride_ft", "stride_css", "stride_ss", "stride_gt", *div16_extra]
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in div16}
     constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
     for k in ("stride_fh", "stride_gh"):  # = D: 16-divisible too
@@ -86,6 +93,9 @@ def main() -> int:
         for norm in (True, False):
             for lb in (True, False):
                 variants[f"bv{bv} buf{nb} w{w}{' norm' if norm else ''}{' lb' if lb else ''}"] = (bv, nb, w, norm, lb)
+    for bv, nb, w in LOW_RANK_VARIANTS:  # Kimi Linear (f and the gate, softplus decay) and K3 (f, lower bound)
+        variants[f"bv{bv} buf{nb} w{w} norm low-rank f+g"] = (bv, nb, w, True, False, "fg")
+        variants[f"bv{bv} buf{nb} w{w} norm lb low-rank f"] = (bv, nb, w, True, True, "f")
     names = [n for n in variants if not args.only or re.search(args.only, n)]
     with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # builds are independent: use every core
         results = list(pool.map(_checked, [variants[n] for n in names]))

@@ -141,6 +141,69 @@ def test_gluon_decode_pdl_graph_gpu(BV, buffers, monkeypatch):
     assert len(calls) == 5
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("BV,buffers", [(32, None), (16, None), (32, 2)])
+@pytest.mark.parametrize("gate_low_rank", [True, False], ids=["f+gate", "f"])
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("slots", [[5], [3, -1, 0]])
+def test_gluon_decode_low_rank_gpu(BV, buffers, gate_low_rank, lower_bound, slots, monkeypatch):
+    """The low-rank gates' up projections inside the Gluon decode (`kda_decode(f_low_rank=, gate_low_rank=)`, the
+    batch-1 model's inputs: f_a / g_a column views of a wider projection, NaN-tailed up weights): within 1e-2 of the
+    Gluon decode given f and the gate from one matmul first, and of the reference composition; the state within
+    1e-2, the conv state bit-identical; idle slots untouched."""
+    from tests.ops.test_triton_kda_low_rank import low_rank_args
+
+    H, D, R = 32, 128, 128
+    calls = []
+    from tokenspeed.ops.triton import kda_decode_gluon
+
+    real = kda_decode_gluon.launch
+    monkeypatch.setattr(kda_decode_gluon, "launch",
+                        lambda *a, **k: calls.append((k["f_up"] is not None, k["gate_low_rank"] is not None))
+                        or real(*a, **k))
+    T = len(slots)
+    inp = make([1] * T, H, D, torch.bfloat16, "cuda", slots=slots)
+    used, idle = poison_idle(inp)
+    lr = low_rank_args(T, H, D, R, "cuda", torch.bfloat16)
+    (fa, fw), (ga, gw) = lr["f_low_rank"], lr["gate_low_rank"]
+    f_full, g_full = (fa @ fw.t()).view(T, H, D), (ga @ gw.t()).view(T, H, D)
+    cfg = KdaConfig(BV, chunked=True, num_stages=buffers, gluon=True)
+    norm_w = {"norm_weight": lr["norm_weight"], "norm_eps": EPS}
+    fused, plain, r = transposed_pool(inp), transposed_pool(inp), clone(inp)
+    g_in = {"gate_low_rank": (ga, gw)} if gate_low_rank else {"norm_gate": g_full}
+    o = run({k: v for k, v in fused.items() if k != "f"} | {"f": None}, lower_bound, cfg,
+            {"f_low_rank": (fa, fw), **g_in, **norm_w})
+    assert calls == [(True, gate_low_rank)]
+    o_plain = run(plain | {"f": f_full}, lower_bound, cfg, {"norm_gate": g_full, **norm_w})
+    r["f"] = f_full
+    o_ref = gated_rms_norm_ref(composed(r, lower_bound, D ** -0.5), g_full, lr["norm_weight"], EPS)
+    live = [n for n, s in enumerate(slots) if s >= 0]
+    assert rel_err(o, o_plain) < 1e-2 and rel_err(o[live], o_ref[live]) < 1e-2
+    u = sorted(used)
+    assert rel_err(fused["state"][u], plain["state"][u]) < 1e-2
+    assert torch.equal(fused["conv_state"][u], plain["conv_state"][u])
+    assert fused["state"][idle].isnan().all() and fused["conv_state"][idle].isnan().all()
+
+
+@cpu_interp
+def test_gluon_low_rank_config_falls_back_interp():
+    """Off sm_90 a gluon config given the low-rank gate inputs runs the Triton chunked decode, which fuses them
+    itself: bit for bit the config without the flag."""
+    from tests.ops.test_triton_kda_low_rank import low_rank_args
+
+    D = 32
+    inp = make([1, 1, 1], 2, D, torch.float32, "cpu", slots=[4, -1, 1])
+    lr = low_rank_args(3, 2, D, 16, "cpu", torch.float32)
+    cfg = KdaConfig(8, chunked=True, num_stages=2, gluon=True)
+    a, b = transposed_pool(inp), transposed_pool(inp)
+    extra = {"f_low_rank": lr["f_low_rank"], "gate_low_rank": lr["gate_low_rank"], "norm_weight": lr["norm_weight"],
+             "norm_eps": EPS}
+    o = run(a | {"f": None}, -5.0, cfg, extra)
+    o_plain = run(b | {"f": None}, -5.0, cfg._replace(gluon=False), extra)
+    assert torch.equal(o, o_plain) and torch.equal(a["state"], b["state"])
+
+
 def test_gluon_config_label():
     cfg = KdaConfig(16, chunked=True, num_stages=8, gluon=True)
     assert cfg.label == "bv16-chunked-w4-s8-gl" and config_from_label(cfg.label) == cfg

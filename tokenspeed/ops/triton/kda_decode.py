@@ -212,9 +212,21 @@ def kda_decode(
         raise ValueError("gate_low_rank replaces norm_gate and needs norm_weight")
     if lr_f is not None and lr_g is not None and lr_f[1].shape != lr_g[1].shape:
         raise ValueError("f_low_rank and gate_low_rank must have the same rank")
-    opts = _split(N * H, D, triton.cdiv(T, N) if N else 1, config, BV, num_warps, hints, chunked, num_stages)
-    if (lr_f is not None or lr_g is not None) and (opts["WY"] or opts["WINDOW"] or opts["GLUON"]
-                                                   or max_seq_tokens != 1 or not update_state or T != N):
+    tokens = triton.cdiv(T, N) if N else 1
+    opts = _split(N * H, D, tokens, config, BV, num_warps, hints, chunked, num_stages)
+    gluon, nbuf = opts.pop("GLUON"), opts.pop("NBUF")
+    nbuf = nbuf or D // opts["BV"]
+    if gluon and kda_decode_gluon.unusable_reason(
+            qkv, state, D, opts["BV"], nbuf, opts["num_warps"], T=T, N=N, update_state=update_state,
+            step_states=step_states, seq_lens=seq_lens, max_seq_tokens=max_seq_tokens, state_v_first=state_v_first,
+            low_rank=tuple(p[1] for p in (lr_f, lr_g) if p is not None)) is not None:
+        # the Triton form: an explicit config without the flag, a default the Triton table's row
+        form = config._replace(gluon=False) if config is not None else default_config(N * H, D, tokens, gluon=False)
+        opts = _split(N * H, D, tokens, form, BV, num_warps, hints, chunked, num_stages)
+        opts.pop("GLUON"), opts.pop("NBUF")
+        gluon = False
+    if (lr_f is not None or lr_g is not None) and (opts["WY"] or opts["WINDOW"] or max_seq_tokens != 1
+                                                   or not update_state or T != N):
         # the in-kernel up projections are for decode launches (one token per sequence) on split / chunked only
         f = _up(lr_f) if lr_f is not None else f
         norm_gate = _up(lr_g) if lr_g is not None else norm_gate
@@ -224,8 +236,8 @@ def kda_decode(
         g3 = _check_norm(norm_gate, norm_weight, T, H, D)
     elif norm_weight.shape != (D,):
         raise ValueError(f"norm_weight must be [{D}]; got {tuple(norm_weight.shape)}")
-    else:  # the kernel writes the gate here (LOW_RANK_G) and its norm epilogue reads it back
-        g3 = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
+    else:  # the Triton kernel writes the gate here (LOW_RANK_G) and its norm epilogue reads it back
+        g3 = torch.empty(T if not gluon else 1, H, D, dtype=qkv.dtype, device=qkv.device)
     norm = g3 is not None
     cw = conv_weight if conv_weight.is_contiguous() and conv_weight.dtype == torch.float32 \
         else conv_weight.float().contiguous()
@@ -241,18 +253,14 @@ def kda_decode(
     if N == 0 or T == 0:
         return out
     gate = g3 if norm else out
-    gluon, nbuf = opts.pop("GLUON"), opts.pop("NBUF")
-    if gluon:
-        if _gluon_decode(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, g3,
-                         norm_weight, lower_bound, scale, norm_eps, opts, nbuf, update_state=update_state,
-                         step_states=step_states, seq_lens=seq_lens, max_seq_tokens=max_seq_tokens,
-                         state_v_first=state_v_first):
-            return out
-        # the Triton form: an explicit config without the flag, a default the Triton table's row
-        tokens = triton.cdiv(T, N) if N else 1
-        form = config._replace(gluon=False) if config is not None else default_config(N * H, D, tokens, gluon=False)
-        opts = _split(N * H, D, tokens, form, BV, num_warps, hints, chunked, num_stages)
-        opts.pop("GLUON"), opts.pop("NBUF")
+    if gluon:  # (unusable_reason said yes above)
+        kda_decode_gluon.launch(qkv, f3 if lr_f is None else lr_f[0], b, cw, conv_state, A_log, dt_bias, state,
+                                state_indices, cu_seqlens, out, g3 if lr_g is None else None,
+                                norm_weight if norm else None, lower_bound=lower_bound, scale=scale,
+                                norm_eps=norm_eps, block_v=opts["BV"], num_buffers=nbuf,
+                                num_warps=opts["num_warps"], pdl_on=pdl.enabled(qkv.device, "kda"),
+                                f_up=None if lr_f is None else lr_f[1], gate_low_rank=lr_g)
+        return out
     wy, keys_pass = opts.pop("WY"), opts.pop("KP")
     why = wy_unsupported(D, opts["BV"], update_state, step_states, seq_lens) if wy else None
     if why is not None and config is not None:
@@ -300,26 +308,6 @@ def kda_decode(
         **opts, **pdl.launch_kwargs(qkv.device, "kda"),
     )
     return out
-
-
-def _gluon_decode(qkv: Tensor, f3: Tensor, b: Tensor, cw: Tensor, conv_state: Tensor, A_log: Tensor,
-                  dt_bias: Tensor, state: Tensor, state_indices: Tensor, cu_seqlens: Tensor, out: Tensor,
-                  g3: Tensor | None, norm_weight: Tensor | None, lower_bound: float | None, scale: float,
-                  norm_eps: float, opts: dict, nbuf: int | None, **call) -> bool:
-    """Run the launch on the Gluon decode (`kda_decode_gluon`) when it can take it (True; out written, pools
-    advanced), else False: the caller runs the config's Triton form."""
-    D = dt_bias.shape[1]
-    bv, warps = opts["BV"], opts["num_warps"]
-    nbuf = nbuf or D // bv
-    why = kda_decode_gluon.unusable_reason(qkv, state, D, bv, nbuf, warps, T=qkv.shape[0],
-                                           N=state_indices.numel(), **call)
-    if why is not None:
-        return False
-    kda_decode_gluon.launch(qkv, f3, b, cw, conv_state, A_log, dt_bias, state, state_indices, cu_seqlens, out, g3,
-                            norm_weight if g3 is not None else None, lower_bound=lower_bound, scale=scale,
-                            norm_eps=norm_eps, block_v=bv, num_buffers=nbuf, num_warps=warps,
-                            pdl_on=pdl.enabled(qkv.device, "kda"))
-    return True
 
 
 def norm_rows(T: int, N: int) -> int:

@@ -50,18 +50,22 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 SMEM_PER_PROGRAM = 227 * 1024  # sm_90's dynamic shared memory per block
 
 
-def smem_bytes(D: int, block_v: int, num_buffers: int) -> int:
-    """Shared memory of one program: the state buffers plus the staged v and o rows (fp32)."""
-    return (num_buffers * block_v * D + 2 * D) * 4
+def smem_bytes(D: int, block_v: int, num_buffers: int, up_ranks: tuple[int, ...] = ()) -> int:
+    """Shared memory of one program: the state buffers plus the staged v and o rows (fp32), and the head's rows of
+    each low-rank up weight (16-bit, one [D, rank] buffer a weight)."""
+    return (num_buffers * block_v * D + 2 * D) * 4 + sum(D * r * 2 for r in up_ranks)
 
 
 def unusable_reason(qkv: Tensor, state: Tensor, D: int, block_v: int, num_buffers: int, num_warps: int, *, T: int,
                     N: int, update_state: bool, step_states: Tensor | None, seq_lens: Tensor | None,
-                    max_seq_tokens: int | None, state_v_first: bool) -> str | None:
+                    max_seq_tokens: int | None, state_v_first: bool, low_rank: tuple[Tensor, ...] = ()
+                    ) -> str | None:
     """Why this kernel cannot run a `kda_decode` call (None: it can): Gluon of TRITON_VERSIONS on an sm_90 GPU; a
     decode (update_state, no step_states / seq_lens) of one token per sequence (T == N, bounded by the caller:
     max_seq_tokens == 1); [V, K] pools; a 16-bit qkv; a power-of-two head dim that is a multiple of 32 *
-    num_warps (1, 2 or 4: every channel one thread's); block_v a power of two in num_warps..32; the buffers within 1..D / block_v and a block's shared memory."""
+    num_warps (1, 2 or 4: every channel one thread's); block_v a power of two in num_warps..32; the buffers within
+    1..D / block_v and a block's shared memory. low_rank: the up weights [H * D, R] of the low-rank gate inputs the
+    call passes (`kda_decode(f_low_rank=, gate_low_rank=)`): qkv's dtype, R 32, 64 or 128, 16-byte aligned."""
     if not (qkv.is_cuda and _hopper(qkv.device)):
         return "needs Gluon (Triton 3.6) on an sm_90 GPU"
     why = call_unusable_reason(T=T, N=N, update_state=update_state, step_states=step_states, seq_lens=seq_lens,
@@ -77,8 +81,12 @@ def unusable_reason(qkv: Tensor, state: Tensor, D: int, block_v: int, num_buffer
         return f"block_v ({block_v}) must be a power of two in {num_warps}..32 dividing {D}"
     if not 1 <= num_buffers <= D // block_v:
         return f"num_buffers must be in 1..{D // block_v}; got {num_buffers}"
-    if smem_bytes(D, block_v, num_buffers) > SMEM_PER_PROGRAM:
-        return f"{smem_bytes(D, block_v, num_buffers)} B of shared memory > {SMEM_PER_PROGRAM}"
+    for w in low_rank:
+        if w.dtype != qkv.dtype or w.shape[1] not in (32, 64, 128) or w.data_ptr() % 16:
+            return "low-rank up weights must be qkv's dtype, of rank 32, 64 or 128, 16-byte aligned"
+    need = smem_bytes(D, block_v, num_buffers, tuple(w.shape[1] for w in low_rank))
+    if need > SMEM_PER_PROGRAM:
+        return f"{need} B of shared memory > {SMEM_PER_PROGRAM}"
     if state.data_ptr() % 16 or state.stride(0) % 4:
         return "the state pool's slots must be 16-byte aligned"
     return None
@@ -137,13 +145,37 @@ if gluon is not None:
         gl.store(p + stride_csw, s2.to(ty), mask=live)
         gl.store(p + 2 * stride_csw, x.to(ty), mask=live)
 
+    @gluon.jit
+    def _issue_up(w_s, W, h, D: gl.constexpr, RANK: gl.constexpr, NW: gl.constexpr):
+        """cp.async of the head's rows h * D .. h * D + D - 1 of a contiguous [H * D, RANK] low-rank up weight into
+        w_s [D, RANK] (16 bytes a copy; no commit: the caller's group)."""
+        LC: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (RANK // 8), RANK // 8], [NW, 1], [1, 0])
+        rows = gl.arange(0, D, layout=gl.SliceLayout(1, LC))
+        cols = gl.arange(0, RANK, layout=gl.SliceLayout(0, LC))
+        cp.async_copy_global_to_shared(w_s, W + (h * D + rows).to(gl.int64)[:, None] * RANK + cols[None, :])
+
+    @gluon.jit
+    def _up_row(w_s, A, row_off, D: gl.constexpr, RANK: gl.constexpr, NW: gl.constexpr, OUT_TY: gl.constexpr,
+                L1: gl.constexpr):
+        """cast(w @ A[row]) [D] as fp32 in layout L1: the low-rank up projection of one input row (at element offset
+        row_off of A) by the head's weight rows in w_s [D, RANK], fp32 over RANK in 32-column chunks, rounded once to
+        OUT_TY as the GEMV it replaces stores it (its summation order may differ)."""
+        LW: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])  # a warp: 8 rows x 32 columns
+        acc = gl.zeros([D], gl.float32, gl.SliceLayout(1, LW))
+        for c in gl.static_range(RANK // 32):
+            w = w_s.slice(c * 32, 32, dim=1).load(LW).to(gl.float32)
+            a = gl.load(A + row_off + c * 32 + gl.arange(0, 32, layout=gl.SliceLayout(0, LW))).to(gl.float32)
+            acc += gl.sum(w * a[None, :], axis=1)
+        return gl.convert_layout(acc.to(OUT_TY).to(gl.float32), L1)
+
     @gluon.jit(do_not_specialize=["lower_bound", "scale", "norm_eps"])
     def _kda_decode_gluon_kernel(
         QKV, stride_qkv, F, stride_ft, stride_fh, Bt, stride_bt, stride_bh,
         CW, CS, stride_css, stride_csc, stride_csw, A_log, DT, S, stride_ss, SLOTS, CU,
-        O, G, stride_gt, stride_gh, NWT, lower_bound, scale, norm_eps,
+        O, G, stride_gt, stride_gh, NWT, FB, GA, stride_ga, GB, lower_bound, scale, norm_eps,
         H: gl.constexpr, D: gl.constexpr, BV: gl.constexpr, NBUF: gl.constexpr, HAS_LB: gl.constexpr,
-        NORM: gl.constexpr, PDL: gl.constexpr, NW: gl.constexpr,
+        NORM: gl.constexpr, PDL: gl.constexpr, NW: gl.constexpr, LOW_RANK_F: gl.constexpr = False,
+        LOW_RANK_G: gl.constexpr = False, RANK: gl.constexpr = 32,
     ):
         NT: gl.constexpr = D // BV
         # state tiles [BV, D]: a warp a row, 4 consecutive keys a thread; key vectors are its dim-0 slice
@@ -169,6 +201,15 @@ if gluon is not None:
         kk = gl.arange(0, D, layout=LK)
         live_t = (((rv * 0 + slot_raw) >= 0) & ((rv * 0 + seq_len) > 0))[:, None]  # [BV, 1]: a padding row
         p_head = S + slot * stride_ss + h * D * D
+        if LOW_RANK_F or LOW_RANK_G:  # the up weights' rows first (one group, older than the state tiles')
+            SW: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+            fb_s = gl.allocate_shared_memory(FB.dtype.element_ty, [D, RANK], SW)
+            gb_s = gl.allocate_shared_memory(GB.dtype.element_ty, [D, RANK], SW)
+            if LOW_RANK_F:
+                _issue_up(fb_s, FB, h, D, RANK, NW)
+            if LOW_RANK_G:
+                _issue_up(gb_s, GB, h, D, RANK, NW)
+            cp.commit_group()
         s_s = gl.allocate_shared_memory(gl.float32, [NBUF, BV, D], SH)
         for c in gl.static_range(NBUF):
             _issue_tile(s_s, p_head, c, c, rv, kk, live_t, BV, D)
@@ -191,7 +232,15 @@ if gluon is not None:
         xq = gl.load(QKV + t * stride_qkv + cq, mask=live1, other=0.0).to(gl.float32)
         xk = gl.load(QKV + t * stride_qkv + ckk, mask=live1, other=0.0).to(gl.float32)
         xv = gl.load(QKV + t * stride_qkv + cv, mask=live1, other=0.0).to(gl.float32)
-        f = gl.load(F + t * stride_ft + h * stride_fh + ck, mask=live1, other=0.0).to(gl.float32)
+        if LOW_RANK_F or LOW_RANK_G:
+            cp.wait_group(NBUF)  # the up weights (only the state tiles' groups may still be in flight)
+            gl.thread_barrier()
+        if LOW_RANK_F:  # F: the low-rank input f_a [T, RANK] (row stride stride_ft)
+            f = _up_row(fb_s, F, t * stride_ft, D, RANK, NW, OUT_TY, L1)
+        else:
+            f = gl.load(F + t * stride_ft + h * stride_fh + ck, mask=live1, other=0.0).to(gl.float32)
+        if LOW_RANK_G:  # the output norm's gate from g_a [T, RANK]
+            gate_lr = _up_row(gb_s, GA, t * stride_ga, D, RANK, NW, OUT_TY, L1)
         braw = gl.load(Bt + t * stride_bt + h * stride_bh).to(gl.float32)
         yq = _conv_silu(xq, q0, q1, q2, CW, cq, OUT_TY)
         yk = _conv_silu(xk, k0, k1, k2, CW, ckk, OUT_TY)
@@ -243,30 +292,41 @@ if gluon is not None:
         if NORM:  # o rounded as stored, then y = o * rsqrt(mean(o^2) + eps) * w * sigmoid(gate), one rounding
             gl.thread_barrier()
             x = o_s.load(L1)
-            gate = gl.load(G + t * stride_gt + h * stride_gh + ck, mask=live1, other=0.0).to(gl.float32)
+            if LOW_RANK_G:
+                gate = gate_lr
+            else:
+                gate = gl.load(G + t * stride_gt + h * stride_gh + ck, mask=live1, other=0.0).to(gl.float32)
             w = gl.load(NWT + ck).to(gl.float32)
             inv = gl.rsqrt(gl.sum(x * x, axis=0) / D + norm_eps)
             y = x * inv * w * (1.0 / (1.0 + gl.exp(-gate)))
             gl.store(O + (t * H + h) * D + ck, y.to(OUT_TY), mask=(ck * 0 + seq_len) > 0)
 
 
-def launch(qkv: Tensor, f3: Tensor, b: Tensor, cw: Tensor, conv_state: Tensor, A_log: Tensor, dt_bias: Tensor,
+def launch(qkv: Tensor, f: Tensor, b: Tensor, cw: Tensor, conv_state: Tensor, A_log: Tensor, dt_bias: Tensor,
            state: Tensor, state_indices: Tensor, cu_seqlens: Tensor, out: Tensor, gate: Tensor | None,
            norm_weight: Tensor | None, *, lower_bound: float | None, scale: float, norm_eps: float, block_v: int,
-           num_buffers: int, num_warps: int, pdl_on: bool) -> Tensor:
+           num_buffers: int, num_warps: int, pdl_on: bool, f_up: Tensor | None = None,
+           gate_low_rank: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """out [T, H, D] (written) = the decode of a call `unusable_reason` accepts; advances conv_state and state in
-    place for the rows with a slot >= 0. cw: the fp32 [C, 4] conv weight, contiguous; gate [T, H, D] (unit last
-    stride) and norm_weight [D] together or both None."""
+    place for the rows with a slot >= 0. cw: the fp32 [C, 4] conv weight, contiguous. f: [T, H, D] (unit last
+    stride), or with f_up (the [H * D, R] up weight) the low-rank input f_a [T, R]. norm_weight [D] turns the norm
+    epilogue on, its gate either `gate` [T, H, D] (unit last stride) or gate_low_rank's cast(g_a @ w^T)."""
     H, D = dt_bias.shape
     N = state_indices.numel()
-    norm = gate is not None
-    g = gate if norm else out
+    norm = norm_weight is not None
+    g = gate if gate is not None else out
+    ga, gb = gate_low_rank if gate_low_rank is not None else (qkv, f_up)
+    fb = f_up if f_up is not None else gb  # (an unused weight stands in for the other: the same dtype)
+    up = fb if fb is not None else A_log
+    rank = up.shape[1] if fb is not None else 32
     _kda_decode_gluon_kernel[(N * H,)](
-        qkv, qkv.stride(0), f3, f3.stride(0), f3.stride(1), b, b.stride(0), b.stride(1),
+        qkv, qkv.stride(0), f, f.stride(0), f.stride(1) if f_up is None else 0, b, b.stride(0), b.stride(1),
         cw, conv_state, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), A_log,
         dt_bias.contiguous(), state, state.stride(0), state_indices, cu_seqlens,
         out, g, g.stride(0), g.stride(1), norm_weight.contiguous() if norm else A_log,
+        up, ga, ga.stride(0), gb if gb is not None else up,
         float(lower_bound) if lower_bound is not None else 0.0, float(scale), float(norm_eps),
         H=H, D=D, BV=block_v, NBUF=num_buffers, HAS_LB=lower_bound is not None, NORM=norm, PDL=pdl_on,
-        NW=num_warps, num_warps=num_warps, **({"launch_pdl": True} if pdl_on else {}))
+        NW=num_warps, LOW_RANK_F=f_up is not None, LOW_RANK_G=gate_low_rank is not None, RANK=rank,
+        num_warps=num_warps, **({"launch_pdl": True} if pdl_on else {}))
     return out
