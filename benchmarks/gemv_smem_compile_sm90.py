@@ -14,14 +14,12 @@ variant, then "<n> failed"; exit status 1 if any failed.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
-from concurrent.futures import ProcessPoolExecutor
 
 import triton
 from gemv_h200 import smem_configs
-from sm90_compile import TARGET, TRIGGER, WAIT, cubin_usage, loop_usage
+from sm90_compile import TARGET, TRIGGER, WAIT, cubin_usage, loop_usage, report_builds
 
 from tokenspeed.ops.triton import gemv_smem
 
@@ -63,15 +61,6 @@ def problems(r: dict) -> list[str]:
     return out
 
 
-def _checked(variant: tuple) -> tuple[dict, list[str]]:
-    """(compile_variant's report, its problems), or ({}, [the error]) when the build fails."""
-    try:
-        r = compile_variant(*variant)
-        return r, problems(r)
-    except Exception as e:  # noqa: BLE001 - a failed build is a reported result
-        return {}, [f"{type(e).__name__}: {str(e)[:300]}"]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="regex on the variant name")
@@ -83,17 +72,12 @@ def main() -> int:
                 name = f"K{K} M{triton.next_power_of_2(M)} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages}"
                 variants[name] = (K, M, c.block_n, c.block_k, c.num_warps, c.num_stages)
     names = [n for n in sorted(variants) if not args.only or re.search(args.only, n)]
-    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # builds are independent: use every core
-        results = list(pool.map(_checked, [variants[n] for n in names]))
-    failed = 0
-    for name, (r, bad) in zip(names, results, strict=True):
-        failed += bool(bad)
-        usage = (f"shared {r['shared']} regs {r['regs']} stack {r['stack']} loop {r['loop_ins']} ins "
-                 f"{r['loop_reloads']} reloads") if r else ""
-        print(f"{'FAIL' if bad else 'ok  '} {name:36} {usage} {'; '.join(bad)}")
-    print(f"{failed} failed")
-    return 1 if failed else 0
+    return report_builds({n: variants[n] for n in names}, compile_variant, problems, _usage)
 
+
+def _usage(r: dict) -> str:
+    return (f"shared {r['shared']} regs {r['regs']} stack {r['stack']} loop {r['loop_ins']} ins "
+            f"{r['loop_reloads']} reloads")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,13 +14,11 @@ install --target DIR triton==3.6.0`). Prints one line a variant, then "<n> faile
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
-from concurrent.futures import ProcessPoolExecutor
 
 import triton
-from sm90_compile import TARGET, TRIGGER, WAIT, cubin_usage
+from sm90_compile import TARGET, TRIGGER, WAIT, cubin_usage, report_builds
 
 from tokenspeed.ops.triton import kda_decode_gluon
 
@@ -75,15 +73,6 @@ def problems(r: dict) -> list[str]:
     return out
 
 
-def _checked(variant: tuple) -> tuple[dict, list[str]]:
-    """(compile_variant's report, its problems), or ({}, [the error]) when the build fails."""
-    try:
-        r = compile_variant(*variant)
-        return r, problems(r)
-    except Exception as e:  # noqa: BLE001 - a failed build is a reported result
-        return {}, [f"{type(e).__name__}: {str(e)[:600]}"]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="regex on the variant name")
@@ -97,16 +86,11 @@ def main() -> int:
         variants[f"bv{bv} buf{nb} w{w} norm low-rank f+g"] = (bv, nb, w, True, False, "fg")
         variants[f"bv{bv} buf{nb} w{w} norm lb low-rank f"] = (bv, nb, w, True, True, "f")
     names = [n for n in variants if not args.only or re.search(args.only, n)]
-    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # builds are independent: use every core
-        results = list(pool.map(_checked, [variants[n] for n in names]))
-    failed = 0
-    for name, (r, bad) in zip(names, results, strict=True):
-        failed += bool(bad)
-        usage = f"shared {r['shared']} regs {r['regs']} stack {r['stack']}" if r else ""
-        print(f"{'FAIL' if bad else 'ok  '} {name:26} {usage} {'; '.join(bad)}")
-    print(f"{failed} failed")
-    return 1 if failed else 0
+    return report_builds({n: variants[n] for n in names}, compile_variant, problems, _usage)
 
+
+def _usage(r: dict) -> str:
+    return f"shared {r['shared']} regs {r['regs']} stack {r['stack']}"
 
 if __name__ == "__main__":
     sys.exit(main())

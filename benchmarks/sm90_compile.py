@@ -15,11 +15,13 @@ specialisations the JIT would (16-divisible strides, constant 1s, descriptor blo
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -196,3 +198,31 @@ def loads_before_wait(ptx: str) -> list[str]:
 def failure_line(head: str, e: BaseException, limit: int) -> str:
     """The report line of a variant that did not compile: `head` then "FAILED <type>: <message, cut to limit>"."""
     return f"{head}FAILED {type(e).__name__}: {str(e)[:limit]}"
+
+
+def _checked_build(job: tuple) -> tuple[dict, list[str]]:
+    """(build(*variant), problems(it)), or ({}, [the error]) when the build fails (`report_builds`' worker)."""
+    build, problems, variant = job
+    try:
+        r = build(*variant)
+        return r, problems(r)
+    except Exception as e:  # noqa: BLE001 - a failed build is a reported result
+        return {}, [f"{type(e).__name__}: {str(e)[:600]}"]
+
+
+def report_builds(variants: Mapping[str, tuple], build: Callable[..., dict], problems: Callable[[dict], list[str]],
+                  usage: Callable[[dict], str]) -> int:
+    """Build every named variant (`build(*variant)` -> a report dict) in a process pool, print a line a variant
+    ("ok" / "FAIL", the name, usage(report), the problems) and "<n> failed"; returns the exit status (1 if any
+    failed)."""
+    names = list(variants)
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # builds are independent: use every core
+        results = list(pool.map(_checked_build, [(build, problems, variants[n]) for n in names]))
+    failed = 0
+    width = max((len(n) for n in names), default=0)
+    for name, (r, bad) in zip(names, results, strict=True):
+        failed += bool(bad)
+        print(f"{'FAIL' if bad else 'ok  '} {name:{width}} {usage(r) if r else ''} {'; '.join(bad)}")
+    print(f"{failed} failed")
+    return 1 if failed else 0
+
