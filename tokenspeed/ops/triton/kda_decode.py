@@ -4,7 +4,8 @@ layers in one launch), with their argument checks, launch constants (`_split`, f
 the cached V-split counters (`_counters`).
 
 The kernel (`_kda_decode_kernel`), its schedules and its PDL, norm-epilogue and multi-layer contracts are in
-`tokenspeed.ops.triton.kda_decode_kernel`. The wrappers launch it through this module's global
+`tokenspeed.ops.triton.kda_decode_kernel`; the Gluon decode that gluon configs take on an H200 in
+`tokenspeed.ops.triton.kda_decode_gluon`. The wrappers launch it through this module's global
 `_kda_decode_kernel`, so a benchmark can stand in for it here (benchmarks/kda_compile_sm90.py,
 benchmarks/kda_decode_sweep_h200.py).
 """
@@ -201,7 +202,10 @@ def kda_decode(
     f_low_rank / gate_low_rank (a, w): f (instead of `f`) / the norm gate (instead of `norm_gate`, with
     `norm_weight`) as the up projection cast(a @ w^T) of a low-rank input, computed in the kernel (LOW_RANK_F /
     LOW_RANK_G) for decode launches of one token per sequence (T == N, bounded by the caller: `max_seq_tokens=1`);
-    other launches and the schedules without it (the window loop, the WY verify) get them from one matmul first."""
+    other launches and the schedules without it (the window loop, the WY verify) get them from one matmul first.
+
+    A config with `gluon` (from 64 pairs the default's, `kda_config.GLUON_DECODE_TABLE`) runs the Gluon decode
+    (`kda_decode_gluon`, low-rank inputs included) where its `unusable_reason` allows, else its Triton form."""
     H, D = dt_bias.shape
     T, N = qkv.shape[0], state_indices.numel()
     lr_f = _check_low_rank(f_low_rank, T, H, D, "f_low_rank")
