@@ -2,15 +2,16 @@
 start at the program's first instruction, before the PDL wait and before the token's q / k / v work.
 
 Same function as the chunked decode of `kda_decode_kernel._kda_decode_kernel` (decode only: one token per
-sequence, the pools advanced in place, [V, K] state pools, head dim a power of two in 32..128, optionally the gated
-RMSNorm epilogue):
+sequence, the pools advanced in place, [V, K] state pools, a head dim that is a multiple of 32 * num_warps
+(128 at 4 warps), optionally the gated RMSNorm epilogue and the low-rank gates' up projections):
 
     y     = cast(SiLU(sum_j conv_w[c, j] x_{t-3+j}), io)   over [conv_state[s, c, 0..2], qkv[t, c]]
     q, k  = l2norm(y_q) * scale, l2norm(y_k);  v = y_v;  g from f + dt_bias;  beta = sigmoid(b)
     S     = diag(exp(g)) S;  S += k (beta (v - S^T k))^T;  o = S^T q;  [o = gated_rms_norm(o, gate, w, eps)]
 
-with the reference's roundings (the conv output rounded to the io dtype; o rounded before the norm). Sums run in
-another order than the Triton kernel's, so results agree with it within fp32 rounding, not bit for bit.
+with the reference's roundings (the conv output rounded to the io dtype; o rounded before the norm). Its sums may
+associate differently from the Triton kernel's, so results are held to it within fp32 rounding (in the model's
+decode-step A/B on the H200 the logits came out bit-equal).
 
 Why (docs/kernels.md, "KDA decode"). The Triton chunked decode reaches ~85% of HBM at 96 heads x 64 sequences
 while a Triton walk of the same tiles without the per-head work reaches ~91%: its software-pipelined loop issues
@@ -27,9 +28,15 @@ inside a warp. The q / k / v channels ([D] each) are held without replication, s
 read and then written by the same thread: the shift needs no barrier. v goes through a small shared buffer to
 each tile's [BV] row layout; o's rows go to another for the norm.
 
+Low-rank gates (LOW_RANK_F / LOW_RANK_G, `kda_decode(f_low_rank=, gate_low_rank=)`): the head's rows of the
+[H * D, RANK] up weights are copied into shared memory (one commit group, before the state tiles') before the wait;
+after it, f (and the norm gate) = cast(w @ a[t]) from the low-rank input row, fp32 over RANK, rounded once as the
+GEMV it replaces stores it. Built and compiled for sm_90; not yet timed on the GPU, and no table row takes it.
+
 PDL (`tokenspeed.ops.triton.pdl`): before the wait the program reads its slot and bounds (copied in before the
-step's first kernel), the two pools (written only by KDA ops of earlier steps), A_log, the conv weight, dt_bias
-and the norm weight; qkv, f, b and the norm gate (the projections' outputs) after it. Every program waits (none
+step's first kernel), the two pools (written only by KDA ops of earlier steps), A_log, the conv weight, dt_bias,
+the norm weight and the low-rank up weights; qkv, f (or f_a), b and the norm gate (or g_a), the projections'
+outputs, after it. Every program waits (none
 exits early; a padding row, slot < 0, runs masked and touches no pool), then triggers its dependents.
 """
 
