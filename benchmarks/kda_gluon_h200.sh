@@ -18,9 +18,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   python -m pytest -q -n 8 -p no:benchmark $TESTS -k "gpu or cuda" 2>&1 | grep -v Warning | tail -25 \
     | tee "$OUT/gpu_tests_kda_gluon_$C.log"
 fi
-if [ -n "${SHAPES-96:64,32:64,96:16,32:16,32:8,32:4,32:2}" ]; then
+if [ -n "${SHAPES-96:64,32:64,96:16,32:16,32:8,32:4,32:2,12:64,12:16}" ]; then
   python benchmarks/kda_decode_sweep_h200.py --norm --v-first --no-patterns \
-    --shapes "${SHAPES-96:64,32:64,96:16,32:16,32:8,32:4,32:2}" \
+    --shapes "${SHAPES-96:64,32:64,96:16,32:16,32:8,32:4,32:2,12:64,12:16}" \
     --only="${ONLY:--gl,bv8-chunked-w4-s4,bv16-chunked-w4-s4,bv32-chunked-w4-s3}" \
     --out "$OUT/kda_decode_sweep_h200_gluon${TAG:-}_$C.json" 2>&1 \
     | tee "$OUT/kda_decode_sweep_h200_gluon${TAG:-}_$C.log" | grep -A20 "best per shape"

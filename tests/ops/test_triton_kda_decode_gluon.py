@@ -2,7 +2,8 @@
 composition of reference ops and against the Triton chunked decode it stands beside.
 
 On the GPU (sm_90): one decode step of bf16 inputs read from a merged projection (qkv and b strided, NaN columns
-around them), [V, K] state pools, with and without the fused gated norm, both gate forms, padding rows (slot -1),
+around them), [V, K] state pools, 12 (K3's TP8 rank), 32 and 96 heads, with and without the fused gated norm, both
+gate forms, padding rows (slot -1),
 several state-buffer depths (the whole head, rings of 2 and 4 tiles) and tile widths; outputs NaN-poisoned
 (every element written), idle pool slots NaN-poisoned and untouched, nothing written past any tensor's end; the
 conv state bit-identical to the reference's, outputs and state within 1e-2 of it and of the Triton kernel's;
@@ -63,7 +64,7 @@ def run(inp: dict, lower_bound, config: KdaConfig, norm: dict | None):
 @pytest.mark.parametrize("BV,buffers", GLUON_CASES)
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 @pytest.mark.parametrize("fused_norm", [True, False], ids=["norm", "plain"])
-@pytest.mark.parametrize("H,slots", [(32, [5, -1, 0, 9, 2, -1, 7]), (96, [3, 1])])
+@pytest.mark.parametrize("H,slots", [(32, [5, -1, 0, 9, 2, -1, 7]), (96, [3, 1]), (12, [4, 0, -1, 6, 1, 8])])
 def test_gluon_decode_gpu(BV, buffers, lower_bound, fused_norm, H, slots, monkeypatch):
     D = 128
     calls = gluon_runs(monkeypatch)
