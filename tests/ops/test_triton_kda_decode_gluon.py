@@ -7,8 +7,8 @@ gate forms, padding rows (slot -1), several state-buffer depths (the whole head,
 widths; outputs NaN-poisoned (every element written), idle pool slots NaN-poisoned and untouched, nothing written
 past any tensor's end; the conv state bit-identical to the reference's, outputs and state within 1e-2 of it and
 of the Triton kernel's; a CUDA graph with PDL after a producer kernel, replayed on fresh inputs, equal to eager
-launches without PDL. On the CPU: the config's label, and its fallback (the Triton form of the same config, bit for bit) wherever the
-Gluon kernel cannot run, with the reason it gives.
+launches without PDL. On the CPU: the config's label, and its fallback (the Triton form of the same config, bit
+for bit) wherever the Gluon kernel cannot run, with the reason it gives.
 """
 
 from __future__ import annotations
