@@ -240,9 +240,11 @@ def kda_decode(
         g3 = _check_norm(norm_gate, norm_weight, T, H, D)
     elif norm_weight.shape != (D,):
         raise ValueError(f"norm_weight must be [{D}]; got {tuple(norm_weight.shape)}")
+    elif gluon:  # the Gluon kernel keeps the up-projected gate in registers
+        g3 = None
     else:  # the Triton kernel writes the gate here (LOW_RANK_G) and its norm epilogue reads it back
-        g3 = torch.empty(T if not gluon else 1, H, D, dtype=qkv.dtype, device=qkv.device)
-    norm = g3 is not None
+        g3 = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
+    norm = g3 is not None or lr_g is not None
     cw = conv_weight if conv_weight.is_contiguous() and conv_weight.dtype == torch.float32 \
         else conv_weight.float().contiguous()
     if out is None:  # with seq_lens the rows past each count are not written: zeros
