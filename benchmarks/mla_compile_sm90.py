@@ -91,6 +91,24 @@ def uv_variants() -> dict:
     return out
 
 
+def ragged_variants() -> dict:
+    """tag -> a thunk running the ragged `mla_decode` (query lengths 1 and 3: the ragged combine, or the W_UV
+    combine's ragged form; bf16 q over bf16 / fp8 caches)."""
+    H, V, R, PAGE, VH = 32, 512, 64, 64, 128
+    out = {}
+    w = torch.zeros(H, 128 + VH, V, dtype=torch.bfloat16)[:, 128:]
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for uv in (False, True):
+            cache = torch.zeros(4, PAGE, V + R, dtype=cache_dtype)
+            table, lens = torch.zeros(2, 2, dtype=torch.int32), torch.full((2,), 100)
+            q, cu = torch.zeros(4, H, V + R, dtype=torch.bfloat16), torch.tensor([0, 1, 4], dtype=torch.int32)
+            tag = f"{str(cache_dtype).split('.')[-1]:13s} ragged 1+3 {'W_UV' if uv else 'plain'}"
+            out[tag] = (lambda q=q, cache=cache, table=table, lens=lens, cu=cu, uv=uv:
+                        k_dec.mla_decode(q[..., :V], cache, table, lens, 0.07, V, 0.5, q_rope=q[..., V:], max_splits=8,
+                                         cu_seqlens_q=cu, max_q=3, w_uv=w if uv else None))
+    return out
+
+
 def absorb_variants() -> dict:
     """tag -> a thunk running `mla_norm_store_absorb` (the store + the W_UK absorption in one launch)."""
     H, NOPE, V = 32, 128, 128
@@ -129,6 +147,7 @@ def main() -> int:
     print(f"triton {triton.__version__}, target {TARGET}", flush=True)
     failed = 0
     groups = ((k_dec, DECODE_KERNELS, decode_variants()), (k_dec, DECODE_KERNELS, uv_variants()),
+              (k_dec, DECODE_KERNELS, ragged_variants()),
               (k_prep, ("_norm_store_kernel",), store_variants()),
               (k_prep, ("_norm_store_absorb_kernel",), absorb_variants()))
     for module, names, variants in groups:

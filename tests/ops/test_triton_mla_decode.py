@@ -456,6 +456,33 @@ def test_interp_ragged(poison_empty, max_splits, max_q, page_size):
 
 
 @cpu_interp
+@pytest.mark.parametrize("unroll", ["2", "4", "8"])
+def test_interp_ragged_merge_unroll_same_bits(monkeypatch, unroll):
+    """The ragged combine's merge with the loads of `unroll` split slots issued together gives the bits of the
+    one-slot loop (TOKENSPEED_MLA_MERGE_UNROLL=1), at split counts that are not multiples of it (max_splits 7)."""
+    inp = make_ragged(RAGGED_Q, RAGGED_KV, SMALL["H"], SMALL["Dl"], 4, seed=5)
+    kw = {"max_splits": 7, "BLOCK_N": 16, "min_chunk": 16}
+    monkeypatch.setenv("TOKENSPEED_MLA_MERGE_UNROLL", "1")
+    one = run_ragged(inp, 0.2, SMALL["v_dim"], **kw)
+    monkeypatch.setenv("TOKENSPEED_MLA_MERGE_UNROLL", unroll)
+    assert torch.equal(run_ragged(inp, 0.2, SMALL["v_dim"], **kw), one)
+    assert rel_err(one, reference_ragged(inp, 0.2, SMALL["v_dim"])) < 1e-5
+
+
+def test_merge_unroll_env(monkeypatch):
+    from tokenspeed.ops.triton.mla_combine import MERGE_UNROLL, merge_unroll
+
+    monkeypatch.delenv("TOKENSPEED_MLA_MERGE_UNROLL", raising=False)
+    assert merge_unroll() == MERGE_UNROLL
+    monkeypatch.setenv("TOKENSPEED_MLA_MERGE_UNROLL", "2")
+    assert merge_unroll() == 2
+    for bad in ("3", "0", "x", "16"):
+        monkeypatch.setenv("TOKENSPEED_MLA_MERGE_UNROLL", bad)
+        with pytest.raises(ValueError, match="TOKENSPEED_MLA_MERGE_UNROLL"):
+            merge_unroll()
+
+
+@cpu_interp
 def test_interp_ragged_views_and_strides_bits():
     """q / q_rope as the model passes them (q a transposed [H, T, r] bmm output seen as [T, H, r], q_rope a column
     range of a wider tensor): the same bits as the concatenated query; kv_scale folded in; 3 heads x 5 tokens

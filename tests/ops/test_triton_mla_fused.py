@@ -63,13 +63,14 @@ def test_norm_store_absorb_interp(T: int, kv_scale: float) -> None:
     assert rel_err(got_q, want_q) < 1e-6
 
 
-def _decode_inputs(kv_lens, Q, seed=0, ragged_q_lens=None):
-    """Cache (random pages, unused rows NaN), page table, kv_lens; queries [N, Q, H, R + DR] or, ragged, [T, ...];
-    W_UV view [H, V, R] of a kv_b_proj weight."""
+def _decode_inputs(kv_lens, Q, seed=0, ragged_q_lens=None, per_seq=8):
+    """Cache (random pages, unused rows NaN), page table (per_seq pages a sequence), kv_lens; queries [N, Q, H,
+    R + DR] or, ragged, [T, ...]; W_UV view [H, V, R] of a kv_b_proj weight."""
     g = torch.Generator().manual_seed(seed)
     N = len(kv_lens)
-    cache = torch.full((PAGES, PAGE, R + DR), float("nan"))
-    table = torch.randperm(PAGES, generator=g)[:N * 8].view(N, 8).to(torch.int32)
+    pages = max(PAGES, N * per_seq)
+    cache = torch.full((pages, PAGE, R + DR), float("nan"))
+    table = torch.randperm(pages, generator=g)[:N * per_seq].view(N, per_seq).to(torch.int32)
     flat = cache.view(-1, R + DR)
     for n, k in enumerate(kv_lens):
         pos = torch.arange(max(k, 0))
@@ -120,6 +121,32 @@ def test_decode_w_uv_ragged_interp(max_splits: int) -> None:
     got = mla_decode(q[..., :R], cache, table, lens, 0.2, R, 1.0, w_uv=w_uv, out=out, **kw)
     assert rel_err(got, _uv_composition(o_lat, w_uv)) < 1e-5
     assert torch.equal(got[4:6], torch.zeros_like(got[4:6]))  # the padding sequence's two tokens
+
+
+@cpu_interp
+@pytest.mark.parametrize("unroll", ["2", "4"])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_decode_w_uv_merge_unroll_same_bits(monkeypatch, ragged: bool, unroll: str) -> None:
+    """The W_UV combine's merge with the loads of `unroll` split slots issued together gives the bits of the
+    one-slot loop (TOKENSPEED_MLA_MERGE_UNROLL=1); tokens of one tile with different split counts (1 to 7)."""
+    from tokenspeed.ops.triton.mla_decode import mla_decode, plan_ragged, plan_splits
+
+    q_lens, kv_lens = ([1, 3, 2, 1], [110, 60, 9, 3]) if ragged else (None, [111, 80, 13, 3])
+    cache, table, lens, q, w_uv = _decode_inputs(kv_lens, 1, seed=11, ragged_q_lens=q_lens, per_seq=32)
+    kw = {"q_rope": q[..., R:], "max_splits": 7, "min_chunk": 4, "w_uv": w_uv, "BLOCK_N": 16}
+    if ragged:
+        kw.update(cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()]), max_q=max(q_lens))
+        splits = plan_ragged(q_lens, kv_lens, H, 7, 16, 16, 4)["splits"]
+    else:
+        splits = plan_splits(kv_lens, 7, True, 16, 4)[1]
+    assert max(splits) > 4 and min(splits) == 1  # a tail past the unroll beside single splits
+    monkeypatch.setenv("TOKENSPEED_MLA_MERGE_UNROLL", "1")
+    one = mla_decode(q[..., :R], cache, table, lens, 0.2, R, 1.0, **kw)
+    monkeypatch.setenv("TOKENSPEED_MLA_MERGE_UNROLL", unroll)
+    assert torch.equal(mla_decode(q[..., :R], cache, table, lens, 0.2, R, 1.0, **kw), one)
+    monkeypatch.delenv("TOKENSPEED_MLA_MERGE_UNROLL")
+    o_lat = mla_decode(q[..., :R], cache, table, lens, 0.2, R, 1.0, **{k: v for k, v in kw.items() if k != "w_uv"})
+    assert rel_err(one, _uv_composition(o_lat, w_uv)) < 1e-5
 
 
 @cpu_interp

@@ -25,24 +25,60 @@ from tokenspeed.ops.triton._utils import next_pow2
 from tokenspeed.ops.triton.mla_split_plan import _pick, _plan_balanced, _plan_ragged, _uniform_chunk
 
 
+# Split slots whose loads the merge loops issue together (`_merge_rows`): one dependent L2 round trip per UNROLL
+# slots instead of one per slot (the adds stay in slot order, so the result is the same bits). The ragged combine
+# takes MERGE_UNROLL; the W_UV combine (`mla_combine_uv`) UV_MERGE_UNROLL on the uniform plan, where its [16, 512]
+# fp32 tiles of 2 slots fit its registers (sm_90: 249-255 a thread, no spill, one program an SM as with 1 slot),
+# and 1 on the ragged plan (which spills at 1 already). TOKENSPEED_MLA_MERGE_UNROLL overrides both at each call
+# (1: the former loops, for A/B runs). Checked offline (`benchmarks/mla_compile_sm90.py`), not yet timed on the GPU.
+MERGE_UNROLL = 4
+UV_MERGE_UNROLL = 2
+MERGE_UNROLL_ENV = "TOKENSPEED_MLA_MERGE_UNROLL"
+
+
+def merge_unroll(default: int = MERGE_UNROLL) -> int:
+    """The merge loops' UNROLL for the next launch: `default`, or MERGE_UNROLL_ENV's value (1, 2, 4 or 8)."""
+    v = os.environ.get(MERGE_UNROLL_ENV, "").strip()
+    if not v:
+        return default
+    if v not in ("1", "2", "4", "8"):
+        raise ValueError(f"{MERGE_UNROLL_ENV} must be 1, 2, 4 or 8; got {v!r}")
+    return int(v)
+
+
+@triton.jit
+def _merge_rows(PART, LSE, prow, rstep, count, max_count, dv, dv_ok, DV: tl.constexpr, UNROLL: tl.constexpr):
+    """The weighted merge of R rows' split partials: row i's split s (s < count[i]) is partial row prow[i] +
+    s * rstep[i] of PART [rows, DV] fp32 and LSE [rows] (log2 sum-exps); returns (acc [R, len(dv)] = sum over s of
+    PART * exp2(lse - max) in slot order, wsum [R] = the sum of those weights; max over a row's splits, 0 for a row
+    without any). max_count >= every count[i]. The loads of UNROLL slots are issued before their adds."""
+    m = tl.full(prow.shape, float("-inf"), dtype=tl.float32)
+    for s0 in range(0, max_count, UNROLL):
+        for u in tl.static_range(UNROLL):
+            s = s0 + u
+            m = tl.maximum(m, tl.load(LSE + prow + s * rstep, mask=s < count, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([prow.shape[0], dv.shape[0]], dtype=tl.float32)
+    wsum = tl.zeros(prow.shape, dtype=tl.float32)
+    for s0 in range(0, max_count, UNROLL):
+        for u in tl.static_range(UNROLL):
+            s = s0 + u
+            row = prow + s * rstep
+            wt = tl.exp2(tl.load(LSE + row, mask=s < count, other=float("-inf")) - m)
+            acc += tl.load(PART + row[:, None] * DV + dv[None, :], mask=(s < count)[:, None] & dv_ok[None, :],
+                           other=0.0) * wt[:, None]
+            wsum += wt
+    return acc, wsum
+
+
 @triton.jit
 def _merge_splits(O, PART, LSE, o_rows, row_ok, first, step, count, dv, dv_ok, DV: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_VC: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_VC: tl.constexpr, UNROLL: tl.constexpr):
     """Ragged combine of one row tile: rows o_rows of O (a [BLOCK_H, BLOCK_VC] column tile) from the `count`
     partial items first + s * step (each BLOCK_H rows of PART / LSE), weighted exp2(lse - max)."""
     ri = tl.arange(0, BLOCK_H)
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for s in range(count):
-        m = tl.maximum(m, tl.load(LSE + (first + s * step) * BLOCK_H + ri, mask=row_ok, other=float("-inf")))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_H, BLOCK_VC], dtype=tl.float32)
-    wsum = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for s in range(count):
-        prow = (first + s * step) * BLOCK_H + ri
-        w = tl.exp2(tl.load(LSE + prow, mask=row_ok, other=float("-inf")) - m)
-        part = tl.load(PART + prow[:, None] * DV + dv[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
-        acc += part * w[:, None]
-        wsum += w
+    acc, wsum = _merge_rows(PART, LSE, first * BLOCK_H + ri, tl.zeros_like(ri).to(tl.int64) + step * BLOCK_H,
+                            tl.where(row_ok, count, 0), count, dv, dv_ok, DV, UNROLL)
     out = acc / tl.where(wsum > 0, wsum, 1.0)[:, None]
     tl.store(O + o_rows[:, None] * DV + dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
 
@@ -63,6 +99,7 @@ def _mla_combine_kernel(
     RAGGED: tl.constexpr = False,
     H: tl.constexpr = 1,
     BLOCK_H: tl.constexpr = 16,
+    UNROLL: tl.constexpr = MERGE_UNROLL,
 ):
     if PDL:  # the partials come from the split kernel just before: wait first, on every path
         gdc_wait()
@@ -83,7 +120,7 @@ def _mla_combine_kernel(
         _merge_splits(O, PART, LSE, tl.sum(tl.where(sel, first, 0), axis=0) * H + rows,
                       rows < tl.sum(tl.where(sel, q_len, 0), axis=0) * H,
                       tl.sum(tl.where(sel, part_starts, 0), axis=0) + hb, tl.sum(tl.where(sel, blocks, 0), axis=0),
-                      count, dv, dv < DV, DV, BLOCK_H, BLOCK_VC)
+                      count, dv, dv < DV, DV, BLOCK_H, BLOCK_VC, UNROLL)
     else:
         r = tl.program_id(1)
         n = tl.program_id(2).to(tl.int64)

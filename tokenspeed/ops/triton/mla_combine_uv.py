@@ -31,6 +31,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
+from tokenspeed.ops.triton.mla_combine import UV_MERGE_UNROLL, _merge_rows, merge_unroll
 from tokenspeed.ops.triton.mla_split_plan import _plan_balanced, _plan_ragged, _uniform_chunk
 
 
@@ -90,6 +91,7 @@ def _mla_combine_uv_kernel(
     BALANCED: tl.constexpr,
     RAGGED: tl.constexpr,
     PDL: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """Program (vb, h, tb): merges head h's split partials of BLOCK_T tokens over the whole latent row ([BLOCK_T,
     BLOCK_DV] fp32, weights exp2(lse - max) as in `_mla_combine_kernel`), rounds the latent output to O's dtype
@@ -110,19 +112,7 @@ def _mla_combine_uv_kernel(
     toks = tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     base, step, count, ok = _uv_rows(toks, h, T, CU, KV_LENS, N, MAX_SPLITS, min_chunk, max_q, H, QN, BLOCK_H,
                                      BLOCK_SEQ, BLOCK_N, BALANCED, RAGGED)
-    max_count = tl.max(count, axis=0)
-    m = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
-    for s in range(max_count):
-        m = tl.maximum(m, tl.load(LSE + base + s * step, mask=s < count, other=float("-inf")))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_T, BLOCK_DV], dtype=tl.float32)
-    wsum = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for s in range(max_count):
-        prow = base + s * step
-        wt = tl.exp2(tl.load(LSE + prow, mask=s < count, other=float("-inf")) - m)
-        acc += tl.load(PART + prow[:, None] * DV + dv[None, :], mask=(s < count)[:, None] & dv_ok[None, :],
-                       other=0.0) * wt[:, None]
-        wsum += wt
+    acc, wsum = _merge_rows(PART, LSE, base, step, count, tl.max(count, axis=0), dv, dv_ok, DV, UNROLL)
     o_lat = (acc / tl.where(wsum > 0, wsum, 1.0)[:, None]).to(LAT)
     if LAT == tl.float32:
         o = tl.dot(o_lat, tl.trans(w), input_precision="ieee")
@@ -162,5 +152,6 @@ def _combine_uv(w_uv: Tensor, kv_lens: Tensor, cu: Tensor, out: Tensor, part: Te
         T, N, ms, min_chunk, max_q,
         H=H, QN=QN, DV=v_dim, VH=vh, BLOCK_DV=max(16, next_pow2(v_dim)), BLOCK_V=block_v, BLOCK_T=UV_BLOCK_T,
         BLOCK_H=bh, BLOCK_SEQ=block_seq, BLOCK_N=block_n, BALANCED=balanced, RAGGED=ragged,
+        UNROLL=merge_unroll(1 if ragged else UV_MERGE_UNROLL),
         num_warps=8, **pdl.kernel_kwargs(out.device, "mla"),
     )

@@ -147,6 +147,7 @@ from tokenspeed.ops.triton.mla_combine import (  # noqa: F401 - COMBINE_*, combi
     COMBINE_TILE_ELEMS,
     _mla_combine_kernel,
     combine_tiles,
+    merge_unroll,
 )
 from tokenspeed.ops.triton import pdl
 from tokenspeed.ops.triton._utils import next_pow2
@@ -652,7 +653,7 @@ def _launch_ragged(q: Tensor, qr: Tensor, cache: Tensor, page_table: Tensor, kv_
             N, ms, mc,
             cu, mq,
             QH=1, DV=v_dim, BLOCK_VC=block_vc, BLOCK_S=16, BLOCK_SEQ=block_seq, BLOCK_N=block_n,
-            BALANCED=True, PDL=use_pdl, RAGGED=True, H=H, BLOCK_H=bh,
+            BALANCED=True, PDL=use_pdl, RAGGED=True, H=H, BLOCK_H=bh, UNROLL=merge_unroll(),
             num_warps=4, **launch,
         )
 
