@@ -63,7 +63,8 @@ def run(inp: dict, lower_bound, config: KdaConfig, norm: dict | None):
 @pytest.mark.parametrize("BV,buffers", GLUON_CASES)
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 @pytest.mark.parametrize("fused_norm", [True, False], ids=["norm", "plain"])
-@pytest.mark.parametrize("H,slots", [(32, [5, -1, 0, 9, 2, -1, 7]), (96, [3, 1]), (12, [4, 0, -1, 6, 1, 8])])
+@pytest.mark.parametrize("H,slots", [(32, [5, -1, 0, 9, 2, -1, 7]), (96, [3, 1]), (12, [4, 0, -1, 6, 1, 8]),
+                                     (96, [4])])  # one sequence, in the last of 5 slots
 def test_gluon_decode_gpu(BV, buffers, lower_bound, fused_norm, H, slots, monkeypatch):
     D = 128
     calls = gluon_runs(monkeypatch)
@@ -146,7 +147,7 @@ def test_gluon_decode_pdl_graph_gpu(BV, buffers, monkeypatch):
 @pytest.mark.parametrize("BV,buffers", [(32, None), (16, None), (32, 2)])
 @pytest.mark.parametrize("gate_low_rank", [True, False], ids=["f+gate", "f"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
-@pytest.mark.parametrize("slots", [[5], [3, -1, 0]])
+@pytest.mark.parametrize("slots", [[4], [3, -1, 0]])  # [4]: the last of make's 5 slots, by its NaN tail
 def test_gluon_decode_low_rank_gpu(BV, buffers, gate_low_rank, lower_bound, slots, monkeypatch):
     """The low-rank gates' up projections inside the Gluon decode (`kda_decode(f_low_rank=, gate_low_rank=)`, the
     batch-1 model's inputs: f_a / g_a column views of a wider projection, NaN-tailed up weights): within 1e-2 of the
