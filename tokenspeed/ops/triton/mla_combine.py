@@ -49,9 +49,10 @@ def merge_unroll(default: int = MERGE_UNROLL) -> int:
 @triton.jit
 def _merge_rows(PART, LSE, prow, rstep, count, max_count, dv, dv_ok, DV: tl.constexpr, UNROLL: tl.constexpr):
     """The weighted merge of R rows' split partials: row i's split s (s < count[i]) is partial row prow[i] +
-    s * rstep[i] of PART [rows, DV] fp32 and LSE [rows] (log2 sum-exps); returns (acc [R, len(dv)] = sum over s of
-    PART * exp2(lse - max) in slot order, wsum [R] = the sum of those weights; max over a row's splits, 0 for a row
-    without any). max_count >= every count[i]. The loads of UNROLL slots are issued before their adds."""
+    s * rstep[i] (rstep a [R] vector, or one scalar for every row) of PART [rows, DV] fp32 and LSE [rows] (log2
+    sum-exps); returns (acc [R, len(dv)] = sum over s of PART * exp2(lse - max) in slot order, wsum [R] = the sum of
+    those weights; max over a row's splits, 0 for a row without any). max_count >= every count[i]. The loads of
+    UNROLL slots are issued before their adds."""
     m = tl.full(prow.shape, float("-inf"), dtype=tl.float32)
     for s0 in range(0, max_count, UNROLL):
         for u in tl.static_range(UNROLL):
@@ -77,8 +78,8 @@ def _merge_splits(O, PART, LSE, o_rows, row_ok, first, step, count, dv, dv_ok, D
     """Ragged combine of one row tile: rows o_rows of O (a [BLOCK_H, BLOCK_VC] column tile) from the `count`
     partial items first + s * step (each BLOCK_H rows of PART / LSE), weighted exp2(lse - max)."""
     ri = tl.arange(0, BLOCK_H)
-    acc, wsum = _merge_rows(PART, LSE, first * BLOCK_H + ri, tl.zeros_like(ri).to(tl.int64) + step * BLOCK_H,
-                            tl.where(row_ok, count, 0), count, dv, dv_ok, DV, UNROLL)
+    acc, wsum = _merge_rows(PART, LSE, first * BLOCK_H + ri, step * BLOCK_H, tl.where(row_ok, count, 0), count, dv,
+                            dv_ok, DV, UNROLL)
     out = acc / tl.where(wsum > 0, wsum, 1.0)[:, None]
     tl.store(O + o_rows[:, None] * DV + dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
 
